@@ -1,0 +1,31 @@
+# What CI uses is pinned here; pyproject.toml states the ranges geotrain works with.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 \
+	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test proto bench clean
+
+venv: $(STAMP)
+
+# torch goes in the same pip command as hivemind: alone, hivemind pulls a multi-GB CUDA torch.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PINS)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/geotrain demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. geotrain/protocol/geotrain.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info
