@@ -1,0 +1,332 @@
+"""The `geotrain` command: thin dispatch to the scheduler (coordinator, plan, demo) and the node (join)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from geotrain import __version__
+from geotrain.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger("geotrain")
+
+EXAMPLES = {
+    "coordinator": "geotrain coordinator --config run.toml --listen 0.0.0.0:7000 --token $TOKEN",
+    "join": "geotrain join --coordinator coordinator.example.org:7000 --token $TOKEN",
+    "demo": "geotrain demo --nodes 3 --steps 30",
+    "train-local": "geotrain train-local --config run.toml --json",
+    "plan": "geotrain plan --cluster deploy/clusters/four-regions.yaml",
+}
+
+
+class UsageError(Exception):
+    """A command-line problem: one line to stderr, exit code 2."""
+
+
+def _config(args: argparse.Namespace, **forced: Any) -> RunConfig:
+    overrides = list(args.set or []) + [f"{k}={v}" for k, v in forced.items() if v is not None]
+    return load_config(args.config, overrides)
+
+
+def _out(as_json: bool):
+    """Where progress goes: stdout, or stderr when stdout is reserved for the JSON line."""
+    return sys.stderr if as_json else sys.stdout
+
+
+def _install_signal_handlers(stop: Callable[[], None]) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        log.warning("%s received, shutting down", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+class ProgressPrinter:
+    """Prints the coordinator's events as progress lines."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "join":
+            self._line(f"{data['node_id']} joined from {data['address']} ({data['region'] or 'local'})")
+        elif kind == "dead":
+            self._line(f"{data['node_id']} is gone")
+        elif kind == "plan":
+            plan = data["plan"]
+            self._line(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s)")
+            for s in plan.stages:
+                self._line(f"  stage {s.index}: layers {s.layer_start}-{s.layer_end - 1} on {', '.join(s.node_ids)}")
+        elif kind == "step":
+            r = data["record"]
+            val = f"  val {r.val_loss:.4f}" if r.val_loss is not None else ""
+            self._line(
+                f"step {r.step + 1:>4}/{data['of']}  loss {r.loss:.4f}{val}  "
+                f"{r.tokens_per_s:,.0f} tokens/s  {r.seconds:.2f}s"
+            )
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+
+def _save_final(path: str, state: dict[str, Any], out) -> None:
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    print(f"saved the final model to {path}", file=out, flush=True)
+
+
+def _finish(summary: dict[str, Any], as_json: bool) -> None:
+    out = _out(as_json)
+    val = f", validation {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
+    print(
+        f"done: {summary['steps']} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}{val}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.1f}s on {summary['nodes']} node(s) "
+        f"in {summary['stages']} stage(s)",
+        file=out,
+        flush=True,
+    )
+    if as_json:
+        print(json.dumps(summary), flush=True)
+
+
+# -- commands -------------------------------------------------------------------------------------------------------
+
+
+def _run_coordinator(
+    cfg: RunConfig, token: str, listen: str, args: argparse.Namespace, on_listening: Callable[[int], None] | None = None
+) -> int:
+    """Serve a coordinator until its run ends; shared by `coordinator` and `demo`."""
+    from geotrain.node.data import Corpus
+    from geotrain.scheduler.coordinator import Coordinator, RunAborted
+    from geotrain.scheduler.service import fetch_model_state, make_coordinator_server
+    from geotrain.scheduler.state import RunStore
+
+    out = _out(args.json)
+    # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
+    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+    store = RunStore(Path(args.state_dir) / "run.sqlite") if args.state_dir else RunStore()
+    coordinator = Coordinator(cfg, store=store, on_event=ProgressPrinter(out))
+    server, port = make_coordinator_server(coordinator, token, listen)
+    _install_signal_handlers(coordinator.stop_requested.set)
+    print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{port}", file=out, flush=True)
+    try:
+        if on_listening is not None:
+            # Before server.start(): no gRPC threads exist yet, so child processes fork cleanly.
+            on_listening(port)
+        server.start()
+        try:
+            summary = coordinator.run()
+        except RunAborted as e:
+            print(f"geotrain: run aborted: {e}", file=sys.stderr, flush=True)
+            coordinator.shutdown_nodes(f"run aborted: {e}")
+            return 130 if coordinator.stop_requested.is_set() else 1
+        if args.save_final:
+            assert coordinator.plan is not None
+            _save_final(args.save_final, fetch_model_state(coordinator.plan, token, summary.steps), out)
+        coordinator.shutdown_nodes("run complete")
+        _finish(summary.as_dict(), args.json)
+        return 0
+    finally:
+        server.stop(grace=1.0).wait(3.0)
+        store.close()
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """geotrain coordinator."""
+    from geotrain.protocol.auth import resolve_token
+
+    cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
+    return _run_coordinator(cfg, resolve_token(args.token), args.listen, args)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """geotrain join."""
+    from geotrain.node.agent import Agent, NodeError, NodeOptions
+    from geotrain.protocol.auth import resolve_token
+
+    options = NodeOptions(
+        coordinator=args.coordinator,
+        token=resolve_token(args.token),
+        listen=args.listen,
+        advertise=args.advertise,
+        node_id=args.node_id,
+        region=args.region,
+    )
+    agent = Agent(options)
+    _install_signal_handlers(agent.stop)
+    try:
+        agent.run()
+    except NodeError as e:
+        print(f"geotrain: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """geotrain demo."""
+    from geotrain.protocol.auth import new_token
+    from geotrain.scheduler.local import spawn_node, stop_processes
+
+    stages = args.stages or args.nodes
+    if stages != args.nodes:
+        raise UsageError(
+            f"--stages {stages} with --nodes {args.nodes}: until stage replicas land, each node serves one stage, "
+            "so --stages must equal --nodes"
+        )
+    cfg = _config(args, **{"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": stages})
+    if stages > cfg.model.total_layers:
+        raise UsageError(f"--stages {stages} exceeds the model's {cfg.model.total_layers} layers")
+    torch_threads()
+    token = new_token()
+    log_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
+    procs: list[subprocess.Popen] = []
+
+    def launch(port: int) -> None:
+        for i in range(args.nodes):
+            procs.append(spawn_node(f"127.0.0.1:{port}", f"node-{i + 1}", token, log_dir))
+        print(f"started {args.nodes} local nodes (logs in {log_dir})", file=_out(args.json), flush=True)
+
+    try:
+        return _run_coordinator(cfg, token, "127.0.0.1:0", args, on_listening=launch)
+    finally:
+        stop_processes(procs)
+
+
+def torch_threads() -> None:
+    """Let OMP_NUM_THREADS cap torch: processes sharing a small machine otherwise oversubscribe it."""
+    if "OMP_NUM_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def cmd_train_local(args: argparse.Namespace) -> int:
+    """geotrain train-local."""
+    from geotrain.node.local import train_local
+
+    cfg = _config(args, **{"run.steps": args.steps})
+    torch_threads()
+    out = _out(args.json)
+
+    def progress(r: dict[str, Any]) -> None:
+        val = f"  val {r['val_loss']:.4f}" if "val_loss" in r else ""
+        print(f"step {r['step'] + 1:>4}/{cfg.run.steps}  loss {r['loss']:.4f}{val}  {r['seconds']:.2f}s", file=out,
+              flush=True)
+
+    runtime, summary = train_local(cfg, progress)
+    if args.save_final:
+        _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, out)
+    _finish(summary, args.json)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """geotrain plan."""
+    from geotrain.scheduler.plan_cli import run_plan
+
+    cfg = _config(args)
+    return run_plan(args.cluster, cfg, as_json=args.json)
+
+
+# -- parser ---------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="geotrain",
+        description="Train one model across heterogeneous computers joined over the internet.",
+        epilog="Quick start: geotrain demo",
+    )
+    parser.add_argument("--version", action="version", version=f"geotrain {__version__}")
+    parser.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default: warning for demo, info otherwise"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="run config TOML file (defaults otherwise)")
+    common.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+
+    def add(name: str, summary: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            parents=parents,
+            help=summary,
+            description=summary,
+            epilog=f"example:\n  {EXAMPLES[name]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    def run_outputs(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--save-final", metavar="PATH", help="write the trained model as a safetensors file")
+        p.add_argument("--json", action="store_true", help="end stdout with one JSON line of run figures")
+
+    p = add("coordinator", "Run the coordinator that admits nodes and drives training.", [common])
+    p.add_argument("--listen", default="0.0.0.0:7000", help="host:port to serve on (default 0.0.0.0:7000)")
+    p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
+    p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
+    p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    run_outputs(p)
+    p.set_defaults(func=cmd_coordinator)
+
+    p = add("join", "Join a run as a node: serve a pipeline stage for the coordinator.", [])
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
+    p.add_argument("--listen", default="0.0.0.0:0", help="host:port for peers to reach this node (default any port)")
+    p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
+    p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
+    p.add_argument("--region", default="", help="region label used by the planner")
+    p.set_defaults(func=cmd_join)
+
+    p = add("demo", "Train the default model on this machine: a coordinator and local node processes.", [common])
+    p.add_argument("--nodes", type=int, default=3, help="local node processes (default 3)")
+    p.add_argument("--stages", type=int, help="pipeline stages (default: one per node)")
+    p.add_argument("--steps", type=int, help="same as --set run.steps=N")
+    p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    run_outputs(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = add("train-local", "Train the same run in one process: the reference the pipeline must match.", [common])
+    p.add_argument("--steps", type=int, help="same as --set run.steps=N")
+    run_outputs(p)
+    p.set_defaults(func=cmd_train_local)
+
+    p = add("plan", "Plan stages for a described cluster and print the estimated step time.", [common])
+    p.add_argument("--cluster", required=True, help="cluster YAML: nodes, regions, links")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `geotrain` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, (args.log_level or ("warning" if args.command == "demo" else "info")).upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "demo" and args.nodes < 1:
+        parser.error("--nodes must be at least 1")
+    try:
+        return args.func(args)
+    except (ConfigError, UsageError, ValueError) as e:
+        print(f"geotrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

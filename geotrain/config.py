@@ -1,0 +1,289 @@
+"""The run configuration: one TOML file of sections parsed into validating dataclasses.
+
+The coordinator owns the file; nodes receive the sections they need over the wire (RunConfig in the proto), so a
+node needs only the coordinator's address and the token. Every field has a default good enough for `geotrain demo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from geotrain.protocol import geotrain_pb2 as pb
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+def _bounded(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:
+    """A dataclass field whose value must lie in [lo, hi]."""
+    return field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc})
+
+
+def _check_bounds(obj: Any, section: str) -> None:
+    """Raise ConfigError for the first field of obj outside its declared range."""
+    for f in dataclasses.fields(obj):
+        lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+        value = getattr(obj, f.name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            allowed = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            raise ConfigError(f"{section}.{f.name} must be in {allowed}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    """[run]: identity and length of the run."""
+
+    seed: int = _bounded(1234, 0, 2**63 - 1, "seeds initialisation and the data order")
+    steps: int = _bounded(40, 1, 10**9, "optimizer steps to train")
+    eval_every: int = _bounded(10, 0, 10**9, "steps between validation passes; 0 = only at the end")
+    eval_microbatches: int = _bounded(4, 1, 4096, "validation microbatches per pass")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "run")
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    """[model]: the byte-level GPT of the model zoo."""
+
+    n_layers: int = _bounded(4, 1, 1024, "transformer blocks")
+    d_model: int = _bounded(128, 8, 65536, "width")
+    n_heads: int = _bounded(4, 1, 1024, "attention heads; must divide d_model")
+    seq_len: int = _bounded(64, 2, 65536, "tokens (bytes) per sample")
+    dropout: float = _bounded(0.0, 0.0, 0.0, "dropout is off: pipeline stages must recompute identically")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "model")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads must divide model.d_model ({self.d_model}), got {self.n_heads}")
+
+    @property
+    def total_layers(self) -> int:
+        """Entries in the model's layer list: embedding, the blocks, the head."""
+        return self.n_layers + 2
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """[data]: the byte corpus."""
+
+    paths: list[str] = field(default_factory=list, metadata={"doc": "files or globs; empty = Python's stdlib source"})
+    max_bytes: int = _bounded(8_000_000, 10_000, 2**40, "corpus bytes to read at most")
+    val_fraction: float = _bounded(0.05, 0.001, 0.5, "tail of the corpus held out for validation")
+    fingerprint: str = field(default="", metadata={"doc": "set by the coordinator: sha256 of the corpus"})
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "data")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """[train]: batch, optimizer and pipeline window."""
+
+    microbatches: int = _bounded(4, 1, 65536, "microbatches per step")
+    microbatch_size: int = _bounded(8, 1, 65536, "samples per microbatch")
+    lr: float = _bounded(3e-3, 1e-8, 1.0, "peak learning rate")
+    min_lr: float = _bounded(3e-4, 0.0, 1.0, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _bounded(5, 0, 10**9, "linear warm-up steps")
+    weight_decay: float = _bounded(0.1, 0.0, 1.0, "AdamW weight decay")
+    beta1: float = _bounded(0.9, 0.0, 0.999999)
+    beta2: float = _bounded(0.95, 0.0, 0.999999)
+    grad_clip: float = _bounded(1.0, 0.0, 1e6, "global gradient-norm clip; 0 = off")
+    inflight: int = _bounded(4, 1, 1024, "microbatches a data head keeps in flight at once")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "train")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr must be <= train.lr ({self.lr}), got {self.min_lr}")
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay to min_lr."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def clip_coefficient(self, total_sq_norm: float) -> float:
+        """The factor gradients are scaled by so their global norm is at most grad_clip (1.0 = unclipped)."""
+        if self.grad_clip <= 0:
+            return 1.0
+        return min(1.0, self.grad_clip / (math.sqrt(total_sq_norm) + 1e-6))
+
+
+@dataclass(kw_only=True)
+class SchedulerSection:
+    """[scheduler]: admission and failure detection on the coordinator."""
+
+    min_nodes: int = _bounded(1, 1, 100000, "nodes that must join before training starts")
+    stages: int = _bounded(0, 0, 1024, "pipeline stages; 0 = one per node")
+    heartbeat_interval_s: float = _bounded(1.0, 0.05, 60.0, "how often nodes heartbeat")
+    heartbeat_timeout_s: float = _bounded(5.0, 0.2, 600.0, "silence after which a node is dead")
+    step_timeout_s: float = _bounded(120.0, 1.0, 86400.0, "a step not done by then fails the run")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "scheduler")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"scheduler.heartbeat_timeout_s must exceed scheduler.heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}"
+            )
+
+
+@dataclass(kw_only=True)
+class CompressionSection:
+    """[compression]: the codec for each kind of traffic (see geotrain.compression)."""
+
+    activations: str = field(default="none", metadata={"doc": "codec for activations sent forward"})
+    activation_grads: str = field(default="none", metadata={"doc": "codec for gradients sent backward"})
+    replica_grads: str = field(default="none", metadata={"doc": "codec for gradients replicas average"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name):
+                raise ConfigError(f"compression.{f.name} must name a codec, e.g. 'none' or 'int8'")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The whole run configuration."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    compression: CompressionSection = field(default_factory=CompressionSection)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens the model trains on in one step."""
+        return self.train.microbatches * self.train.microbatch_size * self.model.seq_len
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(section: str, key: str, hint: Any, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    where = f"{section}.{key}"
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return list(value)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint in (int, float):
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            converted = hint(value) if hint is float or not isinstance(value, str) else int(value, 0)
+            if hint is int and isinstance(value, float) and converted != value:
+                raise ValueError
+            return converted
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be {'an integer' if hint is int else 'a number'}, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where} has an unsupported type")  # pragma: no cover
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from a nested dict (a parsed TOML file)."""
+    sections = _section_types()
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown section [{name}]; known: {', '.join(sections)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields_: dict[str, Any] = {}
+        for key, v in value.items():
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}; known: {', '.join(sorted(known))}")
+            fields_[key] = _coerce(name, key, hints[key], v)
+        kwargs[name] = cls(**fields_)
+    return RunConfig(**kwargs)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config dict (values typed later by build_config)."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        path, sep, value = item.partition("=")
+        section, dot, key = path.strip().partition(".")
+        if not sep or not dot or not section or not key:
+            raise ConfigError(f"--set takes section.key=value, got {item!r}")
+        merged.setdefault(section, {})
+        if not isinstance(merged[section], dict):
+            raise ConfigError(f"[{section}] must be a table")
+        merged[section][key] = value.strip()
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML run config (or the defaults when path is None) and apply --set overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    return build_config(apply_overrides(raw, overrides or []))
+
+
+# Sections a node needs; [scheduler] stays on the coordinator.
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression")
+
+
+def to_proto(cfg: RunConfig) -> pb.RunConfig:
+    """The node-facing part of the config as the typed wire message."""
+    msg = pb.RunConfig()
+    for name in _WIRE_SECTIONS:
+        section, target = getattr(cfg, name), getattr(msg, name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, list):
+                getattr(target, f.name).extend(value)
+            else:
+                setattr(target, f.name, value)
+    return msg
+
+
+def from_proto(msg: pb.RunConfig) -> RunConfig:
+    """Rebuild (and validate) a RunConfig from the wire message; [scheduler] takes its defaults."""
+    raw: dict[str, Any] = {}
+    for name in _WIRE_SECTIONS:
+        section_msg = getattr(msg, name)
+        raw[name] = {}
+        for f in dataclasses.fields(_section_types()[name]):
+            value = getattr(section_msg, f.name)
+            raw[name][f.name] = list(value) if f.name == "paths" else value
+    return build_config(raw)

@@ -1,0 +1,486 @@
+"""The volunteer's agent: register, heartbeat, follow the coordinator's orders, run a pipeline stage.
+
+Threads: gRPC serves the Stage service; the orders thread reads the coordinator's order stream; the heartbeat thread
+keeps the node alive; one worker thread does all compute and state changes, taking tasks from a priority queue
+(control first, then backward, then forward, as 1F1B prefers draining); a small pool sends tensors and reports so
+compute never waits on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from geotrain import __version__
+from geotrain.compression import get_codec
+from geotrain.config import RunConfig, from_proto
+from geotrain.node.data import Corpus
+from geotrain.node.dataplane import DataPlane
+from geotrain.node.servicer import StageServicer, check_activation_header
+from geotrain.node.stage import StageRuntime
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel, make_server
+from geotrain.protocol.version import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+# Task priorities: lower runs first.
+_CONTROL, _BACKWARD, _FORWARD = 0, 1, 2
+_RPC_DEADLINE_S = 30.0
+
+
+class NodeError(RuntimeError):
+    """The node cannot take part in the run (rejected, incompatible corpus, coordinator gone)."""
+
+
+@dataclass(kw_only=True)
+class NodeOptions:
+    """How a node joins and serves."""
+
+    coordinator: str
+    """host:port of the coordinator."""
+    token: str
+    listen: str = "127.0.0.1:0"
+    """host:port the Stage service binds; port 0 picks a free one."""
+    advertise: str = ""
+    """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
+    node_id: str = ""
+    """Stable identity; empty lets the coordinator assign one."""
+    region: str = "local"
+    tls: TlsFiles | None = None
+    max_tensor_bytes: int = framing.MAX_TENSOR_BYTES
+    check_finite: bool = True
+    """Reject incoming tensors with NaN or Inf before any compute."""
+    give_up_after_s: float = 60.0
+    """Stop when the coordinator has been unreachable this long."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.coordinator:
+            raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if self.give_up_after_s <= 0:
+            raise ValueError("give_up_after_s must be positive")
+
+
+@dataclass
+class _HeadState:
+    """A data head's share of the current step."""
+
+    step: int
+    waiting: deque[int]
+    in_flight: set[int] = field(default_factory=set)
+
+
+def _advertise_address(options: NodeOptions, port: int) -> str:
+    if options.advertise:
+        return options.advertise
+    host = options.listen.rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "[::]", ""):
+        # The address of the interface that routes to the coordinator (UDP connect sends nothing).
+        coord_host, coord_port = options.coordinator.rsplit(":", 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((coord_host, int(coord_port)))
+            host = s.getsockname()[0]
+    return f"{host}:{port}"
+
+
+class Agent:
+    """One node of a geotrain run."""
+
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        self.node_id = options.node_id
+        self.stopped = threading.Event()
+        self.cfg: RunConfig | None = None
+        self.corpus: Corpus | None = None
+        self.plan: pb.Plan | None = None
+        self.stage_index = -1
+        self.runtime: StageRuntime | None = None
+        self._state_lock = threading.Lock()  # parameters change only under it (apply) and are read under it (fetch)
+        self._tasks: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._head: _HeadState | None = None
+        self._sender = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="send")
+        self.dataplane = DataPlane(options.token, lambda: self.node_id, options.tls)
+        self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls)
+        self.coordinator = rpc.CoordinatorStub(self._channel)
+        self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
+        rpc.add_StageServicer_to_server(StageServicer(self), self._server)
+        self.address = ""
+        self.heartbeat_interval_s = 1.0
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
+        self._server.start()
+        self.address = _advertise_address(self.options, self.port)
+        try:
+            self._register()
+            threads = [
+                threading.Thread(target=self._work_loop, name="worker", daemon=True),
+                threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+            ]
+            for t in threads:
+                t.start()
+            self._orders_loop()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Ask the node to stop (from a signal handler or another thread)."""
+        self.stopped.set()
+
+    def close(self) -> None:
+        """Release the server, channels and threads."""
+        self.stopped.set()
+        self._tasks.put((-1, -1, None))
+        self._server.stop(grace=1.0).wait(2.0)
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        self.dataplane.close()
+        self._channel.close()
+
+    def _register(self) -> None:
+        request = pb.RegisterRequest(
+            protocol_version=PROTOCOL_VERSION,
+            node_id=self.node_id,
+            address=self.address,
+            region=self.options.region,
+            software_version=__version__,
+        )
+        reply = self._retry_until_reachable(lambda: self.coordinator.Register(request, timeout=_RPC_DEADLINE_S))
+        if not reply.accepted:
+            raise NodeError(f"coordinator rejected this node ({pb.RejectReason.Name(reply.reason)}): {reply.message}")
+        self.node_id = reply.node_id
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
+        cfg = from_proto(reply.config)
+        corpus = Corpus.load(cfg.data)
+        if cfg.data.fingerprint and corpus.fingerprint != cfg.data.fingerprint:
+            raise NodeError(
+                "this node's corpus differs from the coordinator's (another Python version's stdlib?): "
+                "set data.paths in the run config to files every node has"
+            )
+        self.cfg, self.corpus = cfg, corpus
+        log.info("registered as %s, serving on %s", self.node_id, self.address)
+
+    def _retry_until_reachable(self, call: Callable[[], object]):
+        """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""
+        deadline = time.monotonic() + self.options.give_up_after_s
+        backoff = 0.2
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline or self.stopped.is_set():
+                    raise NodeError(f"coordinator {self.options.coordinator} unreachable: {e.details()}") from None
+                log.debug("coordinator unreachable, retrying in %.1fs", backoff)
+                self.stopped.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _orders_loop(self) -> None:
+        while not self.stopped.is_set():
+            stream = self._retry_until_reachable(
+                lambda: self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
+            )
+            try:
+                for order in stream:
+                    if self._on_order(order):
+                        return
+                    if self.stopped.is_set():
+                        stream.cancel()
+                        return
+            except grpc.RpcError as e:
+                if self.stopped.is_set():
+                    return
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                log.warning("order stream broke (%s); reconnecting", e.details())
+
+    def _on_order(self, order: pb.Order) -> bool:
+        """Queue one order; True when it ends the node's work."""
+        kind = order.WhichOneof("kind")
+        if kind == "shutdown":
+            log.info("coordinator ends the run: %s", order.shutdown.reason)
+            self.stopped.set()
+            return True
+        handlers: dict[str, Callable[[], None]] = {
+            "plan": lambda: self._apply_plan(order.plan),
+            "start_step": lambda: self._start_step(order.start_step),
+            "evaluate": lambda: self._evaluate(order.evaluate),
+            "commit": lambda: self._commit(order.commit.step),
+            "apply": lambda: self._apply(order.apply),
+        }
+        self._submit(_CONTROL, handlers[kind])
+        return False
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopped.wait(self.heartbeat_interval_s):
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        sent, received = self.dataplane.totals()
+        request = pb.HeartbeatRequest(
+            node_id=self.node_id,
+            plan_epoch=self.plan.epoch if self.plan else 0,
+            bytes_sent=sent,
+            bytes_received=received,
+        )
+        try:
+            self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))
+        except grpc.RpcError as e:
+            log.debug("heartbeat failed: %s", e.details())
+
+    # -- the worker ---------------------------------------------------------------------------------------------
+
+    def _submit(self, priority: int, task: Callable[[], None]) -> None:
+        self._tasks.put((priority, next(self._seq), task))
+
+    def _work_loop(self) -> None:
+        while not self.stopped.is_set():
+            _, _, task = self._tasks.get()
+            if task is None:
+                return
+            try:
+                task()
+            except Exception:
+                log.exception("task failed")
+
+    def _send(self, fn: Callable[[], None], what: str) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except grpc.RpcError as e:
+                log.warning("%s failed: %s %s", what, e.code().name, e.details())
+
+        self._sender.submit(run)
+
+    def _report(self, method: Callable, request: object) -> None:
+        """Send a report to the coordinator off the worker thread, retrying while it is unavailable."""
+        self._send(lambda: call_with_retry(lambda: method(request, timeout=_RPC_DEADLINE_S)), type(request).__name__)
+
+    # -- plan and steps -----------------------------------------------------------------------------------------
+
+    def _apply_plan(self, plan: pb.Plan) -> None:
+        assert self.cfg is not None
+        index = next((s.index for s in plan.stages if self.node_id in s.node_ids), -1)
+        stage = plan.stages[index] if index >= 0 else None
+        with self._state_lock:
+            if stage is None:
+                self.runtime = None
+            elif self.runtime is None or (self.runtime.start, self.runtime.end) != (stage.layer_start, stage.layer_end):
+                self.runtime = StageRuntime(self.cfg, stage.layer_start, stage.layer_end)
+            self.plan, self.stage_index = plan, index
+        neighbours = {a for s in plan.stages if abs(s.index - index) == 1 for a in s.addresses}
+        self.dataplane.reset_links(neighbours)
+        log.info(
+            "plan epoch %d: %s", plan.epoch, f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
+        )
+        self._heartbeat()  # tells the coordinator this epoch is in place
+
+    def _peer(self, stage_index: int) -> tuple[str, str]:
+        """(node id, address) of the replica of `stage_index` to send to."""
+        assert self.plan is not None
+        stage = self.plan.stages[stage_index]
+        return stage.node_ids[0], stage.addresses[0]
+
+    def _address_of(self, node_id: str) -> str:
+        assert self.plan is not None
+        for stage in self.plan.stages:
+            for nid, address in zip(stage.node_ids, stage.addresses):
+                if nid == node_id:
+                    return address
+        raise KeyError(node_id)
+
+    def _start_step(self, start: pb.StartStep) -> None:
+        self._head = _HeadState(step=start.step, waiting=deque(start.microbatches))
+        assert self.cfg is not None
+        for _ in range(min(self.cfg.train.inflight, len(start.microbatches))):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        head = self._head
+        if head is None or not head.waiting:
+            return
+        microbatch = head.waiting.popleft()
+        head.in_flight.add(microbatch)
+        self._submit(_FORWARD, lambda: self._head_forward(head.step, microbatch))
+
+    def _batch(self, step: int, microbatch: int, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.cfg is not None and self.corpus is not None
+        return self.corpus.batch(
+            seed=self.cfg.run.seed,
+            step=step,
+            microbatch=microbatch,
+            size=self.cfg.train.microbatch_size,
+            seq_len=self.cfg.model.seq_len,
+            validation=validation,
+        )
+
+    def _ref(self, step: int, microbatch: int, path: list[str], **extra) -> pb.MicrobatchRef:
+        assert self.plan is not None
+        return pb.MicrobatchRef(plan_epoch=self.plan.epoch, step=step, microbatch=microbatch, path=path, **extra)
+
+    def _forward_to_next(self, ref: pb.MicrobatchRef, outputs: torch.Tensor) -> None:
+        assert self.cfg is not None
+        _, address = self._peer(self.stage_index + 1)
+        codec = get_codec(self.cfg.compression.activations)
+        self._send(lambda: self.dataplane.send(address, "forward", ref, outputs, codec), f"forward to {address}")
+
+    def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
+        assert self.cfg is not None
+        address = self._address_of(ref.path[self.stage_index - 1])
+        codec = get_codec(self.cfg.compression.activation_grads)
+        self._send(lambda: self.dataplane.send(address, "backward", ref, grad, codec), f"backward to {address}")
+
+    def _head_forward(self, step: int, microbatch: int) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        x, y = self._batch(step, microbatch)
+        outputs = runtime.forward((step, microbatch), x)
+        path = [self.node_id]
+        if runtime.is_last:
+            loss, _ = runtime.loss_backward((step, microbatch), y)
+            self._microbatch_done(step, microbatch, path, loss)
+        else:
+            self._forward_to_next(self._ref(step, microbatch, path), outputs)
+
+    def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
+        assert self.cfg is not None
+        request = pb.MicrobatchDoneRequest(
+            node_id=self.node_id,
+            step=step,
+            microbatch=microbatch,
+            path=path,
+            loss=loss,
+            tokens=self.cfg.train.microbatch_size * self.cfg.model.seq_len,
+        )
+        self._report(self.coordinator.MicrobatchDone, request)
+        if self._head is not None and self._head.step == step:
+            self._head.in_flight.discard(microbatch)
+            self._launch_next()
+
+    # -- incoming tensors ---------------------------------------------------------------------------------------
+
+    def check_incoming(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader) -> None:
+        """Raise FrameError unless this node's current plan expects this tensor."""
+        plan, runtime, cfg = self.plan, self.runtime, self.cfg
+        if plan is None or runtime is None or cfg is None:
+            raise FrameError(grpc.StatusCode.UNAVAILABLE, "this node has no stage yet")
+        if ref.plan_epoch != plan.epoch:
+            raise FrameError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"plan epoch {ref.plan_epoch}, this node runs epoch {plan.epoch}"
+            )
+        if direction == "forward":
+            if runtime.is_first:
+                raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the first stage takes no activations")
+            if len(ref.path) != self.stage_index:
+                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"path of {len(ref.path)} hops for stage {self.stage_index}")
+            codec = cfg.compression.activations
+        else:
+            if runtime.is_last:
+                raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the last stage takes no gradients")
+            if len(ref.path) != len(plan.stages) or ref.path[self.stage_index] != self.node_id:
+                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "gradient path does not pass through this node")
+            codec = cfg.compression.activation_grads
+        shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
+        check_activation_header(header, shape, get_codec(codec).codec_id, self.options.max_tensor_bytes)
+
+    def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
+        """Queue the compute for a validated incoming tensor."""
+        sender = ref.path[-1] if direction == "forward" else ref.path[self.stage_index + 1]
+        self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
+        if direction == "forward":
+            self._submit(_FORWARD, lambda: self._on_forward(ref, tensor))
+        else:
+            self._submit(_BACKWARD, lambda: self._on_backward(ref, tensor))
+
+    def _on_forward(self, ref: pb.MicrobatchRef, x: torch.Tensor) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        key = (ref.step, ref.microbatch)
+        path = [*ref.path, self.node_id]
+        if ref.eval:
+            outputs = runtime.evaluate(x)
+            if runtime.is_last:
+                self._eval_done(ref.step, ref.microbatch, outputs)
+            else:
+                self._forward_to_next(self._ref(ref.step, ref.microbatch, path, eval=True), outputs)
+            return
+        if runtime.is_last:
+            runtime.forward(key, x)
+            _, y = self._batch(ref.step, ref.microbatch)
+            loss, grad = runtime.loss_backward(key, y)
+            self._backward_to_previous(self._ref(ref.step, ref.microbatch, path, loss=loss), grad)
+        else:
+            self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x))
+
+    def _on_backward(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        grad_in = runtime.backward((ref.step, ref.microbatch), grad)
+        if runtime.is_first:
+            self._microbatch_done(ref.step, ref.microbatch, list(ref.path), ref.loss)
+        else:
+            self._backward_to_previous(ref, grad_in)
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+
+    def _evaluate(self, order: pb.Evaluate) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        for microbatch in order.microbatches:
+            x, _ = self._batch(order.step, microbatch, validation=True)
+            outputs = runtime.evaluate(x)
+            if runtime.is_last:
+                self._eval_done(order.step, microbatch, outputs)
+            else:
+                self._forward_to_next(self._ref(order.step, microbatch, [self.node_id], eval=True), outputs)
+
+    def _eval_done(self, step: int, microbatch: int, logits: torch.Tensor) -> None:
+        from geotrain.node.model import loss_fn
+
+        _, y = self._batch(step, microbatch, validation=True)
+        request = pb.EvalDoneRequest(node_id=self.node_id, step=step, microbatch=microbatch, loss=loss_fn(logits, y).item())
+        self._report(self.coordinator.EvalDone, request)
+
+    # -- commit -------------------------------------------------------------------------------------------------
+
+    def _commit(self, step: int) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        sq_norm = runtime.finish_gradients(step, runtime.counted(step))
+        request = pb.GradNormRequest(node_id=self.node_id, step=step, sq_norm=sq_norm)
+        self._report(self.coordinator.GradNorm, request)
+
+    def _apply(self, order: pb.ApplyStep) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        with self._state_lock:
+            runtime.apply(order.step, order.clip_coef, order.lr)
+            checksum = runtime.checksum()
+        self._head = None
+        request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
+        self._report(self.coordinator.StepApplied, request)
+
+    def state_snapshot(self, step: int) -> list[tuple[str, torch.Tensor]] | None:
+        """Copies of the stage's parameters after `step` (0 = whatever is committed), or None if not held."""
+        with self._state_lock:
+            runtime = self.runtime
+            if runtime is None or (step and runtime.applied_step != step - 1):
+                return None
+            return [(name, p.detach().clone()) for name, p in runtime.named_state()]

@@ -1,0 +1,106 @@
+"""The data plane: activations forward and gradients backward to neighbour stages, compressed per link.
+
+One channel per peer address, one codec state per (peer, direction) so error feedback follows the link, and
+byte counters per link before and after compression.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from geotrain.compression import Codec, get_codec
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkStats:
+    """Bytes a link carried, before (raw) and after (wire) compression."""
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    messages: int = 0
+
+
+class DataPlane:
+    """Sends tensors to peer stages over gRPC."""
+
+    def __init__(self, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> None:
+        self._token = token
+        self._node_id = node_id
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._stubs: dict[str, rpc.StageStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._codec_states: dict[tuple[str, str], object] = {}
+        self.sent: dict[str, LinkStats] = defaultdict(LinkStats)
+        self.received: dict[str, LinkStats] = defaultdict(LinkStats)
+        self.deadline_s = 60.0
+
+    def stub(self, address: str) -> rpc.StageStub:
+        """The Stage stub for a peer, creating its channel on first use."""
+        with self._lock:
+            if address not in self._stubs:
+                channel = make_channel(address, self._token, self._node_id, self._tls)
+                self._channels[address] = channel
+                self._stubs[address] = rpc.StageStub(channel)
+            return self._stubs[address]
+
+    def _encode(self, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> bytes:
+        with self._lock:
+            key = (address, direction)
+            if key not in self._codec_states:
+                self._codec_states[key] = codec.new_state()
+            state = self._codec_states[key]
+        return codec.encode(tensor, state)
+
+    def send(self, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, codec: Codec) -> None:
+        """Send one tensor to the peer's Forward ("forward") or Backward ("backward") RPC."""
+        payload = self._encode(address, direction, codec, tensor)
+        header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload)
+        stub = self.stub(address)
+        method = stub.Forward if direction == "forward" else stub.Backward
+        call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=self.deadline_s))
+        with self._lock:
+            stats = self.sent[address]
+            stats.raw_bytes += tensor.numel() * tensor.element_size()
+            stats.wire_bytes += len(payload)
+            stats.messages += 1
+
+    def count_received(self, peer: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Record an incoming tensor's sizes."""
+        with self._lock:
+            stats = self.received[peer]
+            stats.raw_bytes += raw_bytes
+            stats.wire_bytes += wire_bytes
+            stats.messages += 1
+
+    def reset_links(self, keep: set[str]) -> None:
+        """Drop codec state (error feedback) of links to peers no longer in `keep`."""
+        with self._lock:
+            self._codec_states = {k: v for k, v in self._codec_states.items() if k[0] in keep}
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes sent on the wire, bytes received on the wire) over all links."""
+        with self._lock:
+            return sum(s.wire_bytes for s in self.sent.values()), sum(s.wire_bytes for s in self.received.values())
+
+    def close(self) -> None:
+        """Close every peer channel."""
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+

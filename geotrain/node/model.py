@@ -1,0 +1,116 @@
+"""The model zoo: a byte-level GPT built as an ordered list of layers, so any contiguous range is a stage.
+
+Layer 0 embeds bytes and positions, layers 1..n are transformer blocks, the last layer is the final norm and the
+output head. Each layer is initialised from (seed, layer index) alone, so a stage builds only its own layers and
+still matches the whole model built in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from geotrain.config import ModelSection
+
+VOCAB = 256
+
+
+class Embedding(nn.Module):
+    """Token and position embeddings: (B, T) bytes -> (B, T, d)."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final norm and projection to byte logits: (B, T, d) -> (B, T, 256)."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm = nn.Linear(cfg.d_model, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.lm(self.ln(x))
+
+
+def _init_weights(module: nn.Module, n_layers: int) -> None:
+    for name, p in module.named_parameters():
+        if p.dim() == 1:
+            continue  # biases and norm parameters keep their zero / one defaults
+        std = 0.02
+        if name.startswith(("proj.", "out.")):
+            std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: scale residual projections by depth
+        nn.init.normal_(p, mean=0.0, std=std)
+
+
+def build_layer(cfg: ModelSection, index: int, seed: int) -> nn.Module:
+    """Layer `index` of the model's layer list, initialised from (seed, index)."""
+    last = cfg.total_layers - 1
+    if not 0 <= index <= last:
+        raise ValueError(f"layer index {index} outside 0..{last}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 100_003 + index)
+        layer: nn.Module = Embedding(cfg) if index == 0 else Head(cfg) if index == last else Block(cfg)
+        _init_weights(layer, cfg.n_layers)
+    return layer
+
+
+class GPT(nn.Module):
+    """The whole model; its state_dict keys are `layers.<i>.<param>`, the same names stages use."""
+
+    def __init__(self, cfg: ModelSection, seed: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(build_layer(cfg, i, seed) for i in range(cfg.total_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def load_gpt(path: str | Path, cfg: ModelSection) -> GPT:
+    """Load a model saved with --save-final (a safetensors state_dict) for the given model config."""
+    from safetensors.torch import load_file
+
+    model = GPT(cfg, seed=0)
+    model.load_state_dict(load_file(str(path)))
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

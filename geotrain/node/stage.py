@@ -1,0 +1,159 @@
+"""A pipeline stage's compute: forward, backward, exactly-once gradient accumulation and the optimizer step.
+
+Pure torch, no networking: the agent feeds it tensors and ships what it returns. `train-local` runs the same class
+holding every layer, which is what makes the pipeline equal to single-process training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from geotrain.config import RunConfig
+from geotrain.node.model import build_layer, loss_fn
+
+MicrobatchKey = tuple[int, int]  # (step, microbatch id)
+
+
+@dataclass
+class _Pending:
+    """What a forward keeps for the matching backward."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+
+
+@dataclass
+class StepGradients:
+    """Which microbatches of a step this stage has counted in its parameter gradients."""
+
+    step: int
+    counted: set[int] = field(default_factory=set)
+
+
+class StageRuntime:
+    """Layers [start, end) of the model with their optimizer."""
+
+    def __init__(self, cfg: RunConfig, start: int, end: int) -> None:
+        total = cfg.model.total_layers
+        if not 0 <= start < end <= total:
+            raise ValueError(f"stage layers [{start}, {end}) outside the model's 0..{total}")
+        self.cfg = cfg
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == total
+        self.layers = nn.ModuleDict({str(i): build_layer(cfg.model, i, cfg.run.seed) for i in range(start, end)})
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            self.layers.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
+        )
+        self.applied_step = -1  # last optimizer step applied
+        self.grads: StepGradients | None = None
+        self._pending: dict[MicrobatchKey, _Pending] = {}
+
+    # -- forward / backward -------------------------------------------------------------------------------------
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.start, self.end):
+            x = self.layers[str(i)](x)
+        return x
+
+    def forward(self, key: MicrobatchKey, x: torch.Tensor) -> torch.Tensor:
+        """Run the stage and keep what backward needs; x is bytes on the first stage, activations elsewhere."""
+        inputs = x if self.is_first else x.detach().requires_grad_(True)
+        outputs = self._run(inputs)
+        self._pending[key] = _Pending(inputs, outputs)
+        return outputs.detach()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward without keeping anything."""
+        return self._run(x)
+
+    def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage)."""
+        pending = self._pending.pop(key)
+        loss = loss_fn(pending.outputs, targets)
+        return loss.item(), self._backward(key, pending, loss, None)
+
+    def backward(self, key: MicrobatchKey, grad_outputs: torch.Tensor) -> torch.Tensor | None:
+        """Backward of a forwarded microbatch; returns the gradient for the previous stage (None on the first)."""
+        pending = self._pending.pop(key)
+        return self._backward(key, pending, pending.outputs, grad_outputs)
+
+    def _backward(
+        self, key: MicrobatchKey, pending: _Pending, root: torch.Tensor, root_grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        step, microbatch = key
+        if self.grads is None or self.grads.step != step:
+            self._start_step(step)
+        if microbatch in self.grads.counted:
+            # Already counted (a re-issued microbatch): pass the input gradient on, leave parameters alone.
+            if self.is_first:
+                return None
+            (grad_in,) = torch.autograd.grad(root, pending.inputs, root_grad)
+            return grad_in
+        torch.autograd.backward(root, root_grad)
+        self.grads.counted.add(microbatch)
+        return None if self.is_first else pending.inputs.grad
+
+    def _start_step(self, step: int) -> None:
+        if step <= self.applied_step:
+            raise ValueError(f"gradients for step {step}, but step {self.applied_step} is already applied")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grads = StepGradients(step=step)
+        # Microbatches of an older step can no longer be backpropagated.
+        self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
+
+    def drop(self, key: MicrobatchKey) -> None:
+        """Forget a forwarded microbatch whose backward will never come (a failed path)."""
+        self._pending.pop(key, None)
+
+    # -- commit -------------------------------------------------------------------------------------------------
+
+    def counted(self, step: int) -> int:
+        """Microbatches of `step` counted in the gradients."""
+        return len(self.grads.counted) if self.grads is not None and self.grads.step == step else 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The stage's parameters in a fixed order."""
+        return list(self.layers.parameters())
+
+    def finish_gradients(self, step: int, microbatches: int) -> float:
+        """Turn summed gradients into the step's mean over `microbatches`; returns their squared L2 norm."""
+        sq = 0.0
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(microbatches)
+            sq += float(p.grad.double().pow(2).sum())
+        return sq
+
+    def apply(self, step: int, clip_coef: float, lr: float) -> None:
+        """Scale gradients by clip_coef and take the optimizer step."""
+        if step != self.applied_step + 1:
+            raise ValueError(f"apply step {step} after step {self.applied_step}")
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.grad is not None and clip_coef != 1.0:
+                    p.grad.mul_(clip_coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.applied_step = step
+        self.grads = None
+
+    def checksum(self) -> str:
+        """sha256 of the parameters' bytes: replicas that applied the same steps agree bit for bit."""
+        h = hashlib.sha256()
+        for name, p in self.named_state():
+            h.update(name.encode())
+            h.update(p.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters under their whole-model names (`layers.<i>.<param>`)."""
+        return [(f"layers.{name}", p) for name, p in self.layers.named_parameters()]

@@ -1,0 +1,162 @@
+"""Run-token authentication of every RPC: an HMAC over method, node id, timestamp and nonce.
+
+The token never travels. A request is accepted when its MAC verifies, its timestamp is within MAX_SKEW_S of the
+server's clock, and its nonce was not seen before within that window (so a captured request cannot be replayed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+MD_NODE = "x-geotrain-node"
+MD_TS = "x-geotrain-ts"
+MD_NONCE = "x-geotrain-nonce"
+MD_MAC = "x-geotrain-mac"
+MAX_SKEW_S = 60.0
+TOKEN_ENV = "GEOTRAIN_TOKEN"
+
+
+def resolve_token(token: str | None) -> str:
+    """The run token from the flag, else from GEOTRAIN_TOKEN; raises ValueError when neither is set."""
+    value = token or os.environ.get(TOKEN_ENV, "")
+    if not value:
+        raise ValueError(f"a run token is required: pass --token or set {TOKEN_ENV}")
+    return value
+
+
+def new_token() -> str:
+    """A fresh random run token."""
+    return secrets.token_urlsafe(24)
+
+
+def sign(token: str, method: str, node_id: str, ts: str, nonce: str) -> str:
+    """The MAC of one request."""
+    msg = "\n".join((method, node_id, ts, nonce)).encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def auth_metadata(token: str, method: str, node_id: str) -> list[tuple[str, str]]:
+    """Metadata that proves knowledge of the token for one call of `method`."""
+    ts = f"{time.time():.6f}"
+    nonce = secrets.token_hex(16)
+    return [(MD_NODE, node_id), (MD_TS, ts), (MD_NONCE, nonce), (MD_MAC, sign(token, method, node_id, ts, nonce))]
+
+
+class _ClientCallDetails(grpc.ClientCallDetails):
+    def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+        self.method = details.method
+        self.timeout = details.timeout
+        self.credentials = details.credentials
+        self.wait_for_ready = details.wait_for_ready
+        self.compression = details.compression
+        self.metadata = metadata
+
+
+class ClientAuth(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds fresh auth metadata to every outgoing call."""
+
+    def __init__(self, token: str, node_id: Callable[[], str]) -> None:
+        self._token = token
+        self._node_id = node_id
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = list(details.metadata or []) + auth_metadata(self._token, details.method, self._node_id())
+        return _ClientCallDetails(details, metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: D102
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: D102
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # noqa: D102
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: D102
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+class ReplayGuard:
+    """Remembers nonces seen within the skew window."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def first_use(self, nonce: str, now: float) -> bool:
+        """True the first time a nonce is presented within the window."""
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now - self._window_s:
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = now
+            return True
+
+
+def _rejecting_handler(handler: Any, message: str) -> Any:
+    """A handler of the same streaming kind as `handler` that answers UNAUTHENTICATED."""
+
+    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is None:
+        return None
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class ServerAuth(grpc.ServerInterceptor):
+    """Rejects calls whose token proof is missing, wrong, stale or replayed."""
+
+    def __init__(self, token: str, max_skew_s: float = MAX_SKEW_S) -> None:
+        self._token = token
+        self._max_skew_s = max_skew_s
+        self._replays = ReplayGuard(2 * max_skew_s)
+
+    def check(self, method: str, metadata: dict[str, str], now: float | None = None) -> str | None:
+        """None if the call is authentic, else why not."""
+        now = time.time() if now is None else now
+        node, ts, nonce, mac = (metadata.get(k) for k in (MD_NODE, MD_TS, MD_NONCE, MD_MAC))
+        if node is None or not ts or not nonce or not mac:
+            return "missing run-token proof (x-geotrain-* metadata)"
+        if not hmac.compare_digest(sign(self._token, method, node, ts, nonce), mac):
+            return "bad run-token proof: wrong token?"
+        try:
+            age = now - float(ts)
+        except ValueError:
+            return "malformed timestamp"
+        if abs(age) > self._max_skew_s:
+            return f"stale request: timestamp {age:.1f}s off (clocks out of sync?)"
+        if not self._replays.first_use(nonce, now):
+            return "replayed request rejected"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: D102
+        metadata = {k: v for k, v in handler_call_details.invocation_metadata if isinstance(v, str)}
+        problem = self.check(handler_call_details.method, metadata)
+        handler = continuation(handler_call_details)
+        if problem is None:
+            return handler
+        return _rejecting_handler(handler, problem)

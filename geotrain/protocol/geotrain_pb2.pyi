@@ -1,0 +1,377 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
+    CODEC_TOPK: _ClassVar[Codec]
+    CODEC_POWERSGD: _ClassVar[Codec]
+
+class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_REASON_UNSPECIFIED: _ClassVar[RejectReason]
+    REJECT_REASON_PROTOCOL_VERSION: _ClassVar[RejectReason]
+    REJECT_REASON_RUN_FINISHED: _ClassVar[RejectReason]
+    REJECT_REASON_DUPLICATE_NODE: _ClassVar[RejectReason]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DTYPE_UINT8: DType
+DTYPE_INT8: DType
+CODEC_UNSPECIFIED: Codec
+CODEC_NONE: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_INT4: Codec
+CODEC_TOPK: Codec
+CODEC_POWERSGD: Codec
+REJECT_REASON_UNSPECIFIED: RejectReason
+REJECT_REASON_PROTOCOL_VERSION: RejectReason
+REJECT_REASON_RUN_FINISHED: RejectReason
+REJECT_REASON_DUPLICATE_NODE: RejectReason
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "payload_bytes", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: Codec
+    payload_bytes: int
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class RunSettings(_message.Message):
+    __slots__ = ("seed", "steps", "eval_every", "eval_microbatches")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    steps: int
+    eval_every: int
+    eval_microbatches: int
+    def __init__(self, seed: _Optional[int] = ..., steps: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_microbatches: _Optional[int] = ...) -> None: ...
+
+class ModelSettings(_message.Message):
+    __slots__ = ("n_layers", "d_model", "n_heads", "seq_len", "dropout")
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    dropout: float
+    def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., dropout: _Optional[float] = ...) -> None: ...
+
+class DataSettings(_message.Message):
+    __slots__ = ("paths", "max_bytes", "val_fraction", "fingerprint")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    max_bytes: int
+    val_fraction: float
+    fingerprint: str
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., val_fraction: _Optional[float] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class TrainSettings(_message.Message):
+    __slots__ = ("microbatches", "microbatch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "inflight")
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    microbatches: int
+    microbatch_size: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    inflight: int
+    def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class CompressionSettings(_message.Message):
+    __slots__ = ("activations", "activation_grads", "replica_grads")
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_GRADS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GRADS_FIELD_NUMBER: _ClassVar[int]
+    activations: str
+    activation_grads: str
+    replica_grads: str
+    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ...) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("run", "model", "data", "train", "compression")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    run: RunSettings
+    model: ModelSettings
+    data: DataSettings
+    train: TrainSettings
+    compression: CompressionSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("protocol_version", "node_id", "address", "region", "software_version")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    node_id: str
+    address: str
+    region: str
+    software_version: str
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: RejectReason
+    message: str
+    node_id: str
+    config: RunConfig
+    heartbeat_interval_s: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    bytes_sent: int
+    bytes_received: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class OrdersRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class StageAssignment(_message.Message):
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    layer_start: int
+    layer_end: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("epoch", "stages", "total_layers")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    total_layers: int
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ...) -> None: ...
+
+class StartStep(_message.Message):
+    __slots__ = ("step", "microbatches", "total_microbatches")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatches: _containers.RepeatedScalarFieldContainer[int]
+    total_microbatches: int
+    def __init__(self, step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_microbatches: _Optional[int] = ...) -> None: ...
+
+class Evaluate(_message.Message):
+    __slots__ = ("step", "microbatches")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatches: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitStep(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class ApplyStep(_message.Message):
+    __slots__ = ("step", "clip_coef", "lr")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    clip_coef: float
+    lr: float
+    def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Order(_message.Message):
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    plan: Plan
+    start_step: StartStep
+    commit: CommitStep
+    apply: ApplyStep
+    evaluate: Evaluate
+    shutdown: Shutdown
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class MicrobatchDoneRequest(_message.Message):
+    __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    microbatch: int
+    path: _containers.RepeatedScalarFieldContainer[str]
+    loss: float
+    tokens: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., path: _Optional[_Iterable[str]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class EvalDoneRequest(_message.Message):
+    __slots__ = ("node_id", "step", "microbatch", "loss")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    microbatch: int
+    loss: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class GradNormRequest(_message.Message):
+    __slots__ = ("node_id", "step", "sq_norm")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    sq_norm: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ...) -> None: ...
+
+class StepAppliedRequest(_message.Message):
+    __slots__ = ("node_id", "step", "checksum")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    checksum: str
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MicrobatchRef(_message.Message):
+    __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    step: int
+    microbatch: int
+    path: _containers.RepeatedScalarFieldContainer[str]
+    eval: bool
+    loss: float
+    def __init__(self, plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., path: _Optional[_Iterable[str]] = ..., eval: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("ref", "header", "data")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ref: MicrobatchRef
+    header: TensorHeader
+    data: bytes
+    def __init__(self, ref: _Optional[_Union[MicrobatchRef, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,86 @@
+"""Channels and servers with auth, optional TLS, deadlines and retries on UNAVAILABLE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from geotrain.protocol.auth import ClientAuth, ServerAuth
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Chunks are 1 MiB; this leaves room for the header and rejects anything far larger.
+MAX_MESSAGE_BYTES = 4 << 20
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+@dataclass(kw_only=True)
+class TlsFiles:
+    """PEM files for TLS; a server needs cert and key, a client needs the CA (or trusts the system roots)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS {name} file {path} does not exist")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+
+
+def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> grpc.Channel:
+    """A channel to `address` that signs every call with the run token."""
+    if tls is not None:
+        root = Path(tls.ca).read_bytes() if tls.ca else None
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), options=_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=_OPTIONS)
+    return grpc.intercept_channel(channel, ClientAuth(token, node_id))
+
+
+def make_server(token: str, listen: str, max_workers: int = 32, tls: TlsFiles | None = None) -> tuple[grpc.Server, int]:
+    """A started-later server bound to `listen` (port 0 picks one); returns it and the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[ServerAuth(token)],
+        options=_OPTIONS,
+    )
+    if tls is not None and tls.cert:
+        creds = grpc.ssl_server_credentials([(Path(tls.key).read_bytes(), Path(tls.cert).read_bytes())])
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return server, port
+
+
+def call_with_retry(fn: Callable[[], T], attempts: int = 5, first_backoff_s: float = 0.2) -> T:
+    """Call fn, retrying with exponential backoff only while it fails with UNAVAILABLE."""
+    for attempt in range(attempts - 1):
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log.debug("unavailable (%s), retrying", e.details())
+            time.sleep(first_backoff_s * 2**attempt)
+    return fn()

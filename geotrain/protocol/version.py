@@ -1,0 +1,5 @@
+"""The protocol version nodes and coordinator compare in the Register handshake."""
+
+# Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
+# the wire format breaks wholesale.
+PROTOCOL_VERSION = 1

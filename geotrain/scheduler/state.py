@@ -1,0 +1,138 @@
+"""Run state in SQLite: members, plan epoch, committed steps with their metrics, and the event log.
+
+Every write is its own transaction, so a coordinator killed at any moment leaves a database that says exactly
+which steps were committed.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY,
+    loss REAL NOT NULL,
+    val_loss REAL,
+    tokens_per_s REAL NOT NULL,
+    seconds REAL NOT NULL,
+    plan_epoch INTEGER NOT NULL,
+    checksums TEXT NOT NULL,
+    committed_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS members (
+    node_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    region TEXT NOT NULL,
+    joined_at REAL NOT NULL,
+    state TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    node_id TEXT NOT NULL DEFAULT '',
+    detail TEXT NOT NULL DEFAULT ''
+);
+"""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One committed step."""
+
+    step: int
+    loss: float
+    val_loss: float | None
+    tokens_per_s: float
+    seconds: float
+    plan_epoch: int
+
+
+class RunStore:
+    """The coordinator's durable state; `:memory:` when no state directory is given."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the database."""
+        with self._lock:
+            self._db.close()
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        """A value of the meta table."""
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def put(self, key: str, value: str) -> None:
+        """Set a value of the meta table."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def commit_step(self, record: StepRecord, checksums: dict[int, str]) -> None:
+        """Record a committed step; a step is committed once."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.step,
+                    record.loss,
+                    record.val_loss,
+                    record.tokens_per_s,
+                    record.seconds,
+                    record.plan_epoch,
+                    json.dumps(checksums),
+                    time.time(),
+                ),
+            )
+
+    def set_val_loss(self, step: int, val_loss: float) -> None:
+        """Attach a validation loss to a committed step."""
+        with self._lock:
+            self._db.execute("UPDATE steps SET val_loss = ? WHERE step = ?", (val_loss, step))
+
+    def steps(self) -> list[StepRecord]:
+        """Every committed step, in order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT step, loss, val_loss, tokens_per_s, seconds, plan_epoch FROM steps ORDER BY step"
+            ).fetchall()
+        return [StepRecord(*row) for row in rows]
+
+    def upsert_member(self, node_id: str, address: str, region: str, state: str) -> None:
+        """Record a member and its state (alive, dead, left)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO members (node_id, address, region, joined_at, state) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET address = excluded.address, region = excluded.region, "
+                "state = excluded.state",
+                (node_id, address, region, time.time(), state),
+            )
+
+    def event(self, kind: str, node_id: str = "", detail: str = "") -> None:
+        """Append to the event log."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)", (time.time(), kind, node_id, detail)
+            )
+
+    def events(self, limit: int = 100) -> list[tuple[float, str, str, str]]:
+        """The latest events, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT at, kind, node_id, detail FROM events ORDER BY id DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return rows[::-1]
