@@ -84,6 +84,24 @@ class _HeadState:
     in_flight: set[int] = field(default_factory=set)
 
 
+class RateMeter:
+    """Events per second over the last `window` events."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+
+    def tick(self) -> None:
+        """Count one event now."""
+        self._times.append(time.monotonic())
+
+    def rate(self) -> float:
+        """Recent events per second (0 until two events were seen)."""
+        if len(self._times) < 2:
+            return 0.0
+        span = self._times[-1] - self._times[0]
+        return (len(self._times) - 1) / span if span > 0 else 0.0
+
+
 def _advertise_address(options: NodeOptions, port: int) -> str:
     if options.advertise:
         return options.advertise
@@ -121,6 +139,7 @@ class Agent:
         rpc.add_StageServicer_to_server(StageServicer(self), self._server)
         self.address = ""
         self.heartbeat_interval_s = 1.0
+        self.throughput = RateMeter()
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -239,6 +258,9 @@ class Agent:
             plan_epoch=self.plan.epoch if self.plan else 0,
             bytes_sent=sent,
             bytes_received=received,
+            links=self.dataplane.link_counters(),
+            microbatches_per_s=self.throughput.rate(),
+            applied_step=self.runtime.applied_step + 1 if self.runtime else 0,
         )
         try:
             self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))
@@ -337,15 +359,16 @@ class Agent:
 
     def _forward_to_next(self, ref: pb.MicrobatchRef, outputs: torch.Tensor) -> None:
         assert self.cfg is not None
-        _, address = self._peer(self.stage_index + 1)
+        peer, address = self._peer(self.stage_index + 1)
         codec = get_codec(self.cfg.compression.activations)
-        self._send(lambda: self.dataplane.send(address, "forward", ref, outputs, codec), f"forward to {address}")
+        self._send(lambda: self.dataplane.send(peer, address, "forward", ref, outputs, codec), f"forward to {peer}")
 
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
-        address = self._address_of(ref.path[self.stage_index - 1])
+        peer = ref.path[self.stage_index - 1]
+        address = self._address_of(peer)
         codec = get_codec(self.cfg.compression.activation_grads)
-        self._send(lambda: self.dataplane.send(address, "backward", ref, grad, codec), f"backward to {address}")
+        self._send(lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec), f"backward to {peer}")
 
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
@@ -355,6 +378,7 @@ class Agent:
         path = [self.node_id]
         if runtime.is_last:
             loss, _ = runtime.loss_backward((step, microbatch), y)
+            self.throughput.tick()
             self._microbatch_done(step, microbatch, path, loss)
         else:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
@@ -425,6 +449,7 @@ class Agent:
             runtime.forward(key, x)
             _, y = self._batch(ref.step, ref.microbatch)
             loss, grad = runtime.loss_backward(key, y)
+            self.throughput.tick()
             self._backward_to_previous(self._ref(ref.step, ref.microbatch, path, loss=loss), grad)
         else:
             self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x))
@@ -433,6 +458,7 @@ class Agent:
         runtime = self.runtime
         assert runtime is not None
         grad_in = runtime.backward((ref.step, ref.microbatch), grad)
+        self.throughput.tick()
         if runtime.is_first:
             self._microbatch_done(ref.step, ref.microbatch, list(ref.path), ref.loss)
         else:

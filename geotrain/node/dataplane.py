@@ -31,6 +31,7 @@ class LinkStats:
     raw_bytes: int = 0
     wire_bytes: int = 0
     messages: int = 0
+    codec: str = ""
 
 
 class DataPlane:
@@ -65,18 +66,21 @@ class DataPlane:
             state = self._codec_states[key]
         return codec.encode(tensor, state)
 
-    def send(self, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, codec: Codec) -> None:
-        """Send one tensor to the peer's Forward ("forward") or Backward ("backward") RPC."""
+    def send(
+        self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, codec: Codec
+    ) -> None:
+        """Send one tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward") RPC."""
         payload = self._encode(address, direction, codec, tensor)
         header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload)
         stub = self.stub(address)
         method = stub.Forward if direction == "forward" else stub.Backward
         call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=self.deadline_s))
         with self._lock:
-            stats = self.sent[address]
+            stats = self.sent[peer]
             stats.raw_bytes += tensor.numel() * tensor.element_size()
             stats.wire_bytes += len(payload)
             stats.messages += 1
+            stats.codec = codec.name
 
     def count_received(self, peer: str, raw_bytes: int, wire_bytes: int) -> None:
         """Record an incoming tensor's sizes."""
@@ -90,6 +94,14 @@ class DataPlane:
         """Drop codec state (error feedback) of links to peers no longer in `keep`."""
         with self._lock:
             self._codec_states = {k: v for k, v in self._codec_states.items() if k[0] in keep}
+
+    def link_counters(self) -> list[pb.LinkCounter]:
+        """Per-peer counters of what this node sent, for the heartbeat."""
+        with self._lock:
+            return [
+                pb.LinkCounter(peer=peer, raw_bytes=s.raw_bytes, wire_bytes=s.wire_bytes, codec=s.codec)
+                for peer, s in sorted(self.sent.items())
+            ]
 
     def totals(self) -> tuple[int, int]:
         """(bytes sent on the wire, bytes received on the wire) over all links."""

@@ -188,17 +188,35 @@ class RegisterReply(_message.Message):
     heartbeat_interval_s: float
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
+class LinkCounter(_message.Message):
+    __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    raw_bytes: int
+    wire_bytes: int
+    codec: str
+    def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received")
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     bytes_sent: int
     bytes_received: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkCounter]
+    microbatches_per_s: float
+    applied_step: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -343,6 +361,138 @@ class StepAppliedRequest(_message.Message):
 class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    region: str
+    address: str
+    stage: int
+    layer_start: int
+    layer_end: int
+    role: str
+    microbatches_per_s: float
+    last_heartbeat_s: float
+    bytes_sent: int
+    bytes_received: int
+    compression_ratio: float
+    alive: bool
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EST_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    EST_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    layer_start: int
+    layer_end: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    est_compute_s: float
+    est_transfer_s: float
+    utilisation: float
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., est_compute_s: _Optional[float] = ..., est_transfer_s: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
+
+class LinkStatus(_message.Message):
+    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_MBPS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    bandwidth_mbps: float
+    latency_ms: float
+    codec: str
+    compression_ratio: float
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ...) -> None: ...
+
+class StepPoint(_message.Message):
+    __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    has_val_loss: bool
+    val_loss: float
+    tokens_per_s: float
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("at", "kind", "node_id", "detail")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    kind: str
+    node_id: str
+    detail: str
+    def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    step: int
+    steps: int
+    loss: float
+    val_loss: float
+    tokens_per_s: float
+    eta_s: float
+    plan_epoch: int
+    bottleneck: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
+    history: _containers.RepeatedCompositeFieldContainer[StepPoint]
+    events: _containers.RepeatedCompositeFieldContainer[RunEvent]
+    failures: int
+    recovery_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StepAppliedRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/geotrain.v1.Coordinator/Status',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +121,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.StepApplied,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StepAppliedRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Coordinator:
             '/geotrain.v1.Coordinator/StepApplied',
             geotrain_dot_protocol_dot_geotrain__pb2.StepAppliedRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/Status',
+            geotrain_dot_protocol_dot_geotrain__pb2.StatusRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,8 @@ class Member:
     alive: bool = True
     bytes_sent: int = 0
     bytes_received: int = 0
+    links: list[pb.LinkCounter] = field(default_factory=list)
+    microbatches_per_s: float = 0.0
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Coordinator:
         self.stop_requested = threading.Event()
         self._progress = _StepProgress(step=-1)
         self._next_id = 1
+        self.state = "waiting"
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
@@ -159,6 +162,8 @@ class Coordinator:
             member.last_seen = time.monotonic()
             member.plan_epoch = request.plan_epoch
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
+            member.links = list(request.links)
+            member.microbatches_per_s = request.microbatches_per_s
             self._cond.notify_all()
         return pb.HeartbeatReply(known=True)
 
@@ -273,10 +278,18 @@ class Coordinator:
 
     def run(self) -> RunSummary:
         """Wait for min_nodes, plan, then train every step; returns the summary."""
+        try:
+            return self._train()
+        except RunAborted:
+            self.state = "aborted"
+            raise
+
+    def _train(self) -> RunSummary:
         started = time.monotonic()
         need = self.cfg.scheduler.min_nodes
         log.info("waiting for %d node(s)", need)
         self._wait(lambda: len(self._alive()) >= need, f"{need} nodes to join", float("inf"))
+        self.state = "training"
         self._make_plan()
         train_started = time.monotonic()
         records: list[StepRecord] = []
@@ -293,6 +306,7 @@ class Coordinator:
             self.step = step + 1
             self._on_event("step", {"record": record, "of": self.cfg.run.steps})
         train_s = time.monotonic() - train_started
+        self.state = "done"
         return RunSummary(
             steps=len(records),
             loss_first=records[0].loss,
@@ -360,6 +374,66 @@ class Coordinator:
             self._send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
         self._wait(lambda: len(self._progress.eval_losses) == n, "validation", self.cfg.scheduler.step_timeout_s)
         return sum(self._progress.eval_losses.values()) / n
+
+    # -- status ---------------------------------------------------------------------------------------------------
+
+    def status(self) -> pb.StatusReply:
+        """A snapshot of the run for `geotrain status`, the status page and /metrics."""
+        history = self.store.steps()
+        reply = pb.StatusReply(state=self.state, step=len(history), steps=self.cfg.run.steps)
+        if history:
+            last = history[-1]
+            recent = history[-10:]
+            mean_s = sum(r.seconds for r in recent) / len(recent)
+            reply.loss, reply.tokens_per_s = last.loss, last.tokens_per_s
+            reply.eta_s = mean_s * max(0, self.cfg.run.steps - len(history))
+            vals = [r.val_loss for r in history if r.val_loss is not None]
+            if vals:
+                reply.val_loss = vals[-1]
+        for r in history:
+            point = reply.history.add(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s, seconds=r.seconds)
+            if r.val_loss is not None:
+                point.has_val_loss, point.val_loss = True, r.val_loss
+        now = time.monotonic()
+        plan = self.plan
+        stage_of = {n: st for st in plan.stages for n in st.node_ids} if plan else {}
+        with self._cond:
+            members = list(self.members.values())
+        for m in members:
+            st = stage_of.get(m.node_id)
+            sent_raw = sum(link.raw_bytes for link in m.links)
+            sent_wire = sum(link.wire_bytes for link in m.links)
+            reply.nodes.add(
+                node_id=m.node_id,
+                region=m.region,
+                address=m.address,
+                stage=st.index if st else -1,
+                layer_start=st.layer_start if st else 0,
+                layer_end=st.layer_end if st else 0,
+                role=("stage" if st.node_ids[0] == m.node_id else "replica") if st else "spare",
+                microbatches_per_s=m.microbatches_per_s,
+                last_heartbeat_s=now - m.last_seen,
+                bytes_sent=m.bytes_sent,
+                bytes_received=m.bytes_received,
+                compression_ratio=sent_raw / sent_wire if sent_wire else 1.0,
+                alive=m.alive,
+            )
+            for link in m.links:
+                reply.links.add(
+                    src=m.node_id,
+                    dst=link.peer,
+                    codec=link.codec,
+                    compression_ratio=link.raw_bytes / link.wire_bytes if link.wire_bytes else 1.0,
+                )
+        if plan:
+            reply.plan_epoch = plan.epoch
+            for st in plan.stages:
+                reply.stages.add(
+                    index=st.index, layer_start=st.layer_start, layer_end=st.layer_end, node_ids=list(st.node_ids)
+                )
+        for at, kind, node_id, detail in self.store.events():
+            reply.events.add(at=at, kind=kind, node_id=node_id, detail=detail)
+        return reply
 
     def shutdown_nodes(self, reason: str, grace_s: float = 3.0) -> None:
         """Tell every live node the run is over and give their order streams a moment to deliver it."""

@@ -53,6 +53,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         self.c.step_applied(request)
         return pb.Ack()
 
+    def Status(self, request, context):  # noqa: D102, N802
+        return self.c.status()
+
 
 def make_coordinator_server(
     coordinator: Coordinator, token: str, listen: str, tls: TlsFiles | None = None
