@@ -1,0 +1,226 @@
+"""Planner benchmark: geotrain's planner against two simple strategies and the compute bound.
+
+Prints one JSON line per (scenario, nodes, strategy): scenario, nodes, multi_region, strategy, samples_per_s,
+ratio_to_bound, plan_seconds. Nothing else goes to stdout.
+
+Model: GPT with 24 blocks, d_model 2048, 16 heads, seq 1024, vocab 50257 (1.42B parameters, head untied),
+fp32, microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster).
+Devices sustain 40% of their published peak (geotrain.scheduler.cluster.DEVICES).
+
+Strategies, all scored by the same CostModel:
+- uniform: equal layer counts per stage, nodes in join order (a seeded shuffle) dealt round-robin to stages.
+- proportional: the same node deal, layer cuts proportional to each stage's total compute (links ignored).
+- geotrain: geotrain.scheduler.planner.
+- bound: the compute bound, every node's full-model speed summed, no communication.
+Both simple strategies get every stage count from 1 to the layer count and keep the one the cost model likes best,
+and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
+
+Network figures of the DT-FM scenarios (datacenter, spot, two universities, regional, worldwide) are DT-FM's
+(Yuan et al., "Decentralized Training of Foundation Models in Heterogeneous Environments", NeurIPS 2022), copied
+into bench/scenarios/dtfm.json; they are run on V100-32G nodes, scaled to each size keeping the group shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from geotrain.scheduler.cluster import DEVICES, layer_seconds_from_tflops
+from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
+from geotrain.scheduler.planner import plan
+
+logger = logging.getLogger(__name__)
+
+SIZES = (16, 64, 256, 1024)
+SEED = 0
+EFFICIENCY = 0.4
+MICROBATCHES_PER_NODE = 16
+MODEL = dict(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, microbatch_size=1)
+DTFM = json.loads((Path(__file__).parent / "scenarios" / "dtfm.json").read_text())
+MIXED_GPUS = ["A100-80G", "A100-40G", "V100-32G", "A10G", "L4", "T4", "RTX-4090"]
+VOLUNTEER_DEVICES = ["RTX-4090", "RTX-3090", "RTX-3090", "RTX-3060", "RTX-3060", "Apple-M2-Pro-GPU", "laptop-CPU-8-core"]
+VOLUNTEER_UPLINK_MBPS = [20, 50, 100, 200, 500]
+WAN_REGIONS = ["Virginia", "Oregon", "Ireland", "Tokyo"]
+
+Scenario = Callable[[int, ModelProfile], tuple[list[NodeProfile], Network]]
+
+
+def _link(figures: dict) -> Link:
+    return Link(bandwidth_bps=figures["bandwidth_gbps"] * 1e9, latency_s=figures["delay_ms"] / 1e3)
+
+
+def _aws_pairs(regions: list[str]) -> dict[tuple[str, str], Link]:
+    pairs = {}
+    for key, figures in DTFM["aws_region_pairs"].items():
+        a, b = key.split("-")
+        if a in regions and b in regions:
+            pairs[(a, b)] = _link(figures)
+    return pairs
+
+
+def _node(name: str, region: str, device: str, model: ModelProfile) -> NodeProfile:
+    tflops, memory_gb = DEVICES[device]
+    return NodeProfile(
+        node_id=name,
+        region=region,
+        layer_seconds=layer_seconds_from_tflops(model, tflops, EFFICIENCY),
+        memory_bytes=int(memory_gb * 1e9),
+    )
+
+
+def _spread(n: int, regions: list[str], devices: list[str], model: ModelProfile) -> list[NodeProfile]:
+    rng = random.Random(SEED)
+    return [_node(f"n{i:04d}", regions[i % len(regions)], rng.choice(devices), model) for i in range(n)]
+
+
+def homogeneous_datacenter(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """A100-80G nodes on a 100 Gbit/s fabric."""
+    return _spread(n, ["dc"], ["A100-80G"], model), Network(intra_region=Link(bandwidth_bps=100e9, latency_s=1e-5))
+
+
+def mixed_one_region(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """Seven GPU kinds in one cloud region on 25 Gbit/s."""
+    return _spread(n, ["us-east-1"], MIXED_GPUS, model), Network(intra_region=Link(bandwidth_bps=25e9, latency_s=2e-4))
+
+
+def four_regions_wan(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """The mixed GPUs spread over four AWS regions, with DT-FM's measured region-pair links."""
+    net = Network(intra_region=Link(bandwidth_bps=10e9, latency_s=1e-3), inter_region=_aws_pairs(WAN_REGIONS))
+    return _spread(n, WAN_REGIONS, MIXED_GPUS, model), net
+
+
+def volunteers(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """Consumer GPUs and laptops in eight regions, each behind a 20-500 Mbit/s uplink."""
+    regions = list(DTFM["scenarios"]["worldwide"]["regions"])
+    nodes = _spread(n, regions, VOLUNTEER_DEVICES, model)
+    rng = random.Random(SEED + 1)
+    uplinks = {node.node_id: rng.choice(VOLUNTEER_UPLINK_MBPS) * 1e6 for node in nodes}
+    net = Network(
+        intra_region=Link(bandwidth_bps=1e9, latency_s=0.02),
+        inter_region=_aws_pairs(regions),
+        node_bandwidth_bps=uplinks,
+    )
+    return nodes, net
+
+
+def _v100s(n: int, region_of: Callable[[int], str], model: ModelProfile) -> list[NodeProfile]:
+    return [_node(f"n{i:04d}", region_of(i), "V100-32G", model) for i in range(n)]
+
+
+def dtfm_datacenter(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """DT-FM case 1: instances of 8 GPUs, 100 Gbit/s inside, 3.125 Gbit/s between."""
+    sc = DTFM["scenarios"]["datacenter"]
+    net = Network(intra_region=_link(sc["intra_group"]), default_inter_region=_link(sc["inter_group"]))
+    return _v100s(n, lambda i: f"instance{i // 8:03d}", model), net
+
+
+def dtfm_spot(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+    """DT-FM case 2: half the GPUs in 4-GPU spot instances, half standalone, 1.25 Gbit/s between machines."""
+    sc = DTFM["scenarios"]["spot"]
+    net = Network(intra_region=_link(sc["intra_group"]), default_inter_region=_link(sc["inter_group"]))
+    return _v100s(n, lambda i: f"spot{i // 4:03d}" if i < n // 2 else f"single{i:04d}", model), net
+
+
+def _dtfm_regions(name: str, pairs: dict[tuple[str, str], Link]) -> Scenario:
+    sc = DTFM["scenarios"][name]
+    regions = list(sc["regions"])
+
+    def build(n: int, model: ModelProfile) -> tuple[list[NodeProfile], Network]:
+        net = Network(intra_region=_link(sc["intra_region"]), inter_region=pairs)
+        return _v100s(n, lambda i: regions[i * len(regions) // n], model), net
+
+    build.__doc__ = f"DT-FM case {name}: {', '.join(regions)}."
+    return build
+
+
+def _regional_pairs() -> dict[tuple[str, str], Link]:
+    return {tuple(k.split("-")): _link(v) for k, v in DTFM["scenarios"]["regional"]["inter_region_pairs"].items()}
+
+
+SCENARIOS: dict[str, tuple[Scenario, bool]] = {
+    "homogeneous_datacenter": (homogeneous_datacenter, False),
+    "mixed_one_region": (mixed_one_region, False),
+    "four_regions_wan": (four_regions_wan, True),
+    "volunteers_worldwide": (volunteers, True),
+    "dtfm_datacenter": (dtfm_datacenter, False),
+    "dtfm_spot": (dtfm_spot, False),
+    "dtfm_two_universities": (_dtfm_regions("two_universities", _aws_pairs(["Ohio", "Virginia"])), True),
+    "dtfm_regional": (_dtfm_regions("regional", _regional_pairs()), True),
+    "dtfm_worldwide": (_dtfm_regions("worldwide", _aws_pairs(list(DTFM["scenarios"]["worldwide"]["regions"]))), True),
+}
+
+
+def _uniform_cuts(cm: CostModel, n_stages: int, _groups: list[list[int]]) -> list[int]:
+    return [round(k * cm.model.n_layers / n_stages) for k in range(n_stages + 1)]
+
+
+def _proportional_cuts(cm: CostModel, n_stages: int, groups: list[list[int]]) -> list[int]:
+    rates = np.array([np.sum(1.0 / cm.prefix_seconds[g, -1]) for g in groups])
+    work = np.cumsum(cm.model.layer_flops) / np.sum(cm.model.layer_flops)
+    targets = np.cumsum(rates) / rates.sum()
+    cuts = [0]
+    for s in range(n_stages - 1):
+        # Leave at least one layer for each stage still to come.
+        lo, hi = cuts[-1] + 1, cm.model.n_layers - (n_stages - 1 - s)
+        cuts.append(int(np.clip(np.argmin(np.abs(work - targets[s])) + 1, lo, hi)))
+    return cuts + [cm.model.n_layers]
+
+
+def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
+    """Best step time over stage counts of a round-robin deal of shuffled nodes with the given layer cuts."""
+    order = list(range(len(cm.nodes)))
+    random.Random(SEED).shuffle(order)
+    best = float("inf")
+    for n_stages in range(1, min(cm.model.n_layers, len(order)) + 1):
+        groups = [order[s::n_stages] for s in range(n_stages)]
+        cuts = cuts_for(cm, n_stages, groups)
+        stages = []
+        for s, g in enumerate(groups):
+            need = cm.stage_memory_bytes(cuts[s], cuts[s + 1], n_stages)
+            stages.append((cuts[s], cuts[s + 1], [i for i in g if cm.memory[i] >= need]))
+        best = min(best, cm.step_seconds(stages))
+    return best
+
+
+def run() -> None:
+    """Run every scenario, size and strategy; one JSON line each."""
+    for name, (build, multi_region) in SCENARIOS.items():
+        for n in SIZES:
+            model = ModelProfile.gpt(**MODEL)
+            nodes, network = build(n, model)
+            common = dict(model=model, network=network, microbatches=MICROBATCHES_PER_NODE * n)
+            cm = CostModel(nodes=nodes, microbatch_size=MODEL["microbatch_size"], **common)
+            bound = cm.compute_bound(cm.usable)
+            samples_per_step = cm.microbatches * cm.microbatch_size
+            results = {}
+            for strategy, cuts_for in (("uniform", _uniform_cuts), ("proportional", _proportional_cuts)):
+                t0 = time.perf_counter()
+                results[strategy] = (samples_per_step / simple_strategy(cm, cuts_for), time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ours = plan(nodes=nodes, microbatch_size=MODEL["microbatch_size"], **common)
+            results["geotrain"] = (ours.samples_per_s, time.perf_counter() - t0)
+            results["bound"] = (bound, 0.0)
+            for strategy, (samples_per_s, seconds) in results.items():
+                line = dict(
+                    scenario=name,
+                    nodes=n,
+                    multi_region=multi_region,
+                    strategy=strategy,
+                    samples_per_s=round(samples_per_s, 3),
+                    ratio_to_bound=round(samples_per_s / bound, 4),
+                    plan_seconds=round(seconds, 3),
+                )
+                sys.stdout.write(json.dumps(line) + "\n")
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    run()

@@ -1,0 +1,496 @@
+"""Estimated step time of a pipeline plan, from numbers the nodes measured.
+
+The model (all times per training step of M microbatches; "one microbatch" means fwd+bwd):
+
+For stage s with replicas R_s serving layers [a_s, b_s):
+    t_r = sum of node r's layer_seconds over [a_s, b_s)       one microbatch on replica r
+    c_s = 1 / sum_r (1 / t_r)                                   stage occupancy per microbatch: replicas share
+                                                                microbatches in proportion to speed
+    h_s = |R_s| * c_s                                           harmonic mean of t_r: one microbatch's latency
+    w_r = c_s / t_r                                             share of the microbatches replica r gets
+For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, codec ratio rho:
+    tau_ij = 2 * (B * rho_ij / bw_ij + lat_ij)                  activation forward + gradient back, pair i->j
+    x_s = sum_ij w_i w_j tau_ij                                 expected over speed-weighted routing
+    o_s = x_s / min(|R_s|, |R_s+1|)                             link occupancy: disjoint pairs send in parallel
+For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n = |R_s| >= 2):
+    g_s = 2 (n-1)/n * P_s / min_{i!=j} bw_ij + 2 * max_{i!=j} lat_ij      P_s = parameter bytes of the stage
+Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
+    beta = max(max_s c_s, max_s o_s)
+    T = (M - 1) * beta + sum_s h_s + sum_s x_s + max_s g_s
+    samples/s = M * microbatch_size / T
+
+Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments
++ activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound).
+Not modelled: contention of several pairs on one region's uplink, and the all-reduce overlapping the drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FP32_BYTES = 4
+ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, kept in fp32 whatever the training dtype
+
+
+@dataclass(kw_only=True)
+class NodeProfile:
+    """What one node measured about itself."""
+
+    node_id: str
+    """Unique id of the node."""
+    region: str
+    """Region name; links between regions come from the Network."""
+    layer_seconds: list[float]
+    """Seconds of forward + backward per layer for ONE microbatch on this node."""
+    memory_bytes: int
+    """Accelerator (or host) memory the node can give to its stage."""
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("node_id must be non-empty")
+        if not self.region:
+            raise ValueError(f"node {self.node_id}: region must be non-empty")
+        if not self.layer_seconds or not all(math.isfinite(t) and t > 0 for t in self.layer_seconds):
+            raise ValueError(f"node {self.node_id}: layer_seconds must be non-empty, finite and > 0")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"node {self.node_id}: memory_bytes must be > 0")
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """Per-layer sizes of the model, for one microbatch."""
+
+    layer_param_bytes: list[int]
+    """Parameter bytes of each layer, in the training dtype."""
+    boundary_bytes: list[int]
+    """Activation bytes leaving layer i for one microbatch; the gradient coming back is the same size."""
+    layer_activation_bytes: list[int]
+    """Activation bytes layer i keeps for backward, per microbatch."""
+    layer_flops: list[float]
+    """Forward + backward FLOPs of layer i per microbatch."""
+    bytes_per_value: int = 4
+    """Bytes per value of parameters, gradients and activations (4: fp32, 2: fp16/bf16)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_param_bytes)
+        if n == 0:
+            raise ValueError("model needs at least one layer")
+        for name in ("boundary_bytes", "layer_activation_bytes", "layer_flops"):
+            values = getattr(self, name)
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries, layer_param_bytes has {n}")
+            if any(v < 0 for v in values):
+                raise ValueError(f"{name} must be >= 0")
+        if any(v < 0 for v in self.layer_param_bytes):
+            raise ValueError("layer_param_bytes must be >= 0")
+        if self.bytes_per_value not in (2, 4):
+            raise ValueError(f"bytes_per_value must be 2 or 4, got {self.bytes_per_value}")
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers (embedding and head included)."""
+        return len(self.layer_param_bytes)
+
+    @property
+    def state_bytes_per_param_byte(self) -> float:
+        """Memory per parameter byte: the parameter, its gradient and AdamW's fp32 moments."""
+        return 2 + ADAMW_MOMENTS * FP32_BYTES / self.bytes_per_value
+
+    @classmethod
+    def gpt(
+        cls,
+        *,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        seq_len: int,
+        vocab: int,
+        microbatch_size: int,
+        bytes_per_value: int = 4,
+    ) -> ModelProfile:
+        """Analytic profile of a GPT: layers [embedding, block x n_layers, head (untied)]."""
+        if min(n_layers, d_model, n_heads, seq_len, vocab, microbatch_size) <= 0:
+            raise ValueError("GPT dimensions and microbatch_size must be > 0")
+        b, s, d, v, bpv = microbatch_size, seq_len, d_model, vocab, bytes_per_value
+        hidden = b * s * d * bpv
+        # Block: attention (4d^2) + MLP (8d^2) weights, biases and two layer norms.
+        block_params = 12 * d * d + 13 * d
+        # Forward matmuls 24 b s d^2 + attention scores 4 b s^2 d; backward is twice the forward.
+        block_flops = 3.0 * b * (24 * s * d * d + 4 * s * s * d)
+        # Korthikanti et al. 2022: 34 s b h + 5 a s^2 b bytes at 2 bytes per value, without recompute.
+        block_act = int(b * (17 * s * d + 2.5 * n_heads * s * s) * bpv)
+        return cls(
+            layer_param_bytes=[(v * d + s * d) * bpv] + [block_params * bpv] * n_layers + [(v * d + 2 * d) * bpv],
+            boundary_bytes=[hidden] * (n_layers + 1) + [0],
+            layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * bpv],
+            layer_flops=[3.0 * b * s * d] + [block_flops] * n_layers + [3.0 * 2 * b * s * d * v],
+            bytes_per_value=bpv,
+        )
+
+
+@dataclass(kw_only=True)
+class Link:
+    """One direction-independent network path."""
+
+    bandwidth_bps: float
+    """Bits per second."""
+    latency_s: float
+    """One-way latency in seconds."""
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_bps > 0 and math.isfinite(self.bandwidth_bps)):
+            raise ValueError(f"bandwidth_bps must be finite and > 0, got {self.bandwidth_bps}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s}")
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+@dataclass(kw_only=True)
+class Network:
+    """Links between nodes: a region matrix, per-node access caps and measured per-pair overrides."""
+
+    intra_region: Link
+    """Link between two nodes of the same region."""
+    inter_region: dict[tuple[str, str], Link] = field(default_factory=dict)
+    """Link between two regions, keyed by the unordered pair (either order works)."""
+    default_inter_region: Link | None = None
+    """Link for region pairs missing from inter_region; None makes a missing pair an error."""
+    node_bandwidth_bps: dict[str, float] = field(default_factory=dict)
+    """Access-link cap of a node (a volunteer's uplink): a pair gets at most the smaller cap."""
+    pair_overrides: dict[tuple[str, str], Link] = field(default_factory=dict)
+    """Measured links between two nodes (unordered), replacing everything above."""
+
+    def __post_init__(self) -> None:
+        self.inter_region = {_pair(*k): v for k, v in self.inter_region.items()}
+        self.pair_overrides = {_pair(*k): v for k, v in self.pair_overrides.items()}
+        for node, bps in self.node_bandwidth_bps.items():
+            if not bps > 0:
+                raise ValueError(f"node_bandwidth_bps[{node}] must be > 0")
+
+    def region_link(self, region_a: str, region_b: str) -> Link:
+        """Link between two regions (intra_region when they are the same)."""
+        if region_a == region_b:
+            return self.intra_region
+        link = self.inter_region.get(_pair(region_a, region_b), self.default_inter_region)
+        if link is None:
+            raise ValueError(f"no link between regions {region_a!r} and {region_b!r}")
+        return link
+
+    def link(self, a: NodeProfile, b: NodeProfile) -> Link:
+        """Link between two nodes."""
+        measured = self.pair_overrides.get(_pair(a.node_id, b.node_id))
+        if measured is not None:
+            return measured
+        base = self.region_link(a.region, b.region)
+        caps = [self.node_bandwidth_bps.get(n.node_id, math.inf) for n in (a, b)]
+        return Link(bandwidth_bps=min(base.bandwidth_bps, *caps), latency_s=base.latency_s)
+
+    def bandwidth_bps(self, a: NodeProfile, b: NodeProfile) -> float:
+        """Bits per second between two nodes."""
+        return self.link(a, b).bandwidth_bps
+
+    def latency_s(self, a: NodeProfile, b: NodeProfile) -> float:
+        """One-way latency in seconds between two nodes."""
+        return self.link(a, b).latency_s
+
+
+@dataclass(kw_only=True)
+class CodecRatio:
+    """Compressed size / raw size of activations and their gradients, per link kind."""
+
+    intra_region: float = 1.0
+    """Ratio on links inside a region."""
+    inter_region: float = 1.0
+    """Ratio on links between regions (where a lossy codec pays off most)."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra_region", "inter_region"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"codec ratio {name} must be in (0, 1], got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, value: float | CodecRatio) -> CodecRatio:
+        """A single float applies to every link."""
+        if isinstance(value, CodecRatio):
+            return value
+        return cls(intra_region=float(value), inter_region=float(value))
+
+
+@dataclass(kw_only=True)
+class StagePlan:
+    """One pipeline stage of a plan, with its estimated load per step."""
+
+    start: int
+    """First layer (inclusive)."""
+    end: int
+    """Last layer (exclusive)."""
+    node_ids: list[str]
+    """Replicas serving the stage, sorted."""
+    compute_s: float
+    """Busy seconds per step of the stage: M * c_s."""
+    transfer_s: float
+    """Busy seconds per step of the link to the next stage: M * o_s (0 for the last stage)."""
+    allreduce_s: float
+    """Seconds of the replicas' gradient averaging at the end of the step."""
+    memory_bytes: int
+    """Memory each replica needs."""
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A pipeline plan and its estimate."""
+
+    stages: list[StagePlan]
+    """Stages in pipeline order."""
+    excluded: dict[str, str]
+    """Node id -> why it is left out."""
+    microbatches: int
+    """Microbatches per step (M)."""
+    microbatch_size: int
+    """Samples per microbatch."""
+    step_seconds: float
+    """Estimated seconds per step."""
+    samples_per_s: float
+    """Estimated training throughput."""
+    bottleneck: str
+    """What limits the step, and why."""
+    compute_bound_samples_per_s: float
+    """Sum of the full-model speeds of every node with memory for some stage: no plan beats it."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return asdict(self)
+
+    def layer_ranges(self) -> dict[str, tuple[int, int]]:
+        """Node id -> the layer range it serves."""
+        return {n: (st.start, st.end) for st in self.stages for n in st.node_ids}
+
+
+Stages = Sequence[tuple[int, int, Sequence[int]]]
+"""Internal plan form: (start, end, node indices) per stage, indices into CostModel.nodes."""
+
+
+@dataclass(kw_only=True)
+class _Terms:
+    occupancy: np.ndarray  # c_s
+    latency: np.ndarray  # h_s
+    transfer: np.ndarray  # x_s, one per boundary
+    link_occupancy: np.ndarray  # o_s, one per boundary
+    allreduce: np.ndarray  # g_s
+    step_s: float
+
+
+class CostModel:
+    """Scores plans over a fixed set of nodes; precomputes pairwise link matrices once."""
+
+    def __init__(
+        self,
+        *,
+        nodes: Sequence[NodeProfile],
+        model: ModelProfile,
+        network: Network,
+        microbatches: int,
+        microbatch_size: int,
+        codec_ratio: float | CodecRatio = 1.0,
+    ) -> None:
+        if microbatches <= 0 or microbatch_size <= 0:
+            raise ValueError("microbatches and microbatch_size must be > 0")
+        ids = [n.node_id for n in nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError("node ids must be unique")
+        for n in nodes:
+            if len(n.layer_seconds) != model.n_layers:
+                raise ValueError(
+                    f"node {n.node_id} has {len(n.layer_seconds)} layer times, the model has {model.n_layers} layers"
+                )
+        self.nodes = list(nodes)
+        self.model = model
+        self.network = network
+        self.microbatches = microbatches
+        self.microbatch_size = microbatch_size
+        self.codec = CodecRatio.of(codec_ratio)
+        self.index = {nid: i for i, nid in enumerate(ids)}
+        n_layers = model.n_layers
+        self.prefix_seconds = np.zeros((len(nodes), n_layers + 1))
+        if nodes:
+            self.prefix_seconds[:, 1:] = np.cumsum([n.layer_seconds for n in nodes], axis=1)
+        self.memory = np.array([n.memory_bytes for n in nodes], dtype=np.float64)
+        self.param_prefix = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes, dtype=np.float64)])
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
+        self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
+        self._build_links()
+        # A node that cannot hold even the smallest one-layer stage can serve no plan.
+        self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
+
+    def _build_links(self) -> None:
+        regions = sorted({n.region for n in self.nodes})
+        self.regions = regions
+        r_of = np.array([regions.index(n.region) for n in self.nodes], dtype=np.int64)
+        self.region_of = r_of
+        r_bw = np.empty((len(regions), len(regions)))
+        r_lat = np.empty_like(r_bw)
+        for i, ra in enumerate(regions):
+            for j, rb in enumerate(regions):
+                link = self.network.region_link(ra, rb)
+                r_bw[i, j], r_lat[i, j] = link.bandwidth_bps, link.latency_s
+        caps = np.array([self.network.node_bandwidth_bps.get(n.node_id, math.inf) for n in self.nodes])
+        bw = np.minimum(r_bw[np.ix_(r_of, r_of)], np.minimum.outer(caps, caps))
+        lat = r_lat[np.ix_(r_of, r_of)]
+        for (a, b), link in self.network.pair_overrides.items():
+            if a in self.index and b in self.index:
+                i, j = self.index[a], self.index[b]
+                bw[i, j] = bw[j, i] = link.bandwidth_bps
+                lat[i, j] = lat[j, i] = link.latency_s
+        same = r_of[:, None] == r_of[None, :]
+        ratio = np.where(same, self.codec.intra_region, self.codec.inter_region)
+        self.pair_bw = bw
+        self.pair_lat = lat
+        self.pair_seconds_per_bit = ratio / bw
+
+    # --- per-node and per-range quantities -------------------------------------------------------------
+
+    def node_seconds(self, idx: np.ndarray, start: int, end: int) -> np.ndarray:
+        """One microbatch's fwd+bwd seconds over [start, end) on each node in idx."""
+        return self.prefix_seconds[idx, end] - self.prefix_seconds[idx, start]
+
+    def stage_memory_bytes(self, start: int, end: int, n_stages: int) -> float:
+        """Memory a replica of layers [start, end) needs in a pipeline of n_stages."""
+        params = self.param_prefix[end] - self.param_prefix[start]
+        acts = self.act_prefix[end] - self.act_prefix[start]
+        in_flight = min(self.microbatches, n_stages)
+        return params * self.model.state_bytes_per_param_byte + acts * in_flight
+
+    def min_memory_bytes(self) -> float:
+        """Smallest memory any stage needs: one layer, one microbatch in flight."""
+        return min(self.stage_memory_bytes(i, i + 1, 1) for i in range(self.model.n_layers))
+
+    def compute_bound(self, idx: Sequence[int]) -> float:
+        """Samples/s if the nodes in idx each ran the whole model with no communication at all."""
+        full = self.prefix_seconds[np.asarray(idx, dtype=np.int64), -1]
+        return float(np.sum(1.0 / full)) * self.microbatch_size
+
+    # --- plan terms ------------------------------------------------------------------------------------
+
+    def _terms(self, stages: Stages) -> _Terms:
+        n_stages = len(stages)
+        occ = np.empty(n_stages)
+        lat = np.empty(n_stages)
+        allreduce = np.zeros(n_stages)
+        weights = []
+        idxs = []
+        for s, (start, end, nodes) in enumerate(stages):
+            idx = np.asarray(nodes, dtype=np.int64)
+            inv = 1.0 / self.node_seconds(idx, start, end)
+            occ[s] = 1.0 / inv.sum()
+            lat[s] = len(idx) * occ[s]
+            weights.append(inv * occ[s])
+            idxs.append(idx)
+            if len(idx) >= 2:
+                sub = np.ix_(idx, idx)
+                off = ~np.eye(len(idx), dtype=bool)
+                params_bits = (self.param_prefix[end] - self.param_prefix[start]) * 8
+                n = len(idx)
+                allreduce[s] = 2 * (n - 1) / n * params_bits / self.pair_bw[sub][off].min() + 2 * self.pair_lat[
+                    sub
+                ][off].max()
+        transfer = np.empty(max(n_stages - 1, 0))
+        link_occ = np.empty_like(transfer)
+        for s in range(n_stages - 1):
+            a, b = idxs[s], idxs[s + 1]
+            sub = np.ix_(a, b)
+            bits = self.boundary_bits[stages[s][1] - 1]
+            per_pair = 2 * (bits * self.pair_seconds_per_bit[sub] + self.pair_lat[sub])
+            transfer[s] = weights[s] @ per_pair @ weights[s + 1]
+            link_occ[s] = transfer[s] / min(len(a), len(b))
+        beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
+        step = (self.microbatches - 1) * beta + lat.sum() + transfer.sum() + allreduce.max()
+        return _Terms(
+            occupancy=occ, latency=lat, transfer=transfer, link_occupancy=link_occ, allreduce=allreduce, step_s=step
+        )
+
+    def feasible(self, stages: Stages) -> bool:
+        """Every stage has replicas and layers, layers are covered in order, and every replica fits."""
+        if not stages or stages[0][0] != 0 or stages[-1][1] != self.model.n_layers:
+            return False
+        for s, (start, end, nodes) in enumerate(stages):
+            if end <= start or not nodes or (s and stages[s - 1][1] != start):
+                return False
+            need = self.stage_memory_bytes(start, end, len(stages))
+            if np.any(self.memory[np.asarray(nodes, dtype=np.int64)] < need):
+                return False
+        return True
+
+    def step_seconds(self, stages: Stages) -> float:
+        """Estimated seconds per step; inf when the plan is infeasible."""
+        if not self.feasible(stages):
+            return math.inf
+        return self._terms(stages).step_s
+
+    def plan(self, stages: Stages, excluded: dict[str, str]) -> Plan:
+        """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list."""
+        if not self.feasible(stages):
+            raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
+        t = self._terms(stages)
+        m = self.microbatches
+        out = []
+        for s, (start, end, nodes) in enumerate(stages):
+            out.append(
+                StagePlan(
+                    start=start,
+                    end=end,
+                    node_ids=sorted(self.nodes[i].node_id for i in nodes),
+                    compute_s=float(m * t.occupancy[s]),
+                    transfer_s=float(m * t.link_occupancy[s]) if s < len(stages) - 1 else 0.0,
+                    allreduce_s=float(t.allreduce[s]),
+                    memory_bytes=int(self.stage_memory_bytes(start, end, len(stages))),
+                )
+            )
+        return Plan(
+            stages=out,
+            excluded=dict(sorted(excluded.items())),
+            microbatches=m,
+            microbatch_size=self.microbatch_size,
+            step_seconds=float(t.step_s),
+            samples_per_s=m * self.microbatch_size / t.step_s,
+            bottleneck=self._bottleneck(stages, t),
+            compute_bound_samples_per_s=self.compute_bound(self.usable),
+        )
+
+    def _bottleneck(self, stages: Stages, t: _Terms) -> str:
+        m = self.microbatches
+        pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0)
+        fill = t.latency.sum() + t.transfer.sum()
+        sync = t.allreduce.max()
+
+        def share(x: float) -> str:
+            return f"{100 * x / t.step_s:.0f}% of the step"
+
+        def regions(k: int) -> str:
+            return "+".join(sorted({self.nodes[i].region for i in stages[k][2]}))
+
+        if sync >= pace and sync >= fill:
+            s = int(np.argmax(t.allreduce))
+            return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
+        if fill > pace:
+            return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
+        s = int(np.argmax(t.occupancy))
+        if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
+            b = int(np.argmax(t.link_occupancy))
+            return (
+                f"link stage {b} -> {b + 1} ({regions(b)} -> {regions(b + 1)}): {t.link_occupancy[b]:.3g} s per"
+                f" microbatch over {min(len(stages[b][2]), len(stages[b + 1][2]))} parallel pairs, {share(pace)}"
+            )
+        return (
+            f"stage {s} compute (layers {stages[s][0]}-{stages[s][1] - 1}, {len(stages[s][2])} replicas):"
+            f" {t.occupancy[s]:.3g} s per microbatch, {share(pace)}"
+        )

@@ -1,0 +1,86 @@
+"""`geotrain plan`: load a cluster file, plan the pipeline, print the plan as a table or one JSON object."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+from geotrain.scheduler.cluster import load_cluster
+from geotrain.scheduler.costmodel import CodecRatio, ModelProfile, Plan
+from geotrain.scheduler.planner import PlannerConfig, plan
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+
+
+def run_plan(
+    cluster_path: str,
+    model: Mapping[str, int],
+    microbatches: int,
+    microbatch_size: int,
+    as_json: bool = False,
+    out: TextIO = sys.stdout,
+    *,
+    stages: int | None = None,
+    codec_ratio: float | CodecRatio = 1.0,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
+    vocab (and optionally bytes_per_value); returns 0, or 2 after printing the error for a bad cluster or model."""
+    try:
+        profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
+        cluster = load_cluster(cluster_path, profile)
+        result = plan(
+            nodes=cluster.nodes,
+            model=profile,
+            network=cluster.network,
+            microbatches=microbatches,
+            microbatch_size=microbatch_size,
+            codec_ratio=codec_ratio,
+            config=PlannerConfig(stages=stages),
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        err.write(f"geotrain plan: {exc}\n")
+        return 2
+    write_plan(result, as_json=as_json, out=out)
+    return 0
+
+
+def write_plan(result: Plan, *, as_json: bool, out: TextIO) -> None:
+    """Print a plan: one JSON object, or a table with throughput, compute bound and bottleneck."""
+    if as_json:
+        out.write(json.dumps(result.to_dict(), sort_keys=True) + "\n")
+        return
+    rows = [("stage", "layers", "replicas", "compute s/step", "transfer s/step", "all-reduce s", "mem GiB", "nodes")]
+    for k, st in enumerate(result.stages):
+        shown = ", ".join(st.node_ids[:4]) + (f" +{len(st.node_ids) - 4} more" if len(st.node_ids) > 4 else "")
+        rows.append(
+            (
+                str(k),
+                f"{st.start}-{st.end - 1}",
+                str(len(st.node_ids)),
+                f"{st.compute_s:.3f}",
+                f"{st.transfer_s:.3f}" if k < len(result.stages) - 1 else "-",
+                f"{st.allreduce_s:.3f}",
+                f"{st.memory_bytes / _GIB:.1f}",
+                shown,
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() + "\n")
+    ratio = result.samples_per_s / result.compute_bound_samples_per_s
+    out.write(
+        f"\nstep: {result.step_seconds:.3f} s for {result.microbatches} microbatches x {result.microbatch_size}"
+        f" samples\nthroughput: {result.samples_per_s:.2f} samples/s"
+        f"\ncompute bound: {result.compute_bound_samples_per_s:.2f} samples/s ({100 * ratio:.0f}% reached)"
+        f"\nbottleneck: {result.bottleneck}\n"
+    )
+    if result.excluded:
+        out.write(f"\nleft out ({len(result.excluded)}):\n")
+        for node_id, reason in result.excluded.items():
+            out.write(f"  {node_id}: {reason}\n")

@@ -1,0 +1,474 @@
+"""Pipeline planner: stages, layer ranges, replicas and stage order that minimise the cost model's step time.
+
+How it searches (every candidate is scored by CostModel, the same model that scores any other plan):
+1. Nodes without memory for even a one-layer stage are left out, with the reason.
+2. Regions are ordered into a chain that makes consecutive regions cheap to cross (exact for up to 7 regions,
+   nearest neighbour + 2-opt above), so the pipeline crosses each slow link once and only where it must.
+3. For every stage count S, both directions of the chain, and a few node subsets (all nodes; without the slowest
+   links; without the slowest devices), stages are dealt to regions by D'Hondt on compute (a region too small for
+   a stage of its own either joins its neighbour's stage or stays out), or region borders are ignored; inside a region, nodes sorted by link then
+   speed are cut into stages of equal compute, so a stage's replicas share a similar uplink (FusionLLM's grouping).
+4. A dynamic program splits the layers over those stages, minimising the slowest stage or link per microbatch.
+5. The best few candidates get a local search: shift a stage boundary by one layer and, on small clusters, move a
+   node to another stage or out.
+6. Re-planning from a previous plan adds that plan, with departed nodes removed and new ones added where they
+   relieve most, as a candidate; among plans within `replan_tolerance` of the best, the one moving the fewest
+   layers wins. Ties break on stable keys, so the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from geotrain.scheduler.costmodel import CodecRatio, CostModel, ModelProfile, Network, NodeProfile, Plan
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+_EXACT_CHAIN_REGIONS = 7  # 7! / 2 orders are quick to enumerate; above, a heuristic chain
+_HEURISTIC_CHAIN_REGIONS = 32  # above, a single nearest-neighbour chain without 2-opt
+_SUBSET_QUANTILES = (0.1, 0.25, 0.5)
+
+Stage = tuple[int, int, tuple[int, ...]]
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """Knobs of the planner's search."""
+
+    stages: int | None = None
+    """Fixed number of stages; None lets the planner choose."""
+    replan_tolerance: float = 0.02
+    """When re-planning, a plan this much slower than the best still wins if it moves fewer layers."""
+    refine_candidates: int = 4
+    """How many of the best constructed plans get a local search."""
+    node_move_limit: int = 600
+    """Try moving single nodes only when nodes x stages is at most this (small clusters)."""
+    max_refine_passes: int = 30
+    """Upper bound on local-search passes per candidate."""
+
+    def __post_init__(self) -> None:
+        if self.stages is not None and self.stages <= 0:
+            raise ValueError(f"stages must be > 0, got {self.stages}")
+        if not 0 <= self.replan_tolerance < 1:
+            raise ValueError(f"replan_tolerance must be in [0, 1), got {self.replan_tolerance}")
+        if self.refine_candidates <= 0 or self.max_refine_passes <= 0 or self.node_move_limit < 0:
+            raise ValueError("refine_candidates and max_refine_passes must be > 0, node_move_limit >= 0")
+
+
+def plan(
+    *,
+    nodes: Sequence[NodeProfile],
+    model: ModelProfile,
+    network: Network,
+    microbatches: int,
+    microbatch_size: int,
+    codec_ratio: float | CodecRatio = 1.0,
+    config: PlannerConfig | None = None,
+    previous: Plan | None = None,
+) -> Plan:
+    """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it)."""
+    cm = CostModel(
+        nodes=nodes,
+        model=model,
+        network=network,
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        codec_ratio=codec_ratio,
+    )
+    return Planner(cm, config or PlannerConfig()).plan(previous)
+
+
+class Planner:
+    """Search over plans for one CostModel."""
+
+    def __init__(self, cm: CostModel, config: PlannerConfig) -> None:
+        self.cm = cm
+        self.config = config
+        self.n_layers = cm.model.n_layers
+        self.speed = 1.0 / cm.prefix_seconds[:, -1]
+        intra = cm.network.intra_region.bandwidth_bps
+        self.uplink = np.array([min(intra, cm.network.node_bandwidth_bps.get(n.node_id, intra)) for n in cm.nodes])
+        self._need_cache: dict[int, np.ndarray] = {}
+        self._previously_out: set[int] = set()
+        self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
+        # Nodes with the same layer times and memory are interchangeable inside the layer DP: count them once.
+        keys = np.column_stack([cm.prefix_seconds, cm.memory])
+        _, self.profile_class = np.unique(keys, axis=0, return_inverse=True)
+        self.profile_class = self.profile_class.reshape(-1)
+
+    # --- top level -------------------------------------------------------------------------------------
+
+    def plan(self, previous: Plan | None) -> Plan:
+        """Search and return the chosen plan."""
+        cm = self.cm
+        if not cm.usable:
+            raise ValueError("no node has memory for even a one-layer stage")
+        if self.config.stages is not None and self.config.stages > min(self.n_layers, len(cm.usable)):
+            raise ValueError(
+                f"cannot make {self.config.stages} stages from {self.n_layers} layers and {len(cm.usable)} usable nodes"
+            )
+        scored = {}
+        for cand in self._constructed():
+            scored.setdefault(cand, cm.step_seconds(cand))
+        ranked = sorted((c for c in scored if math.isfinite(scored[c])), key=lambda c: (scored[c], c))
+        if not ranked:
+            raise ValueError("no feasible plan: the nodes lack memory for every layer split tried")
+        starts = [(cand, False) for cand in ranked[: self.config.refine_candidates]]
+        prev_ranges = self._previous_ranges(previous)
+        adapted = self._adapt(prev_ranges) if prev_ranges else None
+        if adapted is not None:
+            scored.setdefault(adapted, cm.step_seconds(adapted))
+            starts.append((adapted, True))
+        for cand, nodes_first in starts:
+            refined = self._refine(cand, nodes_first=nodes_first)
+            scored.setdefault(refined, cm.step_seconds(refined))
+        best = min(c for c in scored if math.isfinite(scored[c]))
+        best_cost = min(scored[c] for c in scored)
+        if prev_ranges:
+            limit = best_cost * (1 + self.config.replan_tolerance)
+            close = [c for c in scored if scored[c] <= limit]
+            best = min(close, key=lambda c: (self._moved_layers(c, prev_ranges), scored[c], c))
+        else:
+            best = min(scored, key=lambda c: (scored[c], c))
+        logger.debug("planner scored %d candidates, best %.4g s/step", len(scored), scored[best])
+        return cm.plan(best, self._exclusions(best))
+
+    def _exclusions(self, stages: Sequence[Stage]) -> dict[str, str]:
+        cm = self.cm
+        used = {i for _, _, nodes in stages for i in nodes}
+        smallest_stage = min(cm.stage_memory_bytes(a, b, len(stages)) for a, b, _ in stages)
+        reasons = {}
+        for i, node in enumerate(cm.nodes):
+            if i in used:
+                continue
+            if cm.memory[i] < smallest_stage:
+                reasons[node.node_id] = (
+                    f"memory: has {cm.memory[i] / _GIB:.2f} GiB, the smallest stage needs {smallest_stage / _GIB:.2f} GiB"
+                )
+            else:
+                reasons[node.node_id] = (
+                    f"planner choice: with a {self.uplink[i] / 1e6:.0f} Mbit/s link and {1 / self.speed[i]:.3g} s per"
+                    " microbatch for the whole model it would slow the stage it joined"
+                )
+        return reasons
+
+    # --- construction ----------------------------------------------------------------------------------
+
+    def _constructed(self) -> list[tuple[Stage, ...]]:
+        out = []
+        chain = self._region_chain()
+        pools = [(subset, chain) for subset in self._subsets()]
+        n_full = len(pools)
+        # Fewer regions may beat crossing slow links: the fastest window of each width along the chain.
+        region_of = [self.cm.nodes[i].region for i in range(len(self.cm.nodes))]
+        rate = dict.fromkeys(chain, 0.0)
+        for i in self.cm.usable:
+            rate[region_of[i]] += self.speed[i]
+        cum = np.concatenate([[0.0], np.cumsum([rate[r] for r in chain])])
+        many = len(chain) > _EXACT_CHAIN_REGIONS
+        widths = [2**k for k in range(len(chain).bit_length()) if 2**k < len(chain)] if many else range(1, len(chain))
+        for width in widths:
+            start = int(np.argmax(cum[width:] - cum[:-width]))  # first maximum: stable
+            window = set(chain[start : start + width])
+            pools.append((tuple(i for i in self.cm.usable if region_of[i] in window), chain[start : start + width]))
+        for k, (subset, order) in enumerate(pools):
+            top = min(self.n_layers, len(subset))
+            counts = [self.config.stages] if self.config.stages else range(1, top + 1)
+            # Direction decides which end region holds the embedding and the head; worth trying on the full chain.
+            directions = [order] if len(order) == 1 or k >= n_full else [order, order[::-1]]
+            for n_stages, direction, mode in itertools.product(counts, directions, ("merge", "drop", "flat")):
+                groups = self._groups(subset, n_stages, direction, mode)
+                if groups is not None:
+                    cand = self._split_layers(groups)
+                    if cand is not None:
+                        out.append(cand)
+        return out
+
+    def _subsets(self) -> list[tuple[int, ...]]:
+        usable = np.array(self.cm.usable)
+        subsets = {tuple(usable)}
+        for key in (self.uplink[usable], self.speed[usable]):
+            for q in _SUBSET_QUANTILES:
+                keep = usable[key >= np.quantile(key, q)]
+                if len(keep):
+                    subsets.add(tuple(keep))
+        return sorted(subsets, key=lambda s: (-len(s), s))
+
+    def _region_cost(self, region_a: str, region_b: str) -> float:
+        # Seconds to move one typical boundary both ways across the regions' link.
+        link = self.cm.network.region_link(region_a, region_b)
+        bits = self.typical_boundary_bits
+        ratio = self.cm.codec.inter_region if region_a != region_b else self.cm.codec.intra_region
+        return 2 * (bits * ratio / link.bandwidth_bps + link.latency_s)
+
+    def _region_chain(self) -> list[str]:
+        regions = sorted({self.cm.nodes[i].region for i in self.cm.usable})
+        cost = {(a, b): self._region_cost(a, b) for a in regions for b in regions}
+
+        def length(order: Sequence[str]) -> float:
+            return sum(cost[order[k], order[k + 1]] for k in range(len(order) - 1))
+
+        if len(regions) <= _EXACT_CHAIN_REGIONS:
+            return list(min(itertools.permutations(regions), key=lambda o: (length(o), o)))
+        best: list[str] = []
+        # Nearest neighbour from every start, then 2-opt; with very many regions (standalone machines) one start.
+        small = len(regions) <= _HEURISTIC_CHAIN_REGIONS
+        for first in regions if small else regions[:1]:
+            order, left = [first], set(regions) - {first}
+            while left:
+                order.append(min(sorted(left), key=lambda r: (cost[order[-1], r], r)))
+                left.discard(order[-1])
+            improved = small
+            while improved:
+                improved = False
+                for i, j in itertools.combinations(range(1, len(order)), 2):
+                    trial = order[:i] + order[i : j + 1][::-1] + order[j + 1 :]
+                    if length(trial) < length(order) - 1e-12:
+                        order, improved = trial, True
+            if not best or (length(order), order) < (length(best), best):
+                best = order
+        return best
+
+    def _groups(
+        self, subset: Sequence[int], n_stages: int, chain: Sequence[str], mode: str
+    ) -> list[list[int]] | None:
+        """Replica groups in pipeline order. mode "merge": a region too small for a stage joins its neighbour's;
+        "drop": it stays out; "flat": region borders are ignored, the chain of nodes is cut into equal stages."""
+        cm = self.cm
+        by_region = {r: [] for r in chain}
+        for i in subset:
+            by_region[cm.nodes[i].region].append(i)
+        for members in by_region.values():
+            members.sort(key=lambda i: (-self.uplink[i], -self.speed[i], cm.nodes[i].node_id))
+        if n_stages > len(subset):
+            return None
+        if mode == "flat":
+            return self._cut_equal_rate([i for r in chain for i in by_region[r]], n_stages)
+        # D'Hondt: each stage goes to the region with the most compute per stage it would have; ties go up the chain.
+        seats = dict.fromkeys(chain, 0)
+        heap = [(-float(self.speed[by_region[r]].sum()), pos, r) for pos, r in enumerate(chain) if by_region[r]]
+        rate = {r: -neg for neg, _, r in heap}
+        heapq.heapify(heap)
+        for _ in range(n_stages):
+            _, pos, r = heapq.heappop(heap)
+            seats[r] += 1
+            if seats[r] < len(by_region[r]):
+                heapq.heappush(heap, (-rate[r] / (seats[r] + 1), pos, r))
+        if mode == "drop" and all(seats.values()):
+            return None  # same as the merging variant
+        groups: list[list[int]] = []
+        owner: dict[str, tuple[int, int]] = {}  # region -> (first, last) group index it owns
+        for r in chain:
+            if seats[r]:
+                first = len(groups)
+                groups.extend(self._cut_equal_rate(by_region[r], seats[r]))
+                owner[r] = (first, len(groups) - 1)
+        if mode == "merge":
+            # Join the nearest seated region along the chain, on the side with the cheaper link.
+            nearest: dict[str, list[tuple[float, int, int]]] = {r: [] for r in chain}
+            for side, walk in ((1, chain), (0, chain[::-1])):
+                seated = None
+                for r in walk:
+                    if seats[r]:
+                        seated = r
+                    elif seated is not None:
+                        nearest[r].append((self._region_cost(r, seated), side, owner[seated][side]))
+            for r in chain:
+                if not seats[r]:
+                    groups[min(nearest[r])[2]].extend(by_region[r])
+        return groups
+
+    def _cut_equal_rate(self, members: Sequence[int], k: int) -> list[list[int]]:
+        rates = self.speed[list(members)]
+        cum = np.cumsum(rates)
+        total = cum[-1]
+        out, pos, n = [], 0, len(members)
+        for j in range(k):
+            end = n if j == k - 1 else pos + 1
+            # Take a node while its midpoint falls short of this cut, leaving one node per later stage.
+            while j < k - 1 and end < n - (k - 1 - j) and cum[end] - rates[end] / 2 < (j + 1) / k * total:
+                end += 1
+            out.append(list(members[pos:end]))
+            pos = end
+        return out
+
+    def _split_layers(self, groups: Sequence[Sequence[int]]) -> tuple[Stage, ...] | None:
+        """Min-max DP over layer cuts for fixed replica groups; ties go to the smaller fill time."""
+        cm, n_layers, n_stages = self.cm, self.n_layers, len(groups)
+        if n_stages > n_layers:
+            return None
+        need = self._memory_need(n_stages)
+        occ, fill, fits = [], [], []
+        for g in groups:
+            idx = np.asarray(g, dtype=np.int64)
+            classes, first, count = np.unique(self.profile_class[idx], return_index=True, return_counts=True)
+            rep = idx[first]
+            p = cm.prefix_seconds[rep]
+            secs = p[:, None, :] - p[:, :, None]  # [class, a, b] = seconds over [a, b)
+            fit_rep = cm.memory[rep][:, None, None] >= need[None]
+            with np.errstate(divide="ignore"):
+                inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
+                c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
+            occ.append(c)
+            fill.append(c * len(idx))
+            fits.append(fit_rep[np.searchsorted(classes, self.profile_class[idx])])
+        link_occ, link_fill = [], []
+        for s in range(n_stages - 1):
+            a, b = (np.asarray(groups[k], dtype=np.int64) for k in (s, s + 1))
+            wa, wb = self.speed[a] / self.speed[a].sum(), self.speed[b] / self.speed[b].sum()
+            sub = np.ix_(a, b)
+            per_bit = wa @ cm.pair_seconds_per_bit[sub] @ wb
+            lat = wa @ cm.pair_lat[sub] @ wb
+            x = np.concatenate([[np.inf], 2 * (cm.boundary_bits * per_bit + lat)])  # indexed by cut position
+            link_fill.append(x)
+            link_occ.append(x / min(len(a), len(b)))
+        worst = occ[0][0].copy()  # cut at b: best bottleneck of stages so far
+        total = fill[0][0].copy()
+        back = []
+        for s in range(1, n_stages):
+            prev_worst = np.maximum(worst, link_occ[s - 1])
+            cand_worst = np.maximum(prev_worst[:, None], occ[s])
+            cand_total = (total + link_fill[s - 1])[:, None] + fill[s]
+            cand_worst[np.tril_indices(n_layers + 1)] = np.inf
+            key = np.lexsort((cand_total, cand_worst), axis=0)[0]  # per column b: smallest worst, then total
+            cols = np.arange(n_layers + 1)
+            worst, total = cand_worst[key, cols], cand_total[key, cols]
+            back.append(key)
+        if not math.isfinite(worst[n_layers]):
+            return None
+        cuts = [n_layers]
+        for key in reversed(back):
+            cuts.append(int(key[cuts[-1]]))
+        cuts.reverse()
+        bounds = [0] + cuts
+        stages = []
+        for s, g in enumerate(groups):
+            a, b = bounds[s], bounds[s + 1]
+            members = tuple(sorted(i for k, i in enumerate(g) if fits[s][k, a, b]))
+            stages.append((a, b, members))
+        return tuple(stages)
+
+    def _memory_need(self, n_stages: int) -> np.ndarray:
+        """[a, b] = memory a replica of layers [a, b) needs among n_stages stages; inf where b <= a."""
+        if n_stages in self._need_cache:
+            return self._need_cache[n_stages]
+        cm = self.cm
+        params = cm.param_prefix[None, :] - cm.param_prefix[:, None]
+        acts = cm.act_prefix[None, :] - cm.act_prefix[:, None]
+        need = params * cm.model.state_bytes_per_param_byte + acts * min(cm.microbatches, n_stages)
+        need[np.tril_indices(self.n_layers + 1)] = np.inf
+        self._need_cache[n_stages] = need
+        return need
+
+    # --- local search ----------------------------------------------------------------------------------
+
+    def _refine(self, stages: tuple[Stage, ...], *, nodes_first: bool = False) -> tuple[Stage, ...]:
+        """First-improvement local search; nodes_first (for the adapted previous plan) tries moves that shift
+        one node's layers before those that shift a whole stage's."""
+        cm = self.cm
+        best, best_cost = stages, cm.step_seconds(stages)
+        for _ in range(self.config.max_refine_passes):
+            improved = False
+            moves = (self._boundary_moves(best), self._node_moves(best))
+            for trial in itertools.chain(*(moves[::-1] if nodes_first else moves)):
+                cost = cm.step_seconds(trial)
+                if cost < best_cost * (1 - 1e-9):
+                    best, best_cost, improved = trial, cost, True
+                    break
+            if not improved:
+                break
+        return best
+
+    def _boundary_moves(self, stages: tuple[Stage, ...]):
+        """Shift one stage boundary by one layer."""
+        for s in range(len(stages) - 1):
+            (a, b, left), (_, c, right) = stages[s], stages[s + 1]
+            for cut in (b - 1, b + 1):
+                if a < cut < c:
+                    yield stages[:s] + ((a, cut, left), (cut, c, right)) + stages[s + 2 :]
+
+    def _node_moves(self, stages: tuple[Stage, ...]):
+        """Move one node to another stage or out; only on small clusters, where there are few such moves."""
+        if len(self.cm.usable) * len(stages) > self.config.node_move_limit:
+            return
+        where = {i: s for s, (_, _, nodes) in enumerate(stages) for i in nodes}
+        for i in self.cm.usable:
+            src = where.get(i)
+            for dst in [*range(len(stages)), None]:
+                if dst == src or (src is not None and len(stages[src][2]) == 1):
+                    continue
+                trial = list(stages)
+                if src is not None:
+                    a, b, nodes = trial[src]
+                    trial[src] = (a, b, tuple(n for n in nodes if n != i))
+                if dst is not None:
+                    a, b, nodes = trial[dst]
+                    trial[dst] = (a, b, tuple(sorted(nodes + (i,))))
+                yield tuple(trial)
+
+    # --- re-planning -----------------------------------------------------------------------------------
+
+    def _previous_ranges(self, previous: Plan | None) -> dict[int, tuple[int, int]]:
+        if previous is None or not previous.stages or previous.stages[-1].end != self.n_layers:
+            return {}
+        self._previously_out = {self.cm.index[n] for n in previous.excluded if n in self.cm.index}
+        return {self.cm.index[n]: r for n, r in previous.layer_ranges().items() if n in self.cm.index}
+
+    def _adapt(self, prev: dict[int, tuple[int, int]]) -> tuple[Stage, ...] | None:
+        """The previous plan with departed nodes removed and new nodes added where compute is scarcest."""
+        cm = self.cm
+        usable = set(cm.usable)
+        ranges = sorted(set(prev.values()))
+        members = {r: [i for i in sorted(prev) if prev[i] == r and i in usable] for r in ranges}
+        kept: list[list] = []
+        for r in ranges:
+            if members[r]:
+                kept.append([r[0], r[1], members[r]])
+            elif kept:
+                kept[-1][1] = r[1]  # an orphaned range joins the stage before it
+        if not kept:
+            return None
+        kept[0][0] = 0
+        for s in range(1, len(kept)):
+            kept[s][0] = kept[s - 1][1]
+        kept[-1][1] = self.n_layers
+        if self.config.stages is not None and len(kept) != self.config.stages:
+            return None
+        newcomers = [i for i in cm.usable if i not in prev and i not in self._previously_out]
+        for i in newcomers:
+            options = [
+                s
+                for s, (a, b, _) in enumerate(kept)
+                if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept))
+            ]
+            if not options:
+                continue
+            local = [s for s in options if any(cm.nodes[j].region == cm.nodes[i].region for j in kept[s][2])]
+            pool = local or options
+            occupancy = {
+                s: 1.0 / float(np.sum(1.0 / cm.node_seconds(np.asarray(kept[s][2]), kept[s][0], kept[s][1])))
+                for s in pool
+            }
+            kept[max(pool, key=lambda s: (occupancy[s], -s))][2].append(i)
+        stages = tuple(
+            (a, b, tuple(sorted(i for i in nodes if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept)))))
+            for a, b, nodes in kept
+        )
+        return stages if all(nodes for _, _, nodes in stages) else None
+
+    def _moved_layers(self, stages: Sequence[Stage], prev: dict[int, tuple[int, int]]) -> int:
+        moved = 0
+        for a, b, nodes in stages:
+            for i in nodes:
+                if i in prev:
+                    pa, pb = prev[i]
+                    moved += (b - a) - max(0, min(b, pb) - max(a, pa))
+        return moved

@@ -1,0 +1,93 @@
+"""Cost model: hand-computed step times, memory feasibility, network lookups."""
+
+import math
+
+import pytest
+
+from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
+
+TINY = ModelProfile(
+    layer_param_bytes=[100, 100],
+    boundary_bytes=[1000, 0],
+    layer_activation_bytes=[10, 10],
+    layer_flops=[1.0, 1.0],
+)
+SLOW_NET = Network(intra_region=Link(bandwidth_bps=8000, latency_s=0.5))  # 1000 bytes/s
+
+
+def node(name, seconds, memory=10**6, region="r"):
+    return NodeProfile(node_id=name, region=region, layer_seconds=seconds, memory_bytes=memory)
+
+
+def model_for(nodes, microbatches=4, codec_ratio=1.0, network=SLOW_NET):
+    return CostModel(
+        nodes=nodes, model=TINY, network=network, microbatches=microbatches, microbatch_size=1, codec_ratio=codec_ratio
+    )
+
+
+def test_two_stage_pipeline_by_hand():
+    cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])])
+    # Each stage 1 s per microbatch; the link: 2 * (1000 B / 1000 B/s + 0.5 s) = 3 s, the bottleneck.
+    # T = (M-1) * 3 + (1 + 1) + 3 = 14.
+    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(14.0)
+    plan = cm.plan([(0, 1, [0]), (1, 2, [1])], {})
+    assert plan.samples_per_s == pytest.approx(4 / 14)
+    assert plan.stages[0].transfer_s == pytest.approx(12.0)
+    assert plan.bottleneck.startswith("link stage 0 -> 1")
+
+
+def test_codec_ratio_shrinks_the_bytes_term_only():
+    cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])], codec_ratio=0.5)
+    # Link: 2 * (0.5 + 0.5) = 2 s; T = 3 * 2 + 2 + 2 = 10.
+    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(10.0)
+
+
+def test_replicas_share_by_speed_and_average_gradients():
+    cm = model_for([node("fast", [0.5, 0.5]), node("slow", [1.5, 1.5])])
+    # t = 1 and 3: c = 1 / (1 + 1/3) = 0.75, h = 2 * 0.75 = 1.5.
+    # All-reduce: 2 (n-1)/n * 200 B * 8 / 8000 + 2 * 0.5 = 0.2 + 1 = 1.2.  T = 3 * 0.75 + 1.5 + 1.2.
+    assert cm.step_seconds([(0, 2, [0, 1])]) == pytest.approx(3 * 0.75 + 1.5 + 1.2)
+
+
+def test_parallel_pairs_divide_link_occupancy():
+    fast_net = Network(intra_region=Link(bandwidth_bps=8e9, latency_s=0.0))
+    nodes = [node(f"n{i}", [1.0, 1.0]) for i in range(4)]
+    one = model_for(nodes[:2], network=SLOW_NET)
+    two = model_for(nodes, network=SLOW_NET)
+    assert one.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(3 * 3 + 2 + 3)
+    # Two pairs: link occupancy 3 / 2 = 1.5 > compute 0.5; plus all-reduce 2*(1/2)*800/8000 + 2*0.5 = 1.1.
+    assert two.step_seconds([(0, 1, [0, 1]), (1, 2, [2, 3])]) == pytest.approx(3 * 1.5 + 2 + 3 + 1.1)
+    assert model_for(nodes, network=fast_net).step_seconds([(0, 2, [0, 1, 2, 3])]) < 5
+
+
+def test_memory_infeasible_plan_is_infinite_and_small_node_unusable():
+    # Stage of both layers: 200 B * (2 + 2 * 4/4) + 20 B * min(M=4, S=1) = 820 B.
+    cm = model_for([node("big", [1.0, 1.0], memory=820), node("small", [1.0, 1.0], memory=819)])
+    assert cm.stage_memory_bytes(0, 2, 1) == 820
+    assert cm.step_seconds([(0, 2, [0])]) < math.inf
+    assert cm.step_seconds([(0, 2, [1])]) == math.inf
+    tiny = model_for([node("tiny", [1.0, 1.0], memory=100)])
+    assert tiny.usable == []
+
+
+def test_gpt_profile_shape_and_size():
+    m = ModelProfile.gpt(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, microbatch_size=1)
+    assert m.n_layers == 26
+    assert 1.3e9 < sum(m.layer_param_bytes) / 4 < 1.5e9
+    assert m.boundary_bytes[0] == 1024 * 2048 * 4 and m.boundary_bytes[-1] == 0
+
+
+def test_network_overrides_caps_and_missing_pair():
+    a, b, c = node("a", [1.0, 1.0], region="x"), node("b", [1.0, 1.0], region="y"), node("c", [1.0, 1.0], region="z")
+    net = Network(
+        intra_region=Link(bandwidth_bps=1e9, latency_s=0.001),
+        inter_region={("y", "x"): Link(bandwidth_bps=1e8, latency_s=0.05)},
+        node_bandwidth_bps={"a": 2e7},
+        pair_overrides={("b", "a"): Link(bandwidth_bps=5e7, latency_s=0.04)},
+    )
+    assert net.bandwidth_bps(a, b) == 5e7 and net.latency_s(b, a) == 0.04
+    assert net.bandwidth_bps(a, a) == 2e7
+    with pytest.raises(ValueError, match="no link between regions"):
+        net.bandwidth_bps(a, c)
+    with pytest.raises(ValueError):
+        Link(bandwidth_bps=0, latency_s=0)
