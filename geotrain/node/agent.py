@@ -140,6 +140,7 @@ class Agent:
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
+        self._orders: grpc.Future | None = None  # the open order stream, cancelled by stop()
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -162,6 +163,8 @@ class Agent:
     def stop(self) -> None:
         """Ask the node to stop (from a signal handler or another thread)."""
         self.stopped.set()
+        if self._orders is not None:
+            self._orders.cancel()
 
     def close(self) -> None:
         """Release the server, channels and threads."""
@@ -213,15 +216,12 @@ class Agent:
 
     def _orders_loop(self) -> None:
         while not self.stopped.is_set():
-            stream = self._retry_until_reachable(
+            self._orders = self._retry_until_reachable(
                 lambda: self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
             )
             try:
-                for order in stream:
+                for order in self._orders:
                     if self._on_order(order):
-                        return
-                    if self.stopped.is_set():
-                        stream.cancel()
                         return
             except grpc.RpcError as e:
                 if self.stopped.is_set():

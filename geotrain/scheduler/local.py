@@ -9,12 +9,23 @@ import sys
 from pathlib import Path
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM us when the parent dies, so no node outlives a killed demo."""
-    if sys.platform == "linux":
-        import ctypes
+PARENT_ENV = "GEOTRAIN_PARENT_PID"
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def exit_with_parent() -> None:
+    """In a spawned node: have Linux SIGTERM us when the spawning process dies, so no node outlives a killed demo.
+
+    The child arms this itself after exec: a preexec_fn would make Python fork() while gRPC threads run in the
+    parent, which leaves the child's gRPC broken.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or sys.platform != "linux":
+        return
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def spawn_node(
@@ -22,13 +33,14 @@ def spawn_node(
 ) -> subprocess.Popen:
     """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log."""
     # One thread per process: several processes share a small machine, and more threads oversubscribe it.
-    env = {**os.environ, "GEOTRAIN_TOKEN": token, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "GEOTRAIN_TOKEN": token, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           PARENT_ENV: str(os.getpid())}
     cmd = [
         sys.executable, "-m", "geotrain", "--log-level", "info", "join",
         "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0", *(extra_args or []),
     ]
     with open(log_dir / f"{node_id}.log", "ab") as log_file:
-        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:

@@ -1,0 +1,103 @@
+"""Shared fixtures: run the CLI as a real process, and a local cluster with an in-process coordinator."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geotrain.config import RunConfig
+from geotrain.node.data import Corpus
+from geotrain.protocol.auth import new_token
+from geotrain.scheduler.coordinator import Coordinator, RunSummary
+from geotrain.scheduler.local import spawn_node, stop_processes
+from geotrain.scheduler.service import make_coordinator_server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def geotrain_env() -> dict[str, str]:
+    """Environment for geotrain processes started by tests: one compute thread each (two cores here)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m geotrain ARGS` to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "geotrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=geotrain_env(),
+        cwd=REPO,
+    )
+
+
+@dataclass
+class LocalCluster:
+    """A coordinator running in a thread of the test process, with real node processes."""
+
+    coordinator: Coordinator
+    port: int
+    token: str
+    procs: list[subprocess.Popen]
+    thread: threading.Thread
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def wait(self, timeout: float) -> RunSummary:
+        """Wait for the run to end; re-raise what ended it if it failed."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError("run did not finish")
+        if "error" in self.result:
+            raise self.result["error"]
+        return self.result["summary"]
+
+
+@contextmanager
+def local_cluster(
+    cfg: RunConfig, n_nodes: int, log_dir: Path, on_event: Callable[[str, dict], None] | None = None
+) -> Iterator[LocalCluster]:
+    """Start a coordinator and n_nodes `geotrain join` processes (training starts when all joined); always tear down."""
+    cfg.scheduler.min_nodes = n_nodes
+    token = new_token()
+    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+    coordinator = Coordinator(cfg, on_event=on_event)
+    server, port = make_coordinator_server(coordinator, token, "127.0.0.1:0")
+    procs = [spawn_node(f"127.0.0.1:{port}", f"node-{i + 1}", token, log_dir) for i in range(n_nodes)]
+    server.start()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["summary"] = coordinator.run()
+        except Exception as e:  # handed to the test through LocalCluster.wait
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield LocalCluster(coordinator, port, token, procs, thread, result)
+    finally:
+        coordinator.stop_requested.set()
+        thread.join(10)
+        coordinator.shutdown_nodes("test over", grace_s=1.0)
+        stop_processes(procs)
+        server.stop(grace=0.5).wait(2)
+        coordinator.store.close()
+
+
+@pytest.fixture
+def small_config() -> RunConfig:
+    """A fast configuration for multi-process tests."""
+    from geotrain.config import load_config
+
+    return load_config(None, ["run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4"])

@@ -1,0 +1,78 @@
+"""Run config: TOML + overrides into validating dataclasses, and the CLI's handling of bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from geotrain.config import ConfigError, RunConfig, build_config, from_proto, load_config, to_proto
+from tests.conftest import run_cli
+
+
+def test_defaults_are_valid_and_round_trip_the_wire():
+    cfg = RunConfig()
+    assert cfg.model.total_layers == cfg.model.n_layers + 2
+    cfg.data.paths = ["a/*.txt"]
+    cfg.train.lr = 1.234567891e-3
+    back = from_proto(to_proto(cfg))
+    assert back.train == cfg.train and back.model == cfg.model and back.data == cfg.data and back.run == cfg.run
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nn_layers = 2\nd_model = 64\n[train]\nlr = 0.01\n[data]\npaths = ["x.txt"]\n')
+    cfg = load_config(path, ["model.n_heads=2", "train.lr=0.02", "data.paths=a.txt,b.txt"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads) == (2, 64, 2)
+    assert cfg.train.lr == 0.02
+    assert cfg.data.paths == ["a.txt", "b.txt"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"train": {"lr": 5}}, "train.lr must be in"),
+        ({"model": {"n_layers": 0}}, "model.n_layers must be in [1, 1024], got 0"),
+        ({"model": {"d_model": 100, "n_heads": 3}}, "model.n_heads must divide"),
+        ({"train": {"microbatches": "many"}}, "train.microbatches must be an integer"),
+        ({"train": {"nope": 1}}, "unknown key train.nope"),
+        ({"bogus": {}}, "unknown section [bogus]"),
+        ({"scheduler": {"heartbeat_interval_s": 2, "heartbeat_timeout_s": 1}}, "heartbeat_timeout_s must exceed"),
+    ],
+)
+def test_bad_values_name_the_key(raw, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert message in str(err.value)
+
+
+def test_lr_schedule_and_clip():
+    t = RunConfig().train
+    assert t.lr_at(0, 100) == pytest.approx(t.lr / t.warmup_steps)
+    assert t.lr_at(t.warmup_steps, 100) == pytest.approx(t.lr)
+    assert t.lr_at(100, 100) == pytest.approx(t.min_lr)
+    assert t.clip_coefficient(0.25) == 1.0
+    assert t.clip_coefficient(16.0) == pytest.approx(t.grad_clip / 4.0, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_value_is_one_line_exit_2():
+    result = run_cli("train-local", "--set", "train.lr=7")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.lr must be in" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_has_a_sentence_and_an_example():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "demo" in result.stdout
+    for command in ("coordinator", "join", "demo", "train-local", "plan"):
+        out = run_cli(command, "--help").stdout
+        assert "example:" in out and f"geotrain {command}" in out, command
+
+
+@pytest.mark.timeout(60)
+def test_demo_refuses_stages_other_than_nodes_until_replicas():
+    result = run_cli("demo", "--nodes", "3", "--stages", "2")
+    assert result.returncode == 2
+    assert "--stages must equal --nodes" in result.stderr

@@ -1,0 +1,105 @@
+"""Tensor framing and run-token auth, as units."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.auth import ServerAuth, auth_metadata
+from geotrain.protocol.framing import FrameError
+
+
+def _frames(tensor: torch.Tensor, chunk_bytes: int = 1000) -> list[pb.TensorChunk]:
+    payload = framing.raw_payload(tensor)
+    header = framing.make_header("w", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+    return list(framing.chunk_tensor(header, payload, pb.MicrobatchRef(step=3, microbatch=1), chunk_bytes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+def test_round_trip_over_many_chunks(dtype):
+    tensor = (torch.randn(7, 33, 5) * 100).to(dtype)
+    chunks = _frames(tensor)
+    assert len(chunks) > 1 and not chunks[1].HasField("header")
+    (received,) = list(framing.read_tensors(chunks))
+    assert received.ref.step == 3 and received.header.name == "w"
+    assert torch.equal(framing.raw_tensor(received.header, received.payload), tensor)
+
+
+def test_several_tensors_in_one_stream():
+    a, b = torch.randn(100), torch.arange(10)
+    received = list(framing.read_tensors(_frames(a, 64) + _frames(b, 64)))
+    assert [r.header.shape for r in received] == [[100], [10]]
+
+
+def test_truncated_stream_is_data_loss():
+    chunks = _frames(torch.randn(1000))[:-1]
+    with pytest.raises(FrameError) as err:
+        list(framing.read_tensors(chunks))
+    assert err.value.code == grpc.StatusCode.DATA_LOSS and "truncated" in str(err.value)
+
+
+def test_extra_bytes_and_bad_checksum_are_rejected():
+    chunks = _frames(torch.randn(1000))
+    chunks.append(pb.TensorChunk(data=b"x"))
+    with pytest.raises(FrameError, match="more than"):
+        list(framing.read_tensors(chunks))
+    chunks = _frames(torch.randn(1000))
+    chunks[0].header.crc32 = zlib.crc32(b"other")
+    with pytest.raises(FrameError, match="checksum"):
+        list(framing.read_tensors(chunks))
+
+
+def test_oversized_header_is_rejected_before_reading():
+    header = pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[1 << 29], codec=pb.CODEC_NONE, payload_bytes=1 << 31)
+    with pytest.raises(FrameError) as err:
+        framing.check_header(header, max_bytes=1 << 20)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        pb.TensorHeader(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], codec=pb.CODEC_NONE),
+        pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[1], codec=pb.CODEC_UNSPECIFIED),
+        pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[-1], codec=pb.CODEC_NONE),
+        pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[1] * 9, codec=pb.CODEC_NONE),
+    ],
+)
+def test_inconsistent_headers(header):
+    with pytest.raises(FrameError):
+        framing.check_header(header, max_bytes=1 << 20)
+
+
+def test_stream_must_start_with_header():
+    with pytest.raises(FrameError, match="header"):
+        list(framing.read_tensors([pb.TensorChunk(data=b"abc")]))
+    with pytest.raises(FrameError, match="empty"):
+        list(framing.read_tensors([]))
+
+
+def test_raw_tensor_size_must_match():
+    header = pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[4], codec=pb.CODEC_NONE)
+    with pytest.raises(FrameError, match="do not fill"):
+        framing.raw_tensor(header, b"\0" * 12)
+
+
+def _metadata(token: str, method: str = "/geotrain.v1.Stage/Forward") -> dict[str, str]:
+    return dict(auth_metadata(token, method, "node-1"))
+
+
+def test_auth_accepts_good_and_rejects_wrong_token_replay_and_stale():
+    guard = ServerAuth("secret")
+    md = _metadata("secret")
+    assert guard.check("/geotrain.v1.Stage/Forward", md) is None
+    assert "replayed" in guard.check("/geotrain.v1.Stage/Forward", md)
+    assert "wrong token" in guard.check("/geotrain.v1.Stage/Forward", _metadata("guess"))
+    # The MAC covers the method: a proof for one RPC does not open another.
+    assert "wrong token" in guard.check("/geotrain.v1.Stage/Backward", _metadata("secret"))
+    assert "stale" in guard.check("/geotrain.v1.Stage/Forward", _metadata("secret"), now=time.time() + 3600)
+    assert "missing" in guard.check("/geotrain.v1.Stage/Forward", {})
