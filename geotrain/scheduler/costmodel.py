@@ -476,7 +476,8 @@ class CostModel:
             return f"{100 * x / t.step_s:.0f}% of the step"
 
         def regions(k: int) -> str:
-            return "+".join(sorted({self.nodes[i].region for i in stages[k][2]}))
+            names = sorted({self.nodes[i].region for i in stages[k][2]})
+            return "+".join(names) if len(names) <= 3 else f"{len(names)} regions"
 
         if sync >= pace and sync >= fill:
             s = int(np.argmax(t.allreduce))

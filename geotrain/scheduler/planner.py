@@ -301,11 +301,13 @@ class Planner:
         return out
 
     def _split_layers(self, groups: Sequence[Sequence[int]]) -> tuple[Stage, ...] | None:
-        """Min-max DP over layer cuts for fixed replica groups; ties go to the smaller fill time."""
+        """Min-max DP over layer cuts for fixed replica groups, of each stage's (M-1) x occupancy + all-reduce and
+        each link's (M-1) x occupancy; ties go to the smaller fill time."""
         cm, n_layers, n_stages = self.cm, self.n_layers, len(groups)
         if n_stages > n_layers:
             return None
         need = self._memory_need(n_stages)
+        params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8
         occ, fill, fits = [], [], []
         for g in groups:
             idx = np.asarray(g, dtype=np.int64)
@@ -317,7 +319,8 @@ class Planner:
             with np.errstate(divide="ignore"):
                 inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
                 c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
-            occ.append(c)
+            # Key per stage in seconds per step: its share of the pipeline pace plus its own gradient all-reduce.
+            occ.append((cm.microbatches - 1) * c + self._allreduce_seconds(idx, params_bits))
             fill.append(c * len(idx))
             fits.append(fit_rep[np.searchsorted(classes, self.profile_class[idx])])
         link_occ, link_fill = [], []
@@ -329,7 +332,7 @@ class Planner:
             lat = wa @ cm.pair_lat[sub] @ wb
             x = np.concatenate([[np.inf], 2 * (cm.boundary_bits * per_bit + lat)])  # indexed by cut position
             link_fill.append(x)
-            link_occ.append(x / min(len(a), len(b)))
+            link_occ.append((cm.microbatches - 1) * x / min(len(a), len(b)))
         worst = occ[0][0].copy()  # cut at b: best bottleneck of stages so far
         total = fill[0][0].copy()
         back = []
@@ -355,6 +358,15 @@ class Planner:
             members = tuple(sorted(i for k, i in enumerate(g) if fits[s][k, a, b]))
             stages.append((a, b, members))
         return tuple(stages)
+
+    def _allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray) -> np.ndarray | float:
+        """The cost model's all-reduce time of a replica group, for every parameter size in params_bits."""
+        n = len(idx)
+        if n < 2:
+            return 0.0
+        sub = np.ix_(idx, idx)
+        off = ~np.eye(n, dtype=bool)
+        return 2 * (n - 1) / n * params_bits / self.cm.pair_bw[sub][off].min() + 2 * self.cm.pair_lat[sub][off].max()
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
         """[a, b] = memory a replica of layers [a, b) needs among n_stages stages; inf where b <= a."""
