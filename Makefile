@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 \
-	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 aiohttp==3.14.5 prometheus-client==0.26.0 \
+	pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test proto bench clean
@@ -21,7 +22,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/geotrain demo
 
+# The status page test drives headless Chromium; install Debian's when we may (root with apt), else it skips.
 test: $(STAMP)
+	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; fi
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)

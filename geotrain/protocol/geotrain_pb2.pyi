@@ -415,20 +415,24 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., est_compute_s: _Optional[float] = ..., est_transfer_s: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio")
+    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio", "raw_bytes", "wire_bytes")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_MBPS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     bandwidth_mbps: float
     latency_ms: float
     codec: str
     compression_ratio: float
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ...) -> None: ...
+    raw_bytes: int
+    wire_bytes: int
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class StepPoint(_message.Message):
     __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds")

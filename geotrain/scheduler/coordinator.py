@@ -424,6 +424,8 @@ class Coordinator:
                     dst=link.peer,
                     codec=link.codec,
                     compression_ratio=link.raw_bytes / link.wire_bytes if link.wire_bytes else 1.0,
+                    raw_bytes=link.raw_bytes,
+                    wire_bytes=link.wire_bytes,
                 )
         if plan:
             reply.plan_epoch = plan.epoch
