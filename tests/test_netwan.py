@@ -1,0 +1,175 @@
+"""deploy/: the delay relay, the namespace WAN (a shaped link, a run across it, teardown), the example configs."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from geotrain.compression import get_codec
+from geotrain.config import load_config
+from tests.conftest import REPO, run_cli
+
+LINK_MBPS = 20.0
+LATENCY_MS = 20.0
+
+
+def _load(name: str) -> ModuleType:
+    """Import a deploy/wan script by path: deploy/ is not a package."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / "wan" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class body runs
+    spec.loader.exec_module(module)
+    return module
+
+
+netwan = _load("netwan")
+delay_relay = _load("delay_relay")
+
+
+# -- the relay, on 127.0.0.1 (no root needed) -------------------------------------------------------------------------
+
+
+async def _echo_round_trips(latency_ms: float, local_nets: list[str], messages: int) -> tuple[list[bytes], float]:
+    """Echo numbered lines through a relay; returns what came back and the first round trip in seconds."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(4096):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    target = server.sockets[0].getsockname()[1]
+    relay = delay_relay.Relay([delay_relay.parse_route(f"127.0.0.1:0=127.0.0.1:{target}")], latency_ms, local_nets)
+    [(host, port)] = await relay.start()
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        start = time.monotonic()
+        writer.write(b"0\n")
+        first = [await reader.readline()]
+        rtt = time.monotonic() - start
+        # A burst of small writes: each is its own chunk in the relay, and they must come back in order.
+        for i in range(1, messages):
+            writer.write(f"{i}\n".encode())
+        writer.write_eof()
+        rest = [line async for line in reader]
+        writer.close()
+        return first + rest, rtt
+    finally:
+        await relay.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_relay_delays_each_direction_and_keeps_order():
+    lines, rtt = asyncio.run(_echo_round_trips(latency_ms=40, local_nets=[], messages=500))
+    assert lines == [f"{i}\n".encode() for i in range(500)]
+    assert rtt >= 0.080, "40 ms each way must cost at least 80 ms per round trip"
+    assert rtt < 0.5
+
+
+@pytest.mark.timeout(30)
+def test_relay_does_not_delay_local_clients():
+    _, rtt = asyncio.run(_echo_round_trips(latency_ms=200, local_nets=["127.0.0.0/8"], messages=2))
+    assert rtt < 0.2
+
+
+def test_route_parsing_rejects_garbage():
+    assert delay_relay.parse_route("10.1.0.2:7000=127.0.0.1:7001") == delay_relay.Route("10.1.0.2", 7000,
+                                                                                        "127.0.0.1", 7001)
+    for bad in ("10.1.0.2:7000", "10.1.0.2=127.0.0.1:1", ":1=127.0.0.1:2", "a:b=c:1"):
+        with pytest.raises(ValueError):
+            delay_relay.parse_route(bad)
+
+
+# -- the namespace WAN (root and `ip netns` needed) --------------------------------------------------------------------
+
+
+def _skip_unless_namespaces() -> None:
+    try:
+        netwan.check_environment()
+    except netwan.WanError as e:
+        pytest.skip(f"no namespace WAN here: {e}")
+
+
+def _assert_gone(wan) -> None:
+    """Nothing of the run is left: no namespace, no process."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert wan.spec.run_id not in listing
+    assert not wan.processes
+
+
+@pytest.fixture
+def wan(tmp_path: Path) -> Iterator:
+    """A 2-region WAN, one node per region, LINK_MBPS and LATENCY_MS between them; always torn down."""
+    _skip_unless_namespaces()
+    w = netwan.Wan(netwan.WanSpec(regions=2, nodes_per_region=1, link_mbps=LINK_MBPS, latency_ms=LATENCY_MS),
+                   log_dir=tmp_path)
+    try:
+        w.build()
+        yield w
+    finally:
+        w.close()
+        _assert_gone(w)
+
+
+@pytest.mark.timeout(90)
+def test_inter_region_link_runs_at_the_configured_rate(wan):
+    for src, dst in ((0, 1), (1, 0)):
+        mbps = wan.measure_bandwidth(src, dst, nbytes=4 << 20)
+        assert abs(mbps - LINK_MBPS) <= 0.2 * LINK_MBPS, f"region {src} -> {dst}: {mbps:.2f} Mbit/s"
+
+
+@pytest.mark.timeout(90)
+def test_training_runs_across_the_wan(wan):
+    rc = wan.run(["--set", "run.steps=3", "--set", "run.eval_every=0"], timeout_s=75)
+    log = (wan.log_dir / "coordinator.log").read_text()
+    assert rc == 0, log[-3000:]
+    assert "done: 3 steps" in log
+    # Each node reached the coordinator, and is reached by its peers, through its region's relay.
+    assert f"r0n0 joined from {wan.node_address(0, 0)} (region-0)" in log
+    assert f"r1n0 joined from {wan.node_address(1, 0)} (region-1)" in log
+
+
+@pytest.mark.timeout(60)
+def test_teardown_after_a_failure_leaves_nothing(tmp_path):
+    _skip_unless_namespaces()
+    wan = netwan.Wan(netwan.WanSpec(regions=2, nodes_per_region=1), log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="induced"):
+        with wan:
+            wan.build()
+            # Nodes with no coordinator yet: they sit in their retry loops, as in a run that breaks early.
+            procs = wan.start_nodes()
+            raise RuntimeError("induced failure")
+    assert all(p.poll() is not None for p in procs)
+    _assert_gone(wan)
+
+
+# -- example run configs ----------------------------------------------------------------------------------------------
+
+CONFIGS = sorted((REPO / "deploy" / "configs").glob("*.toml"))
+
+
+def test_there_are_example_configs():
+    assert len(CONFIGS) >= 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_example_config_trains_locally(path: Path):
+    cfg = load_config(path)
+    for spec in (cfg.compression.activations, cfg.compression.activation_grads, cfg.compression.replica_grads):
+        get_codec(spec)
+    assert cfg.scheduler.stages <= cfg.scheduler.min_nodes
+    result = run_cli("train-local", "--config", str(path), "--steps", "1", timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 1 steps" in result.stdout
