@@ -24,6 +24,7 @@ EXAMPLES = {
     "demo": "geotrain demo --nodes 3 --steps 30",
     "train-local": "geotrain train-local --config run.toml --json",
     "plan": "geotrain plan --cluster deploy/clusters/four-regions.yaml",
+    "status": "geotrain status --coordinator coordinator.example.org:7000 --token $TOKEN --watch",
 }
 
 
@@ -109,6 +110,7 @@ def _run_coordinator(
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo`."""
     from geotrain.node.data import Corpus
     from geotrain.scheduler.coordinator import Coordinator, RunAborted
+    from geotrain.scheduler.http import StatusHttpServer
     from geotrain.scheduler.service import fetch_model_state, make_coordinator_server
     from geotrain.scheduler.state import RunStore
 
@@ -118,13 +120,15 @@ def _run_coordinator(
     store = RunStore(Path(args.state_dir) / "run.sqlite") if args.state_dir else RunStore()
     coordinator = Coordinator(cfg, store=store, on_event=ProgressPrinter(out))
     server, port = make_coordinator_server(coordinator, token, listen)
+    http = StatusHttpServer(coordinator.status, args.http) if args.http != "off" else None
     _install_signal_handlers(coordinator.stop_requested.set)
     print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{port}", file=out, flush=True)
     try:
         if on_listening is not None:
-            # Before server.start(): no gRPC threads exist yet, so child processes fork cleanly.
             on_listening(port)
         server.start()
+        if http is not None:
+            print(f"status page at http://{args.http.rsplit(':', 1)[0]}:{http.start()}/", file=out, flush=True)
         try:
             summary = coordinator.run()
         except RunAborted as e:
@@ -138,6 +142,11 @@ def _run_coordinator(
         _finish(summary.as_dict(), args.json)
         return 0
     finally:
+        if http is not None:
+            if http.serving:
+                # Keep the page up a while after the run ends so a watcher sees how it ended; Ctrl+C cuts it short.
+                coordinator.stop_requested.wait(args.http_linger)
+            http.stop()
         server.stop(grace=1.0).wait(3.0)
         store.close()
 
@@ -150,10 +159,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return _run_coordinator(cfg, resolve_token(args.token), args.listen, args)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """geotrain status."""
+    from geotrain.protocol.auth import resolve_token
+    from geotrain.scheduler.status_cli import run_status
+
+    return run_status(args.coordinator, resolve_token(args.token), as_json=args.json, watch=args.watch)
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.protocol.auth import resolve_token
+    from geotrain.scheduler.local import exit_with_parent
 
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -163,6 +181,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         region=args.region,
     )
+    exit_with_parent()
     agent = Agent(options)
     _install_signal_handlers(agent.stop)
     try:
@@ -175,7 +194,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
-    from geotrain.protocol.auth import new_token
+    from geotrain.protocol.auth import TOKEN_ENV, new_token
     from geotrain.scheduler.local import spawn_node, stop_processes
 
     stages = args.stages or args.nodes
@@ -188,7 +207,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if stages > cfg.model.total_layers:
         raise UsageError(f"--stages {stages} exceeds the model's {cfg.model.total_layers} layers")
     torch_threads()
-    token = new_token()
+    token = os.environ.get(TOKEN_ENV) or new_token()
     log_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
     procs: list[subprocess.Popen] = []
 
@@ -273,11 +292,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--save-final", metavar="PATH", help="write the trained model as a safetensors file")
         p.add_argument("--json", action="store_true", help="end stdout with one JSON line of run figures")
 
+    def http_options(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument(
+            "--http",
+            default=default,
+            metavar="HOST:PORT",
+            help=f"serve the status page, /api/status and /metrics (port 0: any free; off: none; default {default})",
+        )
+        p.add_argument(
+            "--http-linger",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="keep the status page up this long after the run ends (default 0)",
+        )
+
     p = add("coordinator", "Run the coordinator that admits nodes and drives training.", [common])
     p.add_argument("--listen", default="0.0.0.0:7000", help="host:port to serve on (default 0.0.0.0:7000)")
     p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
     p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
     p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    http_options(p, "off")
     run_outputs(p)
     p.set_defaults(func=cmd_coordinator)
 
@@ -295,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, help="pipeline stages (default: one per node)")
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
     p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    http_options(p, "127.0.0.1:0")
     run_outputs(p)
     p.set_defaults(func=cmd_demo)
 
@@ -307,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="cluster YAML: nodes, regions, links")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
+
+    p = add("status", "Show a running coordinator's nodes, plan, progress and events.", [])
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the same as the page's /api/status)")
+    p.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl+C")
+    p.set_defaults(func=cmd_status)
     return parser
 
 

@@ -150,12 +150,10 @@ class Agent:
         self.address = _advertise_address(self.options, self.port)
         try:
             self._register()
-            threads = [
-                threading.Thread(target=self._work_loop, name="worker", daemon=True),
-                threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
-            ]
-            for t in threads:
-                t.start()
+            # Heartbeats start before the slow corpus read, so the coordinator never mistakes a loading node for dead.
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+            self._load_corpus()
+            threading.Thread(target=self._work_loop, name="worker", daemon=True).start()
             self._orders_loop()
         finally:
             self.close()
@@ -188,15 +186,18 @@ class Agent:
             raise NodeError(f"coordinator rejected this node ({pb.RejectReason.Name(reply.reason)}): {reply.message}")
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
-        cfg = from_proto(reply.config)
-        corpus = Corpus.load(cfg.data)
-        if cfg.data.fingerprint and corpus.fingerprint != cfg.data.fingerprint:
+        self.cfg = from_proto(reply.config)
+        log.info("registered as %s, serving on %s", self.node_id, self.address)
+
+    def _load_corpus(self) -> None:
+        assert self.cfg is not None
+        corpus = Corpus.load(self.cfg.data)
+        if self.cfg.data.fingerprint and corpus.fingerprint != self.cfg.data.fingerprint:
             raise NodeError(
                 "this node's corpus differs from the coordinator's (another Python version's stdlib?): "
                 "set data.paths in the run config to files every node has"
             )
-        self.cfg, self.corpus = cfg, corpus
-        log.info("registered as %s, serving on %s", self.node_id, self.address)
+        self.corpus = corpus
 
     def _retry_until_reachable(self, call: Callable[[], object]):
         """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""

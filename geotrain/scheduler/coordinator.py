@@ -280,8 +280,9 @@ class Coordinator:
         """Wait for min_nodes, plan, then train every step; returns the summary."""
         try:
             return self._train()
-        except RunAborted:
+        except RunAborted as e:
             self.state = "aborted"
+            self.store.event("aborted", detail=str(e))
             raise
 
     def _train(self) -> RunSummary:
