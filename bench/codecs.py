@@ -1,0 +1,78 @@
+"""Codec figures on tensors shaped like real activations and gradients: one JSON line per (data, codec).
+
+ratio is raw bytes over payload bytes; rel_error is ||x - decode(encode(x))|| / ||x|| for one message with
+fresh state; encode_gbps and decode_gbps are raw (fp32) bytes per second, timed in steady state (error
+feedback codecs carry their state across repetitions); memcpy_gbps is torch clone of the same tensor.
+Each figure is the median of a few repetitions after a warm-up. Run: python bench/codecs.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from geotrain.compression import get_codec
+
+SPECS = ["none", "fp16", "bf16", "int8", "int8:block=128", "int4", "topk:0.1", "topk:0.01", "powersgd:rank=4"]
+REPEATS = 7
+
+
+def _median_seconds(fn: Callable[[], object]) -> float:
+    """Median wall time of `fn` over REPEATS runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _datasets() -> list[tuple[str, torch.Tensor]]:
+    """Activations (batch x seq x hidden) and gradients (hidden x hidden), normal and heavy-tailed."""
+    g = torch.Generator().manual_seed(0)
+    activation = torch.randn(8, 128, 1024, generator=g)
+    gradient = torch.randn(4096, 4096, generator=g)
+    # Student-t with 2 degrees of freedom: a normal over the root of an independent chi-square / 2.
+    chi2 = torch.randn(2, 4096, 4096, generator=g).square().sum(0)
+    heavy = torch.randn(4096, 4096, generator=g) / (chi2 / 2).sqrt() * 1e-3
+    return [("activation", activation), ("gradient", gradient), ("gradient_heavy_tailed", heavy)]
+
+
+def _figures(spec: str, data: str, x: torch.Tensor, memcpy_s: float) -> dict[str, object]:
+    """One JSON record for codec `spec` on tensor `x`."""
+    codec = get_codec(spec)
+    payload = codec.encode(x, codec.new_state())
+    y = codec.decode(payload, x.shape, x.dtype)
+    state = codec.new_state()
+    encode_s = _median_seconds(lambda: codec.encode(x, state))
+    decode_s = _median_seconds(lambda: codec.decode(payload, x.shape, x.dtype))
+    gb = x.numel() * x.element_size() / 1e9
+    return {
+        "codec": codec.name,
+        "data": data,
+        "shape": list(x.shape),
+        "ratio": round(x.numel() * x.element_size() / len(payload), 3),
+        "rel_error": float(f"{float((x - y).norm() / x.norm()):.4g}"),
+        "encode_gbps": round(gb / encode_s, 3),
+        "decode_gbps": round(gb / decode_s, 3),
+        "memcpy_gbps": round(gb / memcpy_s, 3),
+    }
+
+
+def main() -> None:
+    """Print the figures of every codec on every data set."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    for data, x in _datasets():
+        memcpy_s = _median_seconds(lambda: x.clone())
+        for spec in SPECS:
+            print(json.dumps(_figures(spec, data, x, memcpy_s)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
