@@ -329,33 +329,90 @@ class CostModel:
         self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
+        self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
         self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
 
     def _build_links(self) -> None:
+        """Link matrices over link classes instead of nodes: nodes of one region with the same access cap and no
+        measured pair override see identical links, so a 1,000-node cluster has a few dozen classes, and every
+        link term of a plan costs O(classes^2) instead of O(nodes^2)."""
         regions = sorted({n.region for n in self.nodes})
         self.regions = regions
-        r_of = np.array([regions.index(n.region) for n in self.nodes], dtype=np.int64)
+        pos = {r: k for k, r in enumerate(regions)}
+        r_of = np.array([pos[n.region] for n in self.nodes], dtype=np.int64)
+        # Region matrices filled from the few listed pairs: standalone machines make hundreds of regions.
+        default = self.network.default_inter_region
+        r_bw = np.full((len(regions), len(regions)), default.bandwidth_bps if default else math.nan)
+        r_lat = np.full_like(r_bw, default.latency_s if default else math.nan)
+        for (ra, rb), link in self.network.inter_region.items():
+            if ra in pos and rb in pos:
+                r_bw[pos[ra], pos[rb]] = r_bw[pos[rb], pos[ra]] = link.bandwidth_bps
+                r_lat[pos[ra], pos[rb]] = r_lat[pos[rb], pos[ra]] = link.latency_s
+        np.fill_diagonal(r_bw, self.network.intra_region.bandwidth_bps)
+        np.fill_diagonal(r_lat, self.network.intra_region.latency_s)
+        missing = np.argwhere(np.isnan(r_bw))
+        if len(missing):
+            self.network.region_link(regions[missing[0][0]], regions[missing[0][1]])  # raises, naming the pair
         self.region_of = r_of
-        r_bw = np.empty((len(regions), len(regions)))
-        r_lat = np.empty_like(r_bw)
-        for i, ra in enumerate(regions):
-            for j, rb in enumerate(regions):
-                link = self.network.region_link(ra, rb)
-                r_bw[i, j], r_lat[i, j] = link.bandwidth_bps, link.latency_s
+        self.region_bw = r_bw
+        self.region_lat = r_lat
         caps = np.array([self.network.node_bandwidth_bps.get(n.node_id, math.inf) for n in self.nodes])
-        bw = np.minimum(r_bw[np.ix_(r_of, r_of)], np.minimum.outer(caps, caps))
-        lat = r_lat[np.ix_(r_of, r_of)]
-        for (a, b), link in self.network.pair_overrides.items():
-            if a in self.index and b in self.index:
-                i, j = self.index[a], self.index[b]
-                bw[i, j] = bw[j, i] = link.bandwidth_bps
-                lat[i, j] = lat[j, i] = link.latency_s
-        same = r_of[:, None] == r_of[None, :]
-        ratio = np.where(same, self.codec.intra_region, self.codec.inter_region)
-        self.pair_bw = bw
-        self.pair_lat = lat
-        self.pair_seconds_per_bit = ratio / bw
+        overrides = {(self.index[a], self.index[b]): link for (a, b), link in self.network.pair_overrides.items()
+                     if a in self.index and b in self.index}
+        measured = {i for pair in overrides for i in pair}
+        # A node with a measured pair gets a class of its own, so a class pair never mixes measured and default links.
+        keys = [("node", i) if i in measured else ("region", int(r_of[i]), float(caps[i])) for i in range(len(self.nodes))]
+        first: dict[tuple, int] = {}
+        self.link_class = np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
+        self.n_link_classes = len(first)
+        reps = np.array([keys.index(k) for k in first], dtype=np.int64)
+        rc = r_of[reps]
+        bw = np.minimum(r_bw[np.ix_(rc, rc)], np.minimum.outer(caps[reps], caps[reps]))
+        lat = r_lat[np.ix_(rc, rc)]
+        for (i, j), link in overrides.items():
+            ci, cj = self.link_class[i], self.link_class[j]
+            bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
+            lat[ci, cj] = lat[cj, ci] = link.latency_s
+        ratio = np.where(rc[:, None] == rc[None, :], self.codec.intra_region, self.codec.inter_region)
+        self.class_bw = bw
+        self.class_lat = lat
+        self.class_seconds_per_bit = ratio / bw
+
+    def _class_weights(self, idx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The link classes present in idx and the summed weights of their nodes."""
+        of = self.link_class[idx]
+        classes = np.flatnonzero(np.bincount(of, minlength=self.n_link_classes))
+        return classes, np.bincount(of, weights=weights, minlength=self.n_link_classes)[classes]
+
+    def mean_link(
+        self, a: np.ndarray, wa: np.ndarray, b: np.ndarray, wb: np.ndarray
+    ) -> tuple[float, float]:
+        """Seconds per raw bit (codec applied) and latency between disjoint node sets a and b, expected over
+        routing weights wa and wb (each summing to 1)."""
+        ca, va = self._class_weights(a, wa)
+        cb, vb = self._class_weights(b, wb)
+        sub = np.ix_(ca, cb)
+        return float(va @ self.class_seconds_per_bit[sub] @ vb), float(va @ self.class_lat[sub] @ vb)
+
+    def allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray | float) -> np.ndarray | float:
+        """Butterfly all-reduce of params_bits (a number or an array of sizes) among the replicas idx: every
+        replica sends and receives 2 (n-1)/n of the parameters over the group's slowest link, in two rounds
+        that each wait for the group's longest latency."""
+        n = len(idx)
+        if n < 2:
+            return 0.0
+        key = tuple(idx.tolist())
+        if key not in self._group_links:  # planners score the same replica group many times
+            classes, counts = self._class_weights(idx, np.ones(n))
+            sub = np.ix_(classes, classes)
+            bw, lat = self.class_bw[sub], self.class_lat[sub]
+            # Two different nodes of one class meet over the class's own link only when the class has two of them.
+            alone = np.flatnonzero(counts < 2)
+            bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
+            self._group_links[key] = (float(bw.min()), float(lat.max()))
+        slowest, longest = self._group_links[key]
+        return 2 * (n - 1) / n * params_bits / slowest + 2 * longest
 
     # --- per-node and per-range quantities -------------------------------------------------------------
 
@@ -395,23 +452,13 @@ class CostModel:
             lat[s] = len(idx) * occ[s]
             weights.append(inv * occ[s])
             idxs.append(idx)
-            if len(idx) >= 2:
-                sub = np.ix_(idx, idx)
-                off = ~np.eye(len(idx), dtype=bool)
-                params_bits = (self.param_prefix[end] - self.param_prefix[start]) * 8
-                n = len(idx)
-                allreduce[s] = 2 * (n - 1) / n * params_bits / self.pair_bw[sub][off].min() + 2 * self.pair_lat[
-                    sub
-                ][off].max()
+            allreduce[s] = self.allreduce_seconds(idx, (self.param_prefix[end] - self.param_prefix[start]) * 8)
         transfer = np.empty(max(n_stages - 1, 0))
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
-            a, b = idxs[s], idxs[s + 1]
-            sub = np.ix_(a, b)
-            bits = self.boundary_bits[stages[s][1] - 1]
-            per_pair = 2 * (bits * self.pair_seconds_per_bit[sub] + self.pair_lat[sub])
-            transfer[s] = weights[s] @ per_pair @ weights[s + 1]
-            link_occ[s] = transfer[s] / min(len(a), len(b))
+            seconds_per_bit, latency = self.mean_link(idxs[s], weights[s], idxs[s + 1], weights[s + 1])
+            transfer[s] = 2 * (self.boundary_bits[stages[s][1] - 1] * seconds_per_bit + latency)
+            link_occ[s] = transfer[s] / min(len(idxs[s]), len(idxs[s + 1]))
         beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
         step = (self.microbatches - 1) * beta + lat.sum() + transfer.sum() + allreduce.max()
         return _Terms(

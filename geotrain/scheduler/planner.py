@@ -97,12 +97,21 @@ class Planner:
         intra = cm.network.intra_region.bandwidth_bps
         self.uplink = np.array([min(intra, cm.network.node_bandwidth_bps.get(n.node_id, intra)) for n in cm.nodes])
         self._need_cache: dict[int, np.ndarray] = {}
+        self._stage_tables: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8  # [a, b]: bits of [a, b)
+        self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
         self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
+        self.region_cost = self._region_costs()
+        self.region_index = {r: k for k, r in enumerate(cm.regions)}
         # Nodes with the same layer times and memory are interchangeable inside the layer DP: count them once.
         keys = np.column_stack([cm.prefix_seconds, cm.memory])
         _, self.profile_class = np.unique(keys, axis=0, return_inverse=True)
         self.profile_class = self.profile_class.reshape(-1)
+        # Inside a region, stages are cut from nodes sorted by link, then speed, then id: rank them once.
+        order = sorted(range(len(cm.nodes)), key=lambda i: (-self.uplink[i], -self.speed[i], cm.nodes[i].node_id))
+        self.rank = np.empty(len(cm.nodes), dtype=np.int64)
+        self.rank[order] = np.arange(len(cm.nodes))
 
     # --- top level -------------------------------------------------------------------------------------
 
@@ -115,9 +124,7 @@ class Planner:
             raise ValueError(
                 f"cannot make {self.config.stages} stages from {self.n_layers} layers and {len(cm.usable)} usable nodes"
             )
-        scored = {}
-        for cand in self._constructed():
-            scored.setdefault(cand, cm.step_seconds(cand))
+        scored = self._constructed()
         ranked = sorted((c for c in scored if math.isfinite(scored[c])), key=lambda c: (scored[c], c))
         if not ranked:
             raise ValueError("no feasible plan: the nodes lack memory for every layer split tried")
@@ -162,8 +169,9 @@ class Planner:
 
     # --- construction ----------------------------------------------------------------------------------
 
-    def _constructed(self) -> list[tuple[Stage, ...]]:
-        out = []
+    def _constructed(self) -> dict[tuple[Stage, ...], float]:
+        """Constructed candidates and their step times: every node pool, chain direction, grouping mode and stage
+        count."""
         chain = self._region_chain()
         pools = [(subset, chain) for subset in self._subsets()]
         n_full = len(pools)
@@ -179,6 +187,7 @@ class Planner:
             start = int(np.argmax(cum[width:] - cum[:-width]))  # first maximum: stable
             window = set(chain[start : start + width])
             pools.append((tuple(i for i in self.cm.usable if region_of[i] in window), chain[start : start + width]))
+        scored: dict[tuple[Stage, ...], float] = {}
         for k, (subset, order) in enumerate(pools):
             top = min(self.n_layers, len(subset))
             counts = [self.config.stages] if self.config.stages else range(1, top + 1)
@@ -186,11 +195,10 @@ class Planner:
             directions = [order] if len(order) == 1 or k >= n_full else [order, order[::-1]]
             for n_stages, direction, mode in itertools.product(counts, directions, ("merge", "drop", "flat")):
                 groups = self._groups(subset, n_stages, direction, mode)
-                if groups is not None:
-                    cand = self._split_layers(groups)
-                    if cand is not None:
-                        out.append(cand)
-        return out
+                cand = self._split_layers(groups) if groups is not None else None
+                if cand is not None:
+                    scored.setdefault(cand, self.cm.step_seconds(cand))
+        return scored
 
     def _subsets(self) -> list[tuple[int, ...]]:
         usable = np.array(self.cm.usable)
@@ -202,40 +210,45 @@ class Planner:
                     subsets.add(tuple(keep))
         return sorted(subsets, key=lambda s: (-len(s), s))
 
-    def _region_cost(self, region_a: str, region_b: str) -> float:
-        # Seconds to move one typical boundary both ways across the regions' link.
-        link = self.cm.network.region_link(region_a, region_b)
-        bits = self.typical_boundary_bits
-        ratio = self.cm.codec.inter_region if region_a != region_b else self.cm.codec.intra_region
-        return 2 * (bits * ratio / link.bandwidth_bps + link.latency_s)
+    def _region_costs(self) -> np.ndarray:
+        """[a, b] = seconds to move one typical boundary both ways between regions a and b (CostModel.regions)."""
+        cm = self.cm
+        ratio = np.full(cm.region_bw.shape, cm.codec.inter_region)
+        np.fill_diagonal(ratio, cm.codec.intra_region)
+        return 2 * (self.typical_boundary_bits * ratio / cm.region_bw + cm.region_lat)
 
     def _region_chain(self) -> list[str]:
-        regions = sorted({self.cm.nodes[i].region for i in self.cm.usable})
-        cost = {(a, b): self._region_cost(a, b) for a in regions for b in regions}
+        cm = self.cm
+        present = sorted({int(cm.region_of[i]) for i in cm.usable})  # sorted indices = sorted names
+        cost = self.region_cost[np.ix_(present, present)]
 
-        def length(order: Sequence[str]) -> float:
-            return sum(cost[order[k], order[k + 1]] for k in range(len(order) - 1))
+        def length(order: Sequence[int]) -> float:
+            return float(cost[order[:-1], order[1:]].sum())
 
-        if len(regions) <= _EXACT_CHAIN_REGIONS:
-            return list(min(itertools.permutations(regions), key=lambda o: (length(o), o)))
-        best: list[str] = []
+        n = len(present)
+        if n <= _EXACT_CHAIN_REGIONS:
+            best = min(itertools.permutations(range(n)), key=lambda o: (length(o), o))
+            return [cm.regions[present[k]] for k in best]
+        best: list[int] = []
         # Nearest neighbour from every start, then 2-opt; with very many regions (standalone machines) one start.
-        small = len(regions) <= _HEURISTIC_CHAIN_REGIONS
-        for first in regions if small else regions[:1]:
-            order, left = [first], set(regions) - {first}
-            while left:
-                order.append(min(sorted(left), key=lambda r: (cost[order[-1], r], r)))
-                left.discard(order[-1])
+        small = n <= _HEURISTIC_CHAIN_REGIONS
+        for first in range(n) if small else range(1):
+            order, left = [first], np.ones(n, dtype=bool)
+            left[first] = False
+            while left.any():
+                step = np.where(left, cost[order[-1]], np.inf)
+                order.append(int(np.argmin(step)))  # first minimum: ties go to the smaller name
+                left[order[-1]] = False
             improved = small
             while improved:
                 improved = False
-                for i, j in itertools.combinations(range(1, len(order)), 2):
+                for i, j in itertools.combinations(range(1, n), 2):
                     trial = order[:i] + order[i : j + 1][::-1] + order[j + 1 :]
                     if length(trial) < length(order) - 1e-12:
                         order, improved = trial, True
             if not best or (length(order), order) < (length(best), best):
                 best = order
-        return best
+        return [cm.regions[present[k]] for k in best]
 
     def _groups(
         self, subset: Sequence[int], n_stages: int, chain: Sequence[str], mode: str
@@ -243,11 +256,10 @@ class Planner:
         """Replica groups in pipeline order. mode "merge": a region too small for a stage joins its neighbour's;
         "drop": it stays out; "flat": region borders are ignored, the chain of nodes is cut into equal stages."""
         cm = self.cm
-        by_region = {r: [] for r in chain}
-        for i in subset:
+        by_region: dict[str, list[int]] = {r: [] for r in chain}
+        members = np.asarray(subset, dtype=np.int64)
+        for i in members[np.argsort(self.rank[members], kind="stable")].tolist():
             by_region[cm.nodes[i].region].append(i)
-        for members in by_region.values():
-            members.sort(key=lambda i: (-self.uplink[i], -self.speed[i], cm.nodes[i].node_id))
         if n_stages > len(subset):
             return None
         if mode == "flat":
@@ -280,7 +292,8 @@ class Planner:
                     if seats[r]:
                         seated = r
                     elif seated is not None:
-                        nearest[r].append((self._region_cost(r, seated), side, owner[seated][side]))
+                        cost = float(self.region_cost[self.region_index[r], self.region_index[seated]])
+                        nearest[r].append((cost, side, owner[seated][side]))
             for r in chain:
                 if not seats[r]:
                     groups[min(nearest[r])[2]].extend(by_region[r])
@@ -306,30 +319,11 @@ class Planner:
         cm, n_layers, n_stages = self.cm, self.n_layers, len(groups)
         if n_stages > n_layers:
             return None
-        need = self._memory_need(n_stages)
-        params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8
-        occ, fill, fits = [], [], []
-        for g in groups:
-            idx = np.asarray(g, dtype=np.int64)
-            classes, first, count = np.unique(self.profile_class[idx], return_index=True, return_counts=True)
-            rep = idx[first]
-            p = cm.prefix_seconds[rep]
-            secs = p[:, None, :] - p[:, :, None]  # [class, a, b] = seconds over [a, b)
-            fit_rep = cm.memory[rep][:, None, None] >= need[None]
-            with np.errstate(divide="ignore"):
-                inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
-                c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
-            # Key per stage in seconds per step: its share of the pipeline pace plus its own gradient all-reduce.
-            occ.append((cm.microbatches - 1) * c + self._allreduce_seconds(idx, params_bits))
-            fill.append(c * len(idx))
-            fits.append(fit_rep[np.searchsorted(classes, self.profile_class[idx])])
+        occ, fill, fits = zip(*(self._stage_table(tuple(g), n_stages) for g in groups))
         link_occ, link_fill = [], []
         for s in range(n_stages - 1):
             a, b = (np.asarray(groups[k], dtype=np.int64) for k in (s, s + 1))
-            wa, wb = self.speed[a] / self.speed[a].sum(), self.speed[b] / self.speed[b].sum()
-            sub = np.ix_(a, b)
-            per_bit = wa @ cm.pair_seconds_per_bit[sub] @ wb
-            lat = wa @ cm.pair_lat[sub] @ wb
+            per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
             x = np.concatenate([[np.inf], 2 * (cm.boundary_bits * per_bit + lat)])  # indexed by cut position
             link_fill.append(x)
             link_occ.append((cm.microbatches - 1) * x / min(len(a), len(b)))
@@ -340,8 +334,10 @@ class Planner:
             prev_worst = np.maximum(worst, link_occ[s - 1])
             cand_worst = np.maximum(prev_worst[:, None], occ[s])
             cand_total = (total + link_fill[s - 1])[:, None] + fill[s]
-            cand_worst[np.tril_indices(n_layers + 1)] = np.inf
-            key = np.lexsort((cand_total, cand_worst), axis=0)[0]  # per column b: smallest worst, then total
+            cand_worst[self._below_diagonal] = np.inf
+            # Per column b: smallest worst, then total, then earliest cut. Keys compare at float32 precision so that
+            # summation-order noise in the last bits cannot pick a different split among equal ones.
+            key = np.lexsort((cand_total.astype(np.float32), cand_worst.astype(np.float32)), axis=0)[0]
             cols = np.arange(n_layers + 1)
             worst, total = cand_worst[key, cols], cand_total[key, cols]
             back.append(key)
@@ -359,14 +355,27 @@ class Planner:
             stages.append((a, b, members))
         return tuple(stages)
 
-    def _allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray) -> np.ndarray | float:
-        """The cost model's all-reduce time of a replica group, for every parameter size in params_bits."""
-        n = len(idx)
-        if n < 2:
-            return 0.0
-        sub = np.ix_(idx, idx)
-        off = ~np.eye(n, dtype=bool)
-        return 2 * (n - 1) / n * params_bits / self.cm.pair_bw[sub][off].min() + 2 * self.cm.pair_lat[sub][off].max()
+    def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a replica group among n_stages stages, over every layer range [a, b): the DP's key (M-1) x occupancy
+        + all-reduce, the fill latency, and which members fit in memory. Memoised: candidates share groups."""
+        key = (group, n_stages)
+        if key not in self._stage_tables:
+            cm = self.cm
+            need = self._memory_need(n_stages)
+            idx = np.asarray(group, dtype=np.int64)
+            classes, first, count = np.unique(self.profile_class[idx], return_index=True, return_counts=True)
+            rep = idx[first]
+            p = cm.prefix_seconds[rep]
+            secs = p[:, None, :] - p[:, :, None]  # [class, a, b] = seconds over [a, b)
+            fit_rep = cm.memory[rep][:, None, None] >= need[None]
+            with np.errstate(divide="ignore"):
+                inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
+                c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
+            # Key per stage in seconds per step: its share of the pipeline pace plus its own gradient all-reduce.
+            key_s = (cm.microbatches - 1) * c + cm.allreduce_seconds(idx, self._params_bits)
+            fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
+            self._stage_tables[key] = (key_s, c * len(idx), fits)
+        return self._stage_tables[key]
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
         """[a, b] = memory a replica of layers [a, b) needs among n_stages stages; inf where b <= a."""
@@ -376,7 +385,7 @@ class Planner:
         params = cm.param_prefix[None, :] - cm.param_prefix[:, None]
         acts = cm.act_prefix[None, :] - cm.act_prefix[:, None]
         need = params * cm.model.state_bytes_per_param_byte + acts * min(cm.microbatches, n_stages)
-        need[np.tril_indices(self.n_layers + 1)] = np.inf
+        need[self._below_diagonal] = np.inf
         self._need_cache[n_stages] = need
         return need
 
