@@ -109,24 +109,24 @@ def _run_coordinator(
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo`."""
     from geotrain.node.data import Corpus
-    from geotrain.scheduler.coordinator import Coordinator, RunAborted
+    from geotrain.scheduler.coordinator import RunAborted
     from geotrain.scheduler.http import StatusHttpServer
-    from geotrain.scheduler.service import fetch_model_state, make_coordinator_server
-    from geotrain.scheduler.state import RunStore
+    from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
 
     out = _out(args.json)
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
-    store = RunStore(Path(args.state_dir) / "run.sqlite") if args.state_dir else RunStore()
-    coordinator = Coordinator(cfg, store=store, on_event=ProgressPrinter(out))
-    server, port = make_coordinator_server(coordinator, token, listen)
+    process = CoordinatorProcess(
+        cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out)
+    )
+    coordinator = process.coordinator
     http = StatusHttpServer(coordinator.status, args.http) if args.http != "off" else None
     _install_signal_handlers(coordinator.stop_requested.set)
-    print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{port}", file=out, flush=True)
+    print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{process.port}", file=out, flush=True)
     try:
         if on_listening is not None:
-            on_listening(port)
-        server.start()
+            on_listening(process.port)
+        process.server.start()
         if http is not None:
             print(f"status page at http://{args.http.rsplit(':', 1)[0]}:{http.start()}/", file=out, flush=True)
         try:
@@ -147,8 +147,7 @@ def _run_coordinator(
                 # Keep the page up a while after the run ends so a watcher sees how it ended; Ctrl+C cuts it short.
                 coordinator.stop_requested.wait(args.http_linger)
             http.stop()
-        server.stop(grace=1.0).wait(3.0)
-        store.close()
+        process.close()
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -180,6 +179,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         node_id=args.node_id,
         region=args.region,
+        slowdown=args.slowdown,
+        bandwidth_mbps=args.bandwidth_mbps,
+        latency_ms=args.latency_ms,
     )
     exit_with_parent()
     agent = Agent(options)
@@ -195,31 +197,38 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
-    from geotrain.scheduler.local import spawn_node, stop_processes
+    from geotrain.scheduler.local import Chaos, LocalNodes
 
     stages = args.stages or args.nodes
-    if stages != args.nodes:
-        raise UsageError(
-            f"--stages {stages} with --nodes {args.nodes}: until stage replicas land, each node serves one stage, "
-            "so --stages must equal --nodes"
-        )
+    if stages > args.nodes:
+        raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
     cfg = _config(args, **{"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": stages})
     if stages > cfg.model.total_layers:
         raise UsageError(f"--stages {stages} exceeds the model's {cfg.model.total_layers} layers")
+    chaos = Chaos.parse(args.chaos) if args.chaos else None
     torch_threads()
     token = os.environ.get(TOKEN_ENV) or new_token()
-    log_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
-    procs: list[subprocess.Popen] = []
+    work_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
+    if not args.state_dir:
+        args.state_dir = str(work_dir / "state")  # checkpoints let a stage that lost every node come back
+    nodes: LocalNodes | None = None
 
     def launch(port: int) -> None:
+        nonlocal nodes
+        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir)
         for i in range(args.nodes):
-            procs.append(spawn_node(f"127.0.0.1:{port}", f"node-{i + 1}", token, log_dir))
-        print(f"started {args.nodes} local nodes (logs in {log_dir})", file=_out(args.json), flush=True)
+            nodes.start(f"node-{i + 1}")
+        print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
+        if chaos is not None:
+            chaos.start(nodes, _out(args.json))
 
     try:
         return _run_coordinator(cfg, token, "127.0.0.1:0", args, on_listening=launch)
     finally:
-        stop_processes(procs)
+        if chaos is not None:
+            chaos.stop()
+        if nodes is not None:
+            nodes.stop_all()
 
 
 def torch_threads() -> None:
@@ -311,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:7000", help="host:port to serve on (default 0.0.0.0:7000)")
     p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
     p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
-    p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    p.add_argument("--state-dir", help="directory for run state (SQLite) and checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     http_options(p, "off")
     run_outputs(p)
     p.set_defaults(func=cmd_coordinator)
@@ -323,13 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
     p.add_argument("--region", default="", help="region label used by the planner")
+    p.add_argument("--slowdown", type=float, default=1.0, help="emulate a slower machine: compute takes F times as long")
+    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulate this egress bandwidth to every peer")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="emulate this one-way latency to every peer")
     p.set_defaults(func=cmd_join)
 
     p = add("demo", "Train the default model on this machine: a coordinator and local node processes.", [common])
     p.add_argument("--nodes", type=int, default=3, help="local node processes (default 3)")
-    p.add_argument("--stages", type=int, help="pipeline stages (default: one per node)")
+    p.add_argument("--stages", type=int, help="pipeline stages (default: one per node; fewer: stages get replicas)")
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
-    p.add_argument("--state-dir", help="directory for run state (SQLite)")
+    p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")
+    p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
+    p.add_argument(
+        "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",
+        help="SIGKILL a random node now and then and restart it after a delay, to watch fault tolerance",
+    )
     http_options(p, "127.0.0.1:0")
     run_outputs(p)
     p.set_defaults(func=cmd_demo)

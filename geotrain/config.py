@@ -131,6 +131,10 @@ class SchedulerSection:
     heartbeat_interval_s: float = _bounded(1.0, 0.05, 60.0, "how often nodes heartbeat")
     heartbeat_timeout_s: float = _bounded(5.0, 0.2, 600.0, "silence after which a node is dead")
     step_timeout_s: float = _bounded(120.0, 1.0, 86400.0, "a step not done by then fails the run")
+    replicas: int = _bounded(0, 0, 100000, "most replicas per stage; 0 = every node serves; extra nodes are spares")
+    checkpoint_every: int = _bounded(10, 0, 10**9, "steps between checkpoints (needs a state dir); 0 = only at the end")
+    keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")
+    rejoin_timeout_s: float = _bounded(60.0, 0.0, 86400.0, "how long a stage without nodes waits for one to join")
 
     def __post_init__(self) -> None:
         _check_bounds(self, "scheduler")
@@ -156,6 +160,39 @@ class CompressionSection:
 
 
 @dataclass(kw_only=True)
+class EmulationSection:
+    """[emulation]: links between regions emulated by every node's data plane (for tests and benchmarks)."""
+
+    links: list[str] = field(
+        default_factory=list, metadata={"doc": '"regionA-regionB=MBPS/LATENCY_MS" entries, symmetric'}
+    )
+
+    def __post_init__(self) -> None:
+        for entry in self.links:
+            self._parse(entry)
+
+    @staticmethod
+    def _parse(entry: str) -> tuple[frozenset[str], float, float]:
+        try:
+            pair, shape = entry.split("=")
+            a, b = pair.split("-")
+            mbps, latency = (float(v) for v in shape.split("/"))
+        except ValueError:
+            raise ConfigError(f"emulation.links entry {entry!r} must look like 'eu-us=20/50' (Mbit/s / ms)") from None
+        if mbps < 0 or latency < 0:
+            raise ConfigError(f"emulation.links entry {entry!r} must not be negative")
+        return frozenset((a.strip(), b.strip())), mbps, latency
+
+    def link(self, region_a: str, region_b: str) -> tuple[float, float] | None:
+        """(Mbit/s, one-way ms) of the emulated link between two regions, or None if not emulated."""
+        for entry in self.links:
+            pair, mbps, latency = self._parse(entry)
+            if pair == frozenset((region_a, region_b)):
+                return mbps, latency
+        return None
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -165,6 +202,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
+    emulation: EmulationSection = field(default_factory=EmulationSection)
 
     @property
     def tokens_per_step(self) -> int:
@@ -260,7 +298,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression")
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation")
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:
@@ -282,8 +320,9 @@ def from_proto(msg: pb.RunConfig) -> RunConfig:
     raw: dict[str, Any] = {}
     for name in _WIRE_SECTIONS:
         section_msg = getattr(msg, name)
+        hints = typing.get_type_hints(_section_types()[name])
         raw[name] = {}
         for f in dataclasses.fields(_section_types()[name]):
             value = getattr(section_msg, f.name)
-            raw[name][f.name] = list(value) if f.name == "paths" else value
+            raw[name][f.name] = list(value) if typing.get_origin(hints[f.name]) is list else value
     return build_config(raw)

@@ -94,7 +94,8 @@ def test_bad_requests_are_rejected_and_change_nothing(small_config, tmp_path):
         corrupted = _chunks(activation, ref)
         corrupted[1] = pb.TensorChunk(data=bytes(len(corrupted[1].data)))
         _expect(grpc.StatusCode.DATA_LOSS, "checksum", lambda: forward(corrupted))
-        noise = bytes(torch.randint(0, 256, (len(get_codec("none").encode(activation, None)),), dtype=torch.uint8))
+        # Random bytes that do not even fill the tensor the header announces.
+        noise = bytes(torch.randint(0, 256, (activation.numel() * 4 - 3,), dtype=torch.uint8))
         header = framing.make_header("", torch.float32, shape, pb.CODEC_NONE, noise)
         _expect(grpc.StatusCode.INVALID_ARGUMENT, "cannot decode",
                 lambda: forward(framing.chunk_tensor(header, noise, ref)))

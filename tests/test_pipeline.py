@@ -71,15 +71,17 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def _children_of_port(port: int) -> list[int]:
+def _children_of_port(port: int, parent: int | None = None) -> list[int]:
+    """Node processes of the coordinator on `port` (with `parent`: only those it started, not their DHT forks)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
-            if b"join" in cmdline and f"127.0.0.1:{port}".encode() in cmdline:
+            if b"join" in cmdline and f"127.0.0.1:{port}".encode() in cmdline and parent in (None, ppid):
                 pids.append(int(entry.name))
     return pids
 
@@ -98,7 +100,7 @@ def test_signal_stops_demo_and_its_nodes(sig):
                 port = int(m.group(1))
             if line.startswith("step"):
                 break
-        assert port is not None and len(_children_of_port(port)) == 2
+        assert port is not None and len(_children_of_port(port, parent=proc.pid)) == 2
         proc.send_signal(sig)
         proc.wait(timeout=15)
         deadline = time.monotonic() + 10

@@ -1,6 +1,6 @@
 """Codec base class, registry, spec parsing and the fixed payload header.
 
-Every payload starts with a 24-byte little-endian header (struct format ``<BBBBIQQ``):
+Every payload but none's (raw bytes, see NoneCodec) starts with a 24-byte little-endian header (struct format ``<BBBBIQQ``):
 
     magic    u8   0x67 ("g")
     version  u8   1
@@ -154,6 +154,8 @@ class Codec(abc.ABC):
     param_default: ClassVar[int] = 0
     param_range: ClassVar[tuple[int, int]] = (0, 0)
     """Inclusive bounds of the parameter, checked for specs and for payload headers alike."""
+    headerless: ClassVar[bool] = False
+    """No payload header (none): decode checks the length alone, the frame carries dtype and shape."""
 
     def __init__(self, param: int = 0) -> None:
         self.check_param(param)
@@ -196,7 +198,8 @@ class Codec(abc.ABC):
     def expected_ratio(self, shape: Sequence[int], dtype: torch.dtype) -> float:
         """Raw bytes over encoded bytes (at most, for top-k) of a tensor, from shape and dtype alone."""
         shape = check_shape(shape)
-        return math.prod(shape) * dtype.itemsize / self.encoded_nbytes(shape, dtype)
+        encoded = self.encoded_nbytes(shape, dtype)
+        return math.prod(shape) * dtype.itemsize / encoded if encoded else 1.0
 
     @abc.abstractmethod
     def encoded_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -216,6 +219,12 @@ class Codec(abc.ABC):
         """Decode a payload into a new CPU tensor of exactly `shape` and `dtype`, validating it first."""
         shape = check_shape(shape)
         self._check_dtype(dtype)
+        if self.headerless:
+            view = memoryview(payload).cast("B")
+            expected = self.encoded_nbytes(shape, dtype)
+            if view.nbytes != expected:
+                raise CodecError(f"{self.name} payload for shape {shape} must be {expected} bytes, got {view.nbytes}")
+            return self._decode(view, None, shape, dtype)
         view, header = read_header(payload)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload is for codec id {header.codec_id}, this is {self.name} ({self.codec_id})")
@@ -279,7 +288,10 @@ def get_codec(spec: str) -> Codec:
 
 
 def codec_from_payload(codec_id: int, payload: Buffer) -> Codec:
-    """Codec that decodes `payload`, rebuilt from the wire id and the payload's own header."""
+    """Codec that decodes `payload`, rebuilt from the wire id and the payload's own header (if it has one)."""
+    cls = _REGISTRY.get(codec_id)
+    if cls is not None and cls.headerless:
+        return _instance(codec_id, 0)
     _, header = read_header(payload)
     if header.codec_id != codec_id:
         raise CodecError(f"payload header says codec id {header.codec_id}, the message says {codec_id}")

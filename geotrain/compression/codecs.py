@@ -96,24 +96,25 @@ def _accumulate(flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState
 
 @register
 class NoneCodec(Codec):
-    """Raw little-endian bytes of any dtype."""
+    """Raw little-endian bytes of any dtype, without a payload header: the frame's dtype and shape say everything,
+    and it is the format the protocol's state transfer uses, so CODEC_NONE means one thing on the wire."""
 
     codec_id = CodecId.NONE
     base_name = "none"
     dtypes = None
+    headerless = True
 
     def encoded_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """Header plus the raw bytes."""
-        return HEADER.size + math.prod(shape) * dtype.itemsize
+        """The raw bytes."""
+        return math.prod(shape) * dtype.itemsize
 
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
-        raw = flat.view(torch.uint8)
-        buf = new_payload(self.codec_id, 0, 0, flat.numel(), raw.numel())
-        buf[HEADER.size :].copy_(raw)
-        return _finish(buf)
+        return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return read_body(view, 0, header.numel, dtype).view(shape)
+    def _decode(self, view: memoryview, header: Header | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(view, np.uint8)
+        return out
 
 
 class _CastCodec(Codec):

@@ -1,9 +1,10 @@
 """The volunteer's agent: register, heartbeat, follow the coordinator's orders, run a pipeline stage.
 
-Threads: gRPC serves the Stage service; the orders thread reads the coordinator's order stream; the heartbeat thread
-keeps the node alive; one worker thread does all compute and state changes, taking tasks from a priority queue
-(control first, then backward, then forward, as 1F1B prefers draining); a small pool sends tensors and reports so
-compute never waits on the network.
+Threads: gRPC serves the Stage service; the orders thread reads the coordinator's order stream (and registers
+again when the coordinator has forgotten this node, e.g. after its restart); the heartbeat thread keeps the node
+alive; one worker thread does all compute and state changes, taking tasks from a priority queue (control first,
+then backward, then forward, as 1F1B prefers draining); a small pool sends tensors and reports so compute never
+waits on the network. Every data task carries its plan epoch: a new epoch drops what the old one left in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from geotrain import __version__
 from geotrain.compression import get_codec
 from geotrain.config import RunConfig, from_proto
 from geotrain.node.data import Corpus
-from geotrain.node.dataplane import DataPlane
+from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
+from geotrain.node.model import loss_fn
+from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer, check_activation_header
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 # Task priorities: lower runs first.
 _CONTROL, _BACKWARD, _FORWARD = 0, 1, 2
 _RPC_DEADLINE_S = 30.0
+_STATE_DEADLINE_S = 300.0
 
 
 class NodeError(RuntimeError):
@@ -59,7 +63,7 @@ class NodeOptions:
     advertise: str = ""
     """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
     node_id: str = ""
-    """Stable identity; empty lets the coordinator assign one."""
+    """Stable identity; empty lets the coordinator assign one. A node restarted with the same id rejoins as itself."""
     region: str = "local"
     tls: TlsFiles | None = None
     max_tensor_bytes: int = framing.MAX_TENSOR_BYTES
@@ -67,18 +71,29 @@ class NodeOptions:
     """Reject incoming tensors with NaN or Inf before any compute."""
     give_up_after_s: float = 60.0
     """Stop when the coordinator has been unreachable this long."""
+    slowdown: float = 1.0
+    """Emulate a slower machine: every compute task takes this many times as long."""
+    bandwidth_mbps: float = 0.0
+    """Emulate this egress bandwidth to every peer (0 = use the run config's [emulation] links, if any)."""
+    latency_ms: float = 0.0
+    """Emulate this one-way latency to every peer (with bandwidth_mbps)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
             raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
         if self.give_up_after_s <= 0:
             raise ValueError("give_up_after_s must be positive")
+        if self.slowdown < 1.0:
+            raise ValueError(f"--slowdown must be at least 1, got {self.slowdown}")
+        if self.bandwidth_mbps < 0 or self.latency_ms < 0:
+            raise ValueError("--bandwidth-mbps and --latency-ms must not be negative")
 
 
 @dataclass
 class _HeadState:
     """A data head's share of the current step."""
 
+    epoch: int
     step: int
     waiting: deque[int]
     in_flight: set[int] = field(default_factory=set)
@@ -127,12 +142,17 @@ class Agent:
         self.plan: pb.Plan | None = None
         self.stage_index = -1
         self.runtime: StageRuntime | None = None
-        self._state_lock = threading.Lock()  # parameters change only under it (apply) and are read under it (fetch)
+        self.state_epoch = 0  # plan epoch whose LoadState this node completed
+        self.run_id = ""
+        self._state_lock = threading.Lock()  # parameters change only under it (apply, load) and are read under it
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._head: _HeadState | None = None
-        self._sender = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="send")
-        self.dataplane = DataPlane(options.token, lambda: self.node_id, options.tls)
+        self._sender = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="send")
+        self.router = ReplicaRouter()
+        self.dataplane = DataPlane(
+            options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure
+        )
         self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls)
         self.coordinator = rpc.CoordinatorStub(self._channel)
         self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
@@ -141,6 +161,10 @@ class Agent:
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
         self._orders: grpc.Future | None = None  # the open order stream, cancelled by stop()
+        self._must_register = threading.Event()
+        self._dht = None
+        self.averager = None  # ReplicaAverager once the DHT is up
+        self._averaging_ready = threading.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -149,9 +173,10 @@ class Agent:
         self._server.start()
         self.address = _advertise_address(self.options, self.port)
         try:
-            self._register()
+            dht_peers = self._register()
             # Heartbeats start before the slow corpus read, so the coordinator never mistakes a loading node for dead.
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+            threading.Thread(target=self._start_averaging, args=(dht_peers,), name="dht", daemon=True).start()
             self._load_corpus()
             threading.Thread(target=self._work_loop, name="worker", daemon=True).start()
             self._orders_loop()
@@ -165,21 +190,30 @@ class Agent:
             self._orders.cancel()
 
     def close(self) -> None:
-        """Release the server, channels and threads."""
+        """Release the server, channels, threads and the DHT (its p2p daemon included)."""
         self.stopped.set()
-        self._tasks.put((-1, -1, None))
+        self._tasks.put((-1, -1, None, None))
         self._server.stop(grace=1.0).wait(2.0)
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.dataplane.close()
         self._channel.close()
+        if self.averager is not None:
+            self.averager.shutdown()
+        if self._dht is not None:
+            self._dht.shutdown()
 
-    def _register(self) -> None:
+    def _register(self) -> list[str]:
+        """Register (again, after a coordinator restart, with the stage this node holds); returns DHT peers."""
+        runtime = self.runtime
         request = pb.RegisterRequest(
             protocol_version=PROTOCOL_VERSION,
             node_id=self.node_id,
             address=self.address,
             region=self.options.region,
             software_version=__version__,
+            layer_start=runtime.start if runtime else 0,
+            layer_end=runtime.end if runtime else 0,
+            applied_steps=runtime.applied_step + 1 if runtime else 0,
         )
         reply = self._retry_until_reachable(lambda: self.coordinator.Register(request, timeout=_RPC_DEADLINE_S))
         if not reply.accepted:
@@ -187,7 +221,26 @@ class Agent:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
+        self.run_id = reply.run_id
+        self._must_register.clear()
         log.info("registered as %s, serving on %s", self.node_id, self.address)
+        return list(reply.dht_initial_peers)
+
+    def _start_averaging(self, initial_peers: list[str]) -> None:
+        """Join the run's hivemind DHT, through which replicas of a stage average their gradients."""
+        from hivemind import DHT
+
+        from geotrain.node.averaging import ReplicaAverager
+
+        host = self.address.rsplit(":", 1)[0]
+        try:
+            self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+            self.averager = ReplicaAverager(self._dht)
+        except Exception:
+            log.exception("cannot start hivemind: this node cannot serve as a stage replica")
+            return
+        self._averaging_ready.set()
+        self._heartbeat()
 
     def _load_corpus(self) -> None:
         assert self.cfg is not None
@@ -213,10 +266,12 @@ class Agent:
                     raise NodeError(f"coordinator {self.options.coordinator} unreachable: {e.details()}") from None
                 log.debug("coordinator unreachable, retrying in %.1fs", backoff)
                 self.stopped.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 2.0)
 
     def _orders_loop(self) -> None:
         while not self.stopped.is_set():
+            if self._must_register.is_set():
+                self._register()
             self._orders = self._retry_until_reachable(
                 lambda: self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
             )
@@ -227,9 +282,12 @@ class Agent:
             except grpc.RpcError as e:
                 if self.stopped.is_set():
                     return
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self._must_register.set()  # a restarted coordinator does not know us yet
+                elif e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
                 log.warning("order stream broke (%s); reconnecting", e.details())
+                self.stopped.wait(0.2)
 
     def _on_order(self, order: pb.Order) -> bool:
         """Queue one order; True when it ends the node's work."""
@@ -238,11 +296,14 @@ class Agent:
             log.info("coordinator ends the run: %s", order.shutdown.reason)
             self.stopped.set()
             return True
+        if kind == "plan" and self.averager is not None:
+            self.averager.cancel_all()  # an all-reduce of the abandoned epoch must not hold up the new plan
         handlers: dict[str, Callable[[], None]] = {
             "plan": lambda: self._apply_plan(order.plan),
+            "load_state": lambda: self._load_state(order.load_state),
             "start_step": lambda: self._start_step(order.start_step),
             "evaluate": lambda: self._evaluate(order.evaluate),
-            "commit": lambda: self._commit(order.commit.step),
+            "commit": lambda: self._commit(order.commit),
             "apply": lambda: self._apply(order.apply),
         }
         self._submit(_CONTROL, handlers[kind])
@@ -254,6 +315,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         sent, received = self.dataplane.totals()
+        runtime = self.runtime
         request = pb.HeartbeatRequest(
             node_id=self.node_id,
             plan_epoch=self.plan.epoch if self.plan else 0,
@@ -261,34 +323,53 @@ class Agent:
             bytes_received=received,
             links=self.dataplane.link_counters(),
             microbatches_per_s=self.throughput.rate(),
-            applied_step=self.runtime.applied_step + 1 if self.runtime else 0,
+            applied_step=runtime.applied_step + 1 if runtime else 0,
+            dht_peer_id=self.averager.peer_id if self.averager is not None else "",
+            state_epoch=self.state_epoch,
         )
         try:
-            self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))
+            reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))
         except grpc.RpcError as e:
             log.debug("heartbeat failed: %s", e.details())
+            return
+        except ValueError:  # the channel closed under us while shutting down
+            return
+        if not reply.known and not self._must_register.is_set():
+            log.warning("the coordinator does not know this node (restarted, or declared it dead): registering again")
+            self._must_register.set()
+            if self._orders is not None:
+                self._orders.cancel()
 
     # -- the worker ---------------------------------------------------------------------------------------------
 
-    def _submit(self, priority: int, task: Callable[[], None]) -> None:
-        self._tasks.put((priority, next(self._seq), task))
+    def _submit(self, priority: int, task: Callable[[], None], epoch: int | None = None) -> None:
+        """Queue a task; one tagged with a plan epoch is dropped if the epoch has changed by the time it runs."""
+        self._tasks.put((priority, next(self._seq), task, epoch))
 
     def _work_loop(self) -> None:
         while not self.stopped.is_set():
-            _, _, task = self._tasks.get()
+            _, _, task, epoch = self._tasks.get()
             if task is None:
                 return
+            if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
+                continue
+            started = time.monotonic()
             try:
                 task()
             except Exception:
                 log.exception("task failed")
+            if self.options.slowdown > 1.0 and epoch is not None:
+                # Emulated slower hardware: stretch every compute task, not the control ones.
+                time.sleep((self.options.slowdown - 1.0) * (time.monotonic() - started))
 
-    def _send(self, fn: Callable[[], None], what: str) -> None:
+    def _send(self, fn: Callable[[], None], what: str, peer: str = "") -> None:
         def run() -> None:
             try:
                 fn()
             except grpc.RpcError as e:
                 log.warning("%s failed: %s %s", what, e.code().name, e.details())
+                if peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._report_failure(peer, f"{what}: {e.code().name}")
 
         self._sender.submit(run)
 
@@ -296,7 +377,15 @@ class Agent:
         """Send a report to the coordinator off the worker thread, retrying while it is unavailable."""
         self._send(lambda: call_with_retry(lambda: method(request, timeout=_RPC_DEADLINE_S)), type(request).__name__)
 
-    # -- plan and steps -----------------------------------------------------------------------------------------
+    def _report_failure(self, peer: str, detail: str) -> None:
+        """Tell the coordinator that calls to peer fail, so it can declare the peer dead before its heartbeat lapses."""
+        request = pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail)
+        try:
+            self.coordinator.ReportFailure(request, timeout=5.0)
+        except grpc.RpcError as e:
+            log.debug("failure report lost: %s", e.details())
+
+    # -- plan and state -----------------------------------------------------------------------------------------
 
     def _apply_plan(self, plan: pb.Plan) -> None:
         assert self.cfg is not None
@@ -306,32 +395,90 @@ class Agent:
             if stage is None:
                 self.runtime = None
             elif self.runtime is None or (self.runtime.start, self.runtime.end) != (stage.layer_start, stage.layer_end):
+                # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order.
                 self.runtime = StageRuntime(self.cfg, stage.layer_start, stage.layer_end)
+            else:
+                self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
             self.plan, self.stage_index = plan, index
-        neighbours = {a for s in plan.stages if abs(s.index - index) == 1 for a in s.addresses}
-        self.dataplane.reset_links(neighbours)
-        log.info(
-            "plan epoch %d: %s", plan.epoch, f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
-        )
+            self._head = None
+            self.router.reset()
+        peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
+        self.dataplane.reset_links(peers)
+        where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
+        log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
 
+    def _load_state(self, order: pb.LoadState) -> None:
+        """Take over the stage's committed state from a live replica or the coordinator's checkpoint."""
+        runtime = self.runtime
+        assert runtime is not None and self.cfg is not None
+        started = time.monotonic()
+        if order.steps_done == 0:
+            # A rollback to the very start: the state is each layer's initialisation from the seed.
+            with self._state_lock:
+                self.runtime = StageRuntime(self.cfg, runtime.start, runtime.end)
+            self.state_epoch = order.plan_epoch
+            self._heartbeat()
+            return
+        if order.source_address:
+            channel = make_channel(order.source_address, self.options.token, lambda: self.node_id, self.options.tls)
+            try:
+                stream = rpc.StageStub(channel).FetchState(
+                    pb.FetchStateRequest(steps_done=order.steps_done), timeout=_STATE_DEADLINE_S
+                )
+                state = framing.read_state(stream, self.options.max_tensor_bytes)
+            finally:
+                channel.close()
+        else:
+            request = pb.FetchCheckpointRequest(
+                layer_start=runtime.start, layer_end=runtime.end, steps_done=order.steps_done
+            )
+            state = framing.read_state(
+                self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
+            )
+        with self._state_lock:
+            runtime.load_full_state(state, order.steps_done)
+            checksum = runtime.checksum()
+        if order.expected_checksum and checksum != order.expected_checksum:
+            raise NodeError(f"state loaded for step {order.steps_done} fails its checksum")
+        self.state_epoch = order.plan_epoch
+        log.info(
+            "loaded state after %d steps from %s in %.2fs",
+            order.steps_done, order.source_address or "the coordinator's checkpoint", time.monotonic() - started,
+        )
+        self._heartbeat()
+
     def _peer(self, stage_index: int) -> tuple[str, str]:
-        """(node id, address) of the replica of `stage_index` to send to."""
+        """(node id, address) of the replica of `stage_index` expected to finish a microbatch first."""
         assert self.plan is not None
         stage = self.plan.stages[stage_index]
-        return stage.node_ids[0], stage.addresses[0]
+        node_id = self.router.pick(list(stage.node_ids))
+        return node_id, stage.addresses[list(stage.node_ids).index(node_id)]
 
-    def _address_of(self, node_id: str) -> str:
+    def _where(self, node_id: str) -> tuple[str, str]:
+        """(address, region) of a node of the plan."""
         assert self.plan is not None
         for stage in self.plan.stages:
-            for nid, address in zip(stage.node_ids, stage.addresses):
+            for i, nid in enumerate(stage.node_ids):
                 if nid == node_id:
-                    return address
+                    return stage.addresses[i], stage.regions[i] if stage.regions else ""
         raise KeyError(node_id)
 
+    def _link_shape(self, peer: str) -> tuple[str, LinkShape] | None:
+        """The emulated link to peer: the node's own flags, else the run config's region matrix."""
+        if self.options.bandwidth_mbps or self.options.latency_ms:
+            return "egress", LinkShape(self.options.bandwidth_mbps * 1e6, self.options.latency_ms / 1e3)
+        if self.cfg is None or not self.cfg.emulation.links:
+            return None
+        region = self._where(peer)[1]
+        shape = self.cfg.emulation.link(self.options.region, region)
+        return (region, LinkShape(shape[0] * 1e6, shape[1] / 1e3)) if shape else None
+
+    # -- steps --------------------------------------------------------------------------------------------------
+
     def _start_step(self, start: pb.StartStep) -> None:
-        self._head = _HeadState(step=start.step, waiting=deque(start.microbatches))
-        assert self.cfg is not None
+        assert self.cfg is not None and self.plan is not None
+        self._head = _HeadState(epoch=self.plan.epoch, step=start.step, waiting=deque(start.microbatches))
         for _ in range(min(self.cfg.train.inflight, len(start.microbatches))):
             self._launch_next()
 
@@ -341,7 +488,7 @@ class Agent:
             return
         microbatch = head.waiting.popleft()
         head.in_flight.add(microbatch)
-        self._submit(_FORWARD, lambda: self._head_forward(head.step, microbatch))
+        self._submit(_FORWARD, lambda: self._head_forward(head.step, microbatch), head.epoch)
 
     def _batch(self, step: int, microbatch: int, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.cfg is not None and self.corpus is not None
@@ -361,15 +508,19 @@ class Agent:
     def _forward_to_next(self, ref: pb.MicrobatchRef, outputs: torch.Tensor) -> None:
         assert self.cfg is not None
         peer, address = self._peer(self.stage_index + 1)
+        if not ref.eval:
+            self.router.sent(peer, ref.step, ref.microbatch)
         codec = get_codec(self.cfg.compression.activations)
-        self._send(lambda: self.dataplane.send(peer, address, "forward", ref, outputs, codec), f"forward to {peer}")
+        send = lambda: self.dataplane.send(peer, address, "forward", ref, outputs, codec)  # noqa: E731
+        self._send(send, f"forward to {peer}", peer)
 
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
         peer = ref.path[self.stage_index - 1]
-        address = self._address_of(peer)
+        address = self._where(peer)[0]
         codec = get_codec(self.cfg.compression.activation_grads)
-        self._send(lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec), f"backward to {peer}")
+        send = lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec)  # noqa: E731
+        self._send(send, f"backward to {peer}", peer)
 
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
@@ -385,7 +536,7 @@ class Agent:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
-        assert self.cfg is not None
+        assert self.cfg is not None and self.plan is not None
         request = pb.MicrobatchDoneRequest(
             node_id=self.node_id,
             step=step,
@@ -393,6 +544,7 @@ class Agent:
             path=path,
             loss=loss,
             tokens=self.cfg.train.microbatch_size * self.cfg.model.seq_len,
+            plan_epoch=self.plan.epoch,
         )
         self._report(self.coordinator.MicrobatchDone, request)
         if self._head is not None and self._head.step == step:
@@ -413,8 +565,8 @@ class Agent:
         if direction == "forward":
             if runtime.is_first:
                 raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the first stage takes no activations")
-            if len(ref.path) != self.stage_index:
-                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"path of {len(ref.path)} hops for stage {self.stage_index}")
+            if len(ref.path) != self.stage_index or ref.path[-1] not in plan.stages[self.stage_index - 1].node_ids:
+                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "activation path does not lead to this stage")
             codec = cfg.compression.activations
         else:
             if runtime.is_last:
@@ -430,9 +582,10 @@ class Agent:
         sender = ref.path[-1] if direction == "forward" else ref.path[self.stage_index + 1]
         self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
         if direction == "forward":
-            self._submit(_FORWARD, lambda: self._on_forward(ref, tensor))
+            self._submit(_FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
         else:
-            self._submit(_BACKWARD, lambda: self._on_backward(ref, tensor))
+            self.router.returned(sender, ref.step, ref.microbatch)
+            self._submit(_BACKWARD, lambda: self._on_backward(ref, tensor), ref.plan_epoch)
 
     def _on_forward(self, ref: pb.MicrobatchRef, x: torch.Tensor) -> None:
         runtime = self.runtime
@@ -479,19 +632,39 @@ class Agent:
                 self._forward_to_next(self._ref(order.step, microbatch, [self.node_id], eval=True), outputs)
 
     def _eval_done(self, step: int, microbatch: int, logits: torch.Tensor) -> None:
-        from geotrain.node.model import loss_fn
-
+        assert self.plan is not None
         _, y = self._batch(step, microbatch, validation=True)
-        request = pb.EvalDoneRequest(node_id=self.node_id, step=step, microbatch=microbatch, loss=loss_fn(logits, y).item())
+        loss = loss_fn(logits, y).item()
+        request = pb.EvalDoneRequest(
+            node_id=self.node_id, step=step, microbatch=microbatch, loss=loss, plan_epoch=self.plan.epoch
+        )
         self._report(self.coordinator.EvalDone, request)
 
     # -- commit -------------------------------------------------------------------------------------------------
 
-    def _commit(self, step: int) -> None:
-        runtime = self.runtime
-        assert runtime is not None
-        sq_norm = runtime.finish_gradients(step, runtime.counted(step))
-        request = pb.GradNormRequest(node_id=self.node_id, step=step, sq_norm=sq_norm)
+    def _commit(self, order: pb.CommitStep) -> None:
+        """Average the step's gradients with the stage's other replicas, then report their squared norm."""
+        runtime, plan = self.runtime, self.plan
+        assert runtime is not None and plan is not None
+        if order.plan_epoch != plan.epoch:
+            return
+        count = runtime.mean_gradients(order.step)
+        stage = plan.stages[self.stage_index]
+        if len(stage.node_ids) > 1:
+            from geotrain.node.averaging import group_id
+
+            if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
+                raise NodeError("replica averaging is not available on this node")
+            # float64 copies: hivemind reduces in float32 and returns deltas, and x64 + delta rounds back to the
+            # reducer's float32 average on every replica alike, so replicas stay bit-identical.
+            grads = [g.double() for g in runtime.gradients()]
+            gid = group_id(self.run_id, stage.index, order.step, plan.epoch)
+            self.averager.average(gid, list(stage.peer_ids), grads, weight=float(count))
+            for g, averaged in zip(runtime.gradients(), grads):
+                g.copy_(averaged)
+        request = pb.GradNormRequest(
+            node_id=self.node_id, step=order.step, sq_norm=runtime.grad_sq_norm(), plan_epoch=plan.epoch
+        )
         self._report(self.coordinator.GradNorm, request)
 
     def _apply(self, order: pb.ApplyStep) -> None:
@@ -504,10 +677,10 @@ class Agent:
         request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
         self._report(self.coordinator.StepApplied, request)
 
-    def state_snapshot(self, step: int) -> list[tuple[str, torch.Tensor]] | None:
-        """Copies of the stage's parameters after `step` (0 = whatever is committed), or None if not held."""
+    def state_snapshot(self, steps_done: int) -> list[tuple[str, torch.Tensor]] | None:
+        """Copies of the stage's parameters and optimizer state after steps_done steps, or None if not held."""
         with self._state_lock:
             runtime = self.runtime
-            if runtime is None or (step and runtime.applied_step != step - 1):
+            if runtime is None or runtime.applied_step + 1 != steps_done:
                 return None
-            return [(name, p.detach().clone()) for name, p in runtime.named_state()]
+            return [(name, t.detach().clone()) for name, t in runtime.full_state()]

@@ -1,13 +1,15 @@
 """The data plane: activations forward and gradients backward to neighbour stages, compressed per link.
 
-One channel per peer address, one codec state per (peer, direction) so error feedback follows the link, and
-byte counters per link before and after compression.
+One channel per peer address, one codec state per (peer, direction) so error feedback follows the link, byte
+counters per link before and after compression, deadlines that follow each link's measured call times, and an
+optional link emulator so that heterogeneous links are real on one machine.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,10 +36,67 @@ class LinkStats:
     codec: str = ""
 
 
+@dataclass(frozen=True)
+class LinkShape:
+    """An emulated link: egress bandwidth (0 = unlimited) and one-way latency."""
+
+    bandwidth_bps: float
+    latency_s: float
+
+
+class LinkEmulator:
+    """Delays each message as a link of the given shape would: queued behind earlier messages on the same link for
+    its serialisation time at the link's bandwidth, then its latency. Messages on one link pipeline like packets."""
+
+    def __init__(self, shape_for: Callable[[str], tuple[str, LinkShape] | None]) -> None:
+        self._shape_for = shape_for  # peer -> (link key, shape), or None for an unshaped link
+        self._lock = threading.Lock()
+        self._free_at: dict[str, float] = {}
+
+    def delay(self, peer: str, nbytes: int) -> None:
+        """Sleep until the message would have arrived at peer."""
+        shaped = self._shape_for(peer)
+        if shaped is None:
+            return
+        key, shape = shaped
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._free_at.get(key, now))
+            done = start + (nbytes * 8 / shape.bandwidth_bps if shape.bandwidth_bps else 0.0)
+            self._free_at[key] = done
+        time.sleep(max(0.0, done + shape.latency_s - now))
+
+
+class AdaptiveDeadline:
+    """A per-link deadline that follows measured call times: generous until a link has been measured, then a
+    multiple of its moving average (a slow link is given time, a dead one is noticed quickly)."""
+
+    def __init__(self, startup_s: float = 60.0, floor_s: float = 5.0, factor: float = 10.0) -> None:
+        self.startup_s, self.floor_s, self.factor = startup_s, floor_s, factor
+        self._mean: dict[str, float] = {}
+
+    def for_peer(self, peer: str) -> float:
+        """Deadline for the next call to peer."""
+        mean = self._mean.get(peer)
+        return self.startup_s if mean is None else min(self.startup_s, max(self.floor_s, self.factor * mean))
+
+    def observe(self, peer: str, seconds: float) -> None:
+        """Record how long a call to peer took."""
+        previous = self._mean.get(peer)
+        self._mean[peer] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+
 class DataPlane:
     """Sends tensors to peer stages over gRPC."""
 
-    def __init__(self, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        node_id: Callable[[], str],
+        tls: TlsFiles | None = None,
+        emulator: LinkEmulator | None = None,
+        on_peer_unavailable: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._token = token
         self._node_id = node_id
         self._tls = tls
@@ -47,7 +106,9 @@ class DataPlane:
         self._codec_states: dict[tuple[str, str], object] = {}
         self.sent: dict[str, LinkStats] = defaultdict(LinkStats)
         self.received: dict[str, LinkStats] = defaultdict(LinkStats)
-        self.deadline_s = 60.0
+        self.deadlines = AdaptiveDeadline()
+        self.emulator = emulator
+        self._on_peer_unavailable = on_peer_unavailable  # (peer, detail): suspicion, reported at the first failure
 
     def stub(self, address: str) -> rpc.StageStub:
         """The Stage stub for a peer, creating its channel on first use."""
@@ -74,7 +135,15 @@ class DataPlane:
         header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload)
         stub = self.stub(address)
         method = stub.Forward if direction == "forward" else stub.Backward
-        call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=self.deadline_s))
+        if self.emulator is not None:
+            self.emulator.delay(peer, len(payload))
+        started = time.monotonic()
+        deadline = self.deadlines.for_peer(peer)
+        suspect = None
+        if self._on_peer_unavailable is not None:
+            suspect = lambda e: self._on_peer_unavailable(peer, e.details() or "unavailable")  # noqa: E731
+        call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=deadline), on_unavailable=suspect)
+        self.deadlines.observe(peer, time.monotonic() - started)
         with self._lock:
             stats = self.sent[peer]
             stats.raw_bytes += tensor.numel() * tensor.element_size()

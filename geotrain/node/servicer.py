@@ -65,18 +65,10 @@ class StageServicer(rpc.StageServicer):
         return self._receive("backward", request_iterator, context)
 
     def FetchState(self, request, context):  # noqa: D102, N802
-        snapshot = self.agent.state_snapshot(request.step)
+        snapshot = self.agent.state_snapshot(request.steps_done)
         if snapshot is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no committed state at step {request.step} here")
-        for name, tensor in snapshot:
-            payload = framing.raw_payload(tensor)
-            header = framing.make_header(name, tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
-            yield from framing.chunk_tensor(header, payload)
-
-
-def expected_shape(micro_batch: int, seq_len: int, d_model: int) -> list[int]:
-    """Shape of the activations (and their gradients) between stages."""
-    return [micro_batch, seq_len, d_model]
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no state after {request.steps_done} steps")
+        yield from framing.state_chunks(snapshot)
 
 
 def check_activation_header(

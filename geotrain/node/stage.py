@@ -99,6 +99,12 @@ class StageRuntime:
         self.grads.counted.add(microbatch)
         return None if self.is_first else pending.inputs.grad
 
+    def reset_step(self) -> None:
+        """Drop every uncommitted gradient and kept activation: a new plan epoch redoes the step from scratch."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grads = None
+        self._pending.clear()
+
     def _start_step(self, step: int) -> None:
         if step <= self.applied_step:
             raise ValueError(f"gradients for step {step}, but step {self.applied_step} is already applied")
@@ -121,15 +127,23 @@ class StageRuntime:
         """The stage's parameters in a fixed order."""
         return list(self.layers.parameters())
 
-    def finish_gradients(self, step: int, microbatches: int) -> float:
-        """Turn summed gradients into the step's mean over `microbatches`; returns their squared L2 norm."""
-        sq = 0.0
+    def mean_gradients(self, step: int) -> int:
+        """Turn summed gradients into the mean over the microbatches counted; returns that count (the weight)."""
+        count = self.counted(step)
         for p in self.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(microbatches)
-            sq += float(p.grad.double().pow(2).sum())
-        return sq
+            elif count:
+                p.grad.div_(count)
+        return count
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient tensors, in parameter order (after mean_gradients every parameter has one)."""
+        return [p.grad for p in self.parameters()]
+
+    def grad_sq_norm(self) -> float:
+        """Squared L2 norm of the gradients."""
+        return sum(float(g.double().pow(2).sum()) for g in self.gradients())
 
     def apply(self, step: int, clip_coef: float, lr: float) -> None:
         """Scale gradients by clip_coef and take the optimizer step."""
@@ -157,3 +171,23 @@ class StageRuntime:
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""
         return [(f"layers.{name}", p) for name, p in self.layers.named_parameters()]
+
+    def full_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and AdamW state (`optim.<param name>.<slot>`): what a new replica needs to continue."""
+        items = list(self.named_state())
+        for name, p in self.named_state():
+            for slot, value in sorted(self.optimizer.state.get(p, {}).items()):
+                items.append((f"optim.{name}.{slot}", value))
+        return items
+
+    def load_full_state(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
+        """Take over parameters and optimizer state at steps_done; raises ValueError if state does not fit."""
+        with torch.no_grad():
+            for name, p in self.named_state():
+                if name not in state or state[name].shape != p.shape:
+                    raise ValueError(f"state has no {name} of shape {tuple(p.shape)}")
+                p.copy_(state[name])
+                slots = {k.rsplit(".", 1)[1]: v.clone() for k, v in state.items() if k.startswith(f"optim.{name}.")}
+                self.optimizer.state[p] = slots
+        self.reset_step()
+        self.applied_step = steps_done - 1

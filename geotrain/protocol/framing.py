@@ -164,3 +164,16 @@ def raw_tensor(header: pb.TensorHeader, payload: bytes) -> torch.Tensor:
     if len(payload) != math.prod(shape) * dtype.itemsize:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(payload)} bytes do not fill shape {list(shape)}")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def state_chunks(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[pb.TensorChunk]:
+    """Named tensors, uncompressed, one after another: the stream of a state transfer."""
+    for name, tensor in items:
+        payload = raw_payload(tensor)
+        header = make_header(name, tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+        yield from chunk_tensor(header, payload)
+
+
+def read_state(chunks: Iterable[pb.TensorChunk], max_bytes: int = MAX_TENSOR_BYTES) -> dict[str, torch.Tensor]:
+    """The named tensors of a state-transfer stream."""
+    return {r.header.name: raw_tensor(r.header, r.payload) for r in read_tensors(chunks, max_bytes)}

@@ -144,49 +144,67 @@ class CompressionSettings(_message.Message):
     replica_grads: str
     def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ...) -> None: ...
 
+class EmulationSettings(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, links: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    EMULATION_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
     train: TrainSettings
     compression: CompressionSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ...) -> None: ...
+    emulation: EmulationSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "address", "region", "software_version")
+    __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_STEPS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     address: str
     region: str
     software_version: str
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    applied_steps: int
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., applied_steps: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s")
+    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "dht_initial_peers", "run_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: RejectReason
     message: str
     node_id: str
     config: RunConfig
     heartbeat_interval_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
+    run_id: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LinkCounter(_message.Message):
     __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec")
@@ -201,7 +219,7 @@ class LinkCounter(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step")
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +227,8 @@ class HeartbeatRequest(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_PER_S_FIELD_NUMBER: _ClassVar[int]
     APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    DHT_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     bytes_sent: int
@@ -216,7 +236,9 @@ class HeartbeatRequest(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkCounter]
     microbatches_per_s: float
     applied_step: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ...) -> None: ...
+    dht_peer_id: str
+    state_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -231,28 +253,46 @@ class OrdersRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses")
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    PEER_IDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer_start: int
     layer_end: int
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    regions: _containers.RepeatedScalarFieldContainer[str]
+    peer_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "total_layers")
+    __slots__ = ("epoch", "stages", "total_layers", "steps_done")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     total_layers: int
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ...) -> None: ...
+    steps_done: int
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+
+class LoadState(_message.Message):
+    __slots__ = ("plan_epoch", "steps_done", "source_address", "expected_checksum")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    steps_done: int
+    source_address: str
+    expected_checksum: str
+    def __init__(self, plan_epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., source_address: _Optional[str] = ..., expected_checksum: _Optional[str] = ...) -> None: ...
 
 class StartStep(_message.Message):
     __slots__ = ("step", "microbatches", "total_microbatches")
@@ -273,10 +313,12 @@ class Evaluate(_message.Message):
     def __init__(self, step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitStep(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, step: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class ApplyStep(_message.Message):
     __slots__ = ("step", "clip_coef", "lr")
@@ -295,58 +337,66 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
     apply: ApplyStep
     evaluate: Evaluate
     shutdown: Shutdown
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    load_state: LoadState
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
-    __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens")
+    __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     microbatch: int
     path: _containers.RepeatedScalarFieldContainer[str]
     loss: float
     tokens: int
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., path: _Optional[_Iterable[str]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., path: _Optional[_Iterable[str]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class EvalDoneRequest(_message.Message):
-    __slots__ = ("node_id", "step", "microbatch", "loss")
+    __slots__ = ("node_id", "step", "microbatch", "loss", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     microbatch: int
     loss: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class StepAppliedRequest(_message.Message):
     __slots__ = ("node_id", "step", "checksum")
@@ -361,6 +411,26 @@ class StepAppliedRequest(_message.Message):
 class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("node_id", "peer", "detail")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer: str
+    detail: str
+    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class FetchCheckpointRequest(_message.Message):
+    __slots__ = ("layer_start", "layer_end", "steps_done")
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    layer_start: int
+    layer_end: int
+    steps_done: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -435,20 +505,22 @@ class LinkStatus(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class StepPoint(_message.Message):
-    __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds")
+    __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds", "at")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     has_val_loss: bool
     val_loss: float
     tokens_per_s: float
     seconds: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    at: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., seconds: _Optional[float] = ..., at: _Optional[float] = ...) -> None: ...
 
 class RunEvent(_message.Message):
     __slots__ = ("at", "kind", "node_id", "detail")
@@ -525,7 +597,7 @@ class TensorChunk(_message.Message):
     def __init__(self, ref: _Optional[_Union[MicrobatchRef, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
-    __slots__ = ("step",)
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    __slots__ = ("steps_done",)
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    steps_done: int
+    def __init__(self, steps_done: _Optional[int] = ...) -> None: ...

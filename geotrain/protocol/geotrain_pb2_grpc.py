@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/geotrain.v1.Coordinator/ReportFailure',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FailureReport.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
+        self.FetchCheckpoint = channel.unary_stream(
+                '/geotrain.v1.Coordinator/FetchCheckpoint',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchCheckpointRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -127,6 +137,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchCheckpoint(self, request, context):
+        """Parameters and optimizer state of a layer range from the coordinator's checkpoint, as Stage.FetchState.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +192,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StatusReply.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FailureReport.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'FetchCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchCheckpoint,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchCheckpointRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +430,60 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/ReportFailure',
+            geotrain_dot_protocol_dot_geotrain__pb2.FailureReport.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/FetchCheckpoint',
+            geotrain_dot_protocol_dot_geotrain__pb2.FetchCheckpointRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StageStub:
     """Missing associated documentation comment in .proto file."""
@@ -440,7 +527,8 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchState(self, request, context):
-        """Parameters of the stage, one tensor after another, each a header chunk followed by data chunks.
+        """Parameters and optimizer state of the stage (`layers.<i>.<param>`, `optim.layers.<i>.<param>.<slot>`), one
+        tensor after another, each a header chunk followed by data chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

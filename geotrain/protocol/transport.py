@@ -73,8 +73,13 @@ def make_server(token: str, listen: str, max_workers: int = 32, tls: TlsFiles | 
     return server, port
 
 
-def call_with_retry(fn: Callable[[], T], attempts: int = 5, first_backoff_s: float = 0.2) -> T:
-    """Call fn, retrying with exponential backoff only while it fails with UNAVAILABLE."""
+def call_with_retry(
+    fn: Callable[[], T],
+    attempts: int = 5,
+    first_backoff_s: float = 0.2,
+    on_unavailable: Callable[[grpc.RpcError], None] | None = None,
+) -> T:
+    """Call fn, retrying with exponential backoff only while it fails with UNAVAILABLE (on_unavailable hears each)."""
     for attempt in range(attempts - 1):
         try:
             return fn()
@@ -82,5 +87,7 @@ def call_with_retry(fn: Callable[[], T], attempts: int = 5, first_backoff_s: flo
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             log.debug("unavailable (%s), retrying", e.details())
+            if on_unavailable is not None:
+                on_unavailable(e)
             time.sleep(first_backoff_s * 2**attempt)
     return fn()

@@ -1,34 +1,49 @@
-"""The coordinator: admits nodes, plans stages, and drives synchronous training steps.
+"""The coordinator: admits nodes, plans stages, drives synchronous training steps, and recovers from failures.
 
-A step (DESIGN.md "One training step"): microbatch ids go to the data heads; each head reports every microbatch
-done once its backward has passed through every stage; then the coordinator commits the step in two rounds: every
-stage reports the squared norm of its gradients (so clipping equals single-process clipping), then every stage
-applies the same clipped optimizer step and reports a checksum of its parameters, which replicas must agree on.
+A step (DESIGN.md "One training step"): microbatch ids go to the data heads (stage-0 replicas) in proportion to
+their measured speed; each head reports every microbatch done once its backward has passed through every stage;
+then the coordinator commits the step in two rounds: every replica averages its stage's gradients with its
+groupmates (hivemind) and reports their squared norm, so clipping equals single-process clipping; the coordinator
+records its decision (clip factor, learning rate) in SQLite, then every replica applies the same optimizer step and
+reports a checksum of its parameters, which replicas of a stage must agree on.
+
+Failures: a node missing heartbeats, or reported by peers whose calls to it fail, is dead. The coordinator bumps
+the plan epoch, which drops every uncommitted gradient on every node, fills stages that lost every replica from
+spare or returning nodes (state from a live replica, else from a checkpoint, rolling the whole run back when only
+an older checkpoint exists), and runs the step again: each (stage, microbatch) is counted exactly once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from geotrain import __version__
 from geotrain.config import RunConfig, to_proto
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.scheduler.state import RunStore, StepRecord
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, dict[str, Any]], None]
+StateFetcher = Callable[[str, int], dict[str, Any]]
 
 
 class RunAborted(RuntimeError):
-    """The run cannot go on (stopped, a node lost, a step timed out)."""
+    """The run cannot go on (stopped, no node for a stage, a step timed out)."""
+
+
+class StepFailed(RuntimeError):
+    """The step in progress cannot complete under the current plan (a node died, replicas disagree)."""
 
 
 @dataclass
@@ -42,7 +57,11 @@ class Member:
     last_seen: float
     orders: queue.Queue = field(default_factory=queue.Queue)
     plan_epoch: int = 0
+    state_epoch: int = 0
     alive: bool = True
+    held: tuple[int, int] = (0, 0)  # layer range the node holds (0, 0: none)
+    applied_steps: int = 0
+    peer_id: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
     links: list[pb.LinkCounter] = field(default_factory=list)
@@ -80,11 +99,20 @@ def split_layers(total_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def assign_microbatches(heads: list[str], microbatches: int) -> dict[str, list[int]]:
-    """Share microbatch ids 0..M-1 among the data heads round-robin."""
-    shares: dict[str, list[int]] = {h: [] for h in heads}
-    for mb in range(microbatches):
-        shares[heads[mb % len(heads)]].append(mb)
+def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
+    """Share microbatch ids 0..M-1 among data heads in proportion to speed (largest remainder; equal if unknown)."""
+    heads = list(speeds)
+    if any(v <= 0 for v in speeds.values()):
+        speeds = {h: 1.0 for h in heads}
+    total = sum(speeds.values())
+    exact = {h: microbatches * speeds[h] / total for h in heads}
+    counts = {h: int(exact[h]) for h in heads}
+    for h in sorted(heads, key=lambda h: (counts[h] - exact[h], heads.index(h)))[: microbatches - sum(counts.values())]:
+        counts[h] += 1
+    shares, next_id = {}, 0
+    for h in heads:
+        shares[h] = list(range(next_id, next_id + counts[h]))
+        next_id += counts[h]
     return shares
 
 
@@ -100,26 +128,48 @@ class _StepProgress:
 
 
 class Coordinator:
-    """Membership, planning and the step clock of one run."""
+    """Membership, planning, the step clock and recovery of one run."""
 
-    def __init__(self, cfg: RunConfig, *, store: RunStore | None = None, on_event: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        store: RunStore | None = None,
+        checkpoints: CheckpointStore | None = None,
+        fetch_state: StateFetcher | None = None,
+        dht_peers: list[str] | None = None,
+        run_id: str = "run",
+        on_event: EventSink | None = None,
+    ) -> None:
         self.cfg = cfg
         self.store = store or RunStore()
+        self.checkpoints = checkpoints
+        self._fetch_state = fetch_state  # (address, steps_done) -> a stage's state tensors, for checkpoints
+        self.dht_peers = dht_peers or []
+        self.run_id = run_id
         self._on_event = on_event or (lambda kind, data: None)
         self._cond = threading.Condition()
         self.members: dict[str, Member] = {}
         self.plan: pb.Plan | None = None
-        self.step = 0
+        plan_hex = self.store.get("plan")
+        if plan_hex:
+            self.plan = pb.Plan.FromString(bytes.fromhex(plan_hex))
+        self.step = self.store.committed_steps()
         self.finished = False
         self.stop_requested = threading.Event()
         self._progress = _StepProgress(step=-1)
         self._next_id = 1
         self.state = "waiting"
+        self.failures = 0
+        self.recoveries: list[float] = []
+        self._failed_at: float | None = None
+        self._suspects: set[str] = set()
+        self._plan_dirty = True
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
     def register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
-        """Admit a node, or say why not."""
+        """Admit a node (new, or returning with the stage it holds), or say why not."""
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -132,7 +182,7 @@ class Coordinator:
                 return pb.RegisterReply(accepted=False, reason=pb.REJECT_REASON_RUN_FINISHED, message="the run is over")
             node_id = request.node_id
             existing = self.members.get(node_id) if node_id else None
-            if existing is not None and existing.alive:
+            if existing is not None and existing.alive and not self._silent(existing):
                 return pb.RegisterReply(
                     accepted=False, reason=pb.REJECT_REASON_DUPLICATE_NODE, message=f"node {node_id} is already live"
                 )
@@ -141,31 +191,55 @@ class Coordinator:
                     self._next_id += 1
                 node_id = f"node-{self._next_id}"
             now = time.monotonic()
-            self.members[node_id] = Member(node_id, request.address, request.region or "local", now, now)
+            member = Member(node_id, request.address, request.region or "local", now, now)
+            if request.layer_end:
+                member.held = (request.layer_start, request.layer_end)
+                member.applied_steps = request.applied_steps
+            self.members[node_id] = member
             self._cond.notify_all()
-        self.store.upsert_member(node_id, request.address, request.region, "alive")
-        self.store.event("join", node_id, request.address)
-        self._on_event("join", {"node_id": node_id, "address": request.address, "region": request.region})
+        kind = "rejoin" if existing is not None else "join"
+        self.store.upsert_member(node_id, request.address, member.region, "alive")
+        self.store.event(kind, node_id, request.address)
+        self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
         return pb.RegisterReply(
             accepted=True,
             node_id=node_id,
             config=to_proto(self.cfg),
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
+            dht_initial_peers=self.dht_peers,
+            run_id=self.run_id,
         )
 
+    def _silent(self, member: Member) -> bool:
+        """The member has missed more than two heartbeats (a restarted node may take its id back)."""
+        return time.monotonic() - member.last_seen > 2 * self.cfg.scheduler.heartbeat_interval_s
+
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        """Note that a node is alive and which plan it runs."""
+        """Note that a node is alive, which plan and state it runs, and what it measured."""
         with self._cond:
             member = self.members.get(request.node_id)
             if member is None or not member.alive:
                 return pb.HeartbeatReply(known=False)
             member.last_seen = time.monotonic()
             member.plan_epoch = request.plan_epoch
+            member.state_epoch = request.state_epoch
+            member.applied_steps = request.applied_step
+            member.peer_id = request.dht_peer_id
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
             member.links = list(request.links)
             member.microbatches_per_s = request.microbatches_per_s
             self._cond.notify_all()
         return pb.HeartbeatReply(known=True)
+
+    def report_failure(self, request: pb.FailureReport) -> None:
+        """A node's calls to a peer fail: the peer is dead if it is also late with its heartbeat."""
+        with self._cond:
+            peer = self.members.get(request.peer)
+            if peer is None or not peer.alive:
+                return
+            log.info("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
+            self._suspects.add(request.peer)
+            self._cond.notify_all()
 
     def order_stream(self, node_id: str, is_active: Callable[[], bool]) -> Iterator[pb.Order]:
         """The orders for one node, as long as its stream is open."""
@@ -173,7 +247,7 @@ class Coordinator:
             member = self.members.get(node_id)
         if member is None:
             raise KeyError(node_id)
-        while is_active():
+        while is_active() and member.alive:
             try:
                 order = member.orders.get(timeout=0.25)
             except queue.Empty:
@@ -191,21 +265,25 @@ class Coordinator:
     def microbatch_done(self, request: pb.MicrobatchDoneRequest) -> None:
         """A data head finished a microbatch's backward."""
         with self._cond:
-            if request.step == self._progress.step:
+            if request.step == self._progress.step and self._current(request.plan_epoch):
                 self._progress.done.setdefault(request.microbatch, (request.loss, list(request.path)))
                 self._cond.notify_all()
+
+    def _current(self, epoch: int) -> bool:
+        """A report belongs to the current plan epoch (reports from an abandoned epoch are ignored)."""
+        return self.plan is not None and epoch == self.plan.epoch
 
     def eval_done(self, request: pb.EvalDoneRequest) -> None:
         """A last stage computed a validation loss."""
         with self._cond:
-            if request.step == self._progress.step:
+            if request.step == self._progress.step and self._current(request.plan_epoch):
                 self._progress.eval_losses[request.microbatch] = request.loss
                 self._cond.notify_all()
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
         """A stage replica's squared gradient norm for the step being committed."""
         with self._cond:
-            if request.step == self._progress.step:
+            if request.step == self._progress.step and self._current(request.plan_epoch):
                 self._progress.norms[request.node_id] = request.sq_norm
                 self._cond.notify_all()
 
@@ -214,70 +292,195 @@ class Coordinator:
         with self._cond:
             if request.step == self._progress.step:
                 self._progress.checksums[request.node_id] = request.checksum
+                member = self.members.get(request.node_id)
+                if member is not None:
+                    member.applied_steps = request.step + 1  # fresher than the next heartbeat
                 self._cond.notify_all()
 
-    # -- the run ------------------------------------------------------------------------------------------------
+    # -- waiting and liveness -----------------------------------------------------------------------------------
 
     def _alive(self) -> list[Member]:
         return [m for m in self.members.values() if m.alive]
 
     def _plan_nodes(self) -> list[str]:
-        assert self.plan is not None
-        return [n for s in self.plan.stages for n in s.node_ids]
+        return [n for s in self.plan.stages for n in s.node_ids] if self.plan else []
 
-    def _wait(self, predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
-        """Block until predicate() holds (under the lock), raising RunAborted on stop, node loss or timeout."""
+    def _wait(self, predicate: Callable[[], bool], what: str, timeout_s: float, during_step: bool = False) -> None:
+        """Block until predicate() holds (under the lock); raises RunAborted on stop or timeout, and StepFailed
+        when a node of the plan dies while `during_step`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not predicate():
                 if self.stop_requested.is_set():
                     raise RunAborted("stopped")
-                self._check_liveness()
+                dead = self._check_liveness()
+                if during_step and dead & set(self._plan_nodes()):
+                    raise StepFailed(f"node(s) {', '.join(sorted(dead & set(self._plan_nodes())))} lost")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if during_step:
+                        raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
                     raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
-                self._cond.wait(min(remaining, 0.2))
+                self._cond.wait(min(remaining, 0.1))
 
-    def _check_liveness(self) -> None:
-        """Mark silent nodes dead; losing a node of the plan ends the run (replicas come with fault tolerance)."""
+    def _check_liveness(self) -> set[str]:
+        """Mark silent nodes dead (and suspects that are late too); returns every dead member's id."""
         now = time.monotonic()
-        timeout = self.cfg.scheduler.heartbeat_timeout_s
+        sched = self.cfg.scheduler
         for member in self.members.values():
-            if member.alive and now - member.last_seen > timeout:
+            late = now - member.last_seen
+            suspect_late = member.node_id in self._suspects and late > 1.5 * sched.heartbeat_interval_s
+            if member.alive and (late > sched.heartbeat_timeout_s or suspect_late):
                 member.alive = False
-                log.warning("node %s missed heartbeats for %.1fs: declared dead", member.node_id, timeout)
+                self._suspects.discard(member.node_id)
+                why = "peers report it failing" if suspect_late else f"no heartbeat for {late:.1f}s"
+                log.warning("node %s is dead: %s", member.node_id, why)
                 self.store.upsert_member(member.node_id, member.address, member.region, "dead")
-                self.store.event("dead", member.node_id)
+                self.store.event("dead", member.node_id, why)
                 self._on_event("dead", {"node_id": member.node_id})
-                if self.plan is not None and member.node_id in self._plan_nodes():
-                    raise RunAborted(f"node {member.node_id} of the plan stopped responding")
+        return {m.node_id for m in self.members.values() if not m.alive}
 
-    def _make_plan(self) -> None:
-        """Give the first nodes one stage each (balanced layers) and wait until they all run it."""
-        members = sorted(self._alive(), key=lambda m: m.joined_at)
-        n_stages = self.cfg.scheduler.stages or len(members)
-        if n_stages > len(members):
-            raise RunAborted(f"{n_stages} stages need {n_stages} nodes, only {len(members)} joined")
-        ranges = split_layers(self.cfg.model.total_layers, n_stages)
-        epoch = (self.plan.epoch if self.plan else 0) + 1
-        plan = pb.Plan(epoch=epoch, total_layers=self.cfg.model.total_layers)
-        for i, ((start, end), member) in enumerate(zip(ranges, members)):
-            plan.stages.add(
-                index=i, layer_start=start, layer_end=end, node_ids=[member.node_id], addresses=[member.address]
-            )
-        self.plan = plan
-        self.store.put("plan_epoch", str(epoch))
-        self.store.event("plan", detail=f"epoch {epoch}: {n_stages} stages")
-        self._send([m.node_id for m in self._alive()], pb.Order(plan=plan))
+    # -- planning -----------------------------------------------------------------------------------------------
+
+    def _stage_ranges(self) -> list[tuple[int, int]]:
+        """The current plan's layer ranges (state stays where it is); a first plan splits the layers evenly."""
+        if self.plan is not None:
+            return [(s.layer_start, s.layer_end) for s in self.plan.stages]
+        total = self.cfg.model.total_layers
+        return split_layers(total, min(total, self.cfg.scheduler.stages or len(self._alive())))
+
+    def _assign(self, ranges: list[tuple[int, int]]) -> list[list[Member]]:
+        """Nodes per stage: nodes keep their stage, returning nodes take the stage they hold, empty stages take
+        spares, then the rest become replicas up to scheduler.replicas per stage."""
+        alive = sorted(self._alive(), key=lambda m: m.joined_at)
+        previous = {n: s.index for s in self.plan.stages for n in s.node_ids} if self.plan else {}
+        groups: list[list[Member]] = [[] for _ in ranges]
+        unplaced = []
+        for m in alive:
+            if m.node_id in previous and previous[m.node_id] < len(ranges):
+                groups[previous[m.node_id]].append(m)
+            elif m.held in ranges:
+                groups[ranges.index(m.held)].append(m)
+            else:
+                unplaced.append(m)
+        for group in groups:
+            if not group and unplaced:
+                group.append(unplaced.pop(0))
+        cap = self.cfg.scheduler.replicas or len(alive)
+        for m in unplaced:
+            smallest = min(groups, key=len)
+            if len(smallest) < cap:
+                smallest.append(m)
+        return groups
+
+    def _can_grow(self) -> bool:
+        """Some live node serves no stage and a stage has room for another replica."""
+        placed = set(self._plan_nodes())
+        cap = self.cfg.scheduler.replicas or len(self.members)
+        spare = any(m.node_id not in placed for m in self._alive())
+        return spare and self.plan is not None and any(len(s.node_ids) < cap for s in self.plan.stages)
+
+    def _plan_is_current(self) -> bool:
+        alive = {m.node_id for m in self._alive()}
+        return not self._plan_dirty and set(self._plan_nodes()) <= alive and not self._can_grow()
+
+    def _replan(self) -> None:
+        """Bump the plan epoch: assign nodes, give every node that lacks its stage's state a source, and wait
+        until every node runs the new plan with the committed state."""
+        ranges = self._stage_ranges()
+        groups = self._assign(ranges)
+        if any(not g for g in groups):
+            log.warning("a stage has no node; waiting up to %.0fs for one", self.cfg.scheduler.rejoin_timeout_s)
+            self._wait(lambda: all(self._assign(ranges)), "a node for every stage", self.cfg.scheduler.rejoin_timeout_s)
+            groups = self._assign(ranges)
+        loads = self._state_sources(ranges, groups)
+        epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
+        multi = [m.node_id for g in groups if len(g) > 1 for m in g]
         self._wait(
-            lambda: all(self.members[n].plan_epoch == epoch for n in self._plan_nodes()),
-            "nodes to take up the plan",
+            lambda: all(self.members[n].peer_id or not self.members[n].alive for n in multi),
+            "replicas' averaging peers",
             self.cfg.scheduler.step_timeout_s,
         )
+        if any(not self.members[n].alive for n in multi):
+            raise StepFailed("a node died while the plan was being made")
+        plan = pb.Plan(epoch=epoch, total_layers=self.cfg.model.total_layers, steps_done=self.step)
+        for i, ((start, end), group) in enumerate(zip(ranges, groups)):
+            plan.stages.add(
+                index=i,
+                layer_start=start,
+                layer_end=end,
+                node_ids=[m.node_id for m in group],
+                addresses=[m.address for m in group],
+                regions=[m.region for m in group],
+                peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
+            )
+        with self._cond:
+            self.plan = plan
+        self.store.put("plan", plan.SerializeToString().hex())
+        self.store.put("plan_epoch", str(epoch))
+        self._send([m.node_id for m in self._alive()], pb.Order(plan=plan))
+        for node_id, (address, checksum) in loads.items():
+            load = pb.LoadState(plan_epoch=epoch, steps_done=self.step, source_address=address, expected_checksum=checksum)
+            self._send([node_id], pb.Order(load_state=load))
+        self._wait(
+            lambda: all(
+                self.members[n].plan_epoch == epoch
+                and self.members[n].applied_steps == self.step
+                and (n not in loads or self.members[n].state_epoch == epoch)
+                for n in self._plan_nodes()
+            ),
+            "nodes to take up the plan",
+            self.cfg.scheduler.step_timeout_s,
+            during_step=True,
+        )
+        for stage in plan.stages:
+            for n in stage.node_ids:
+                self.members[n].held = (stage.layer_start, stage.layer_end)
+        self._plan_dirty = False
+        detail = "; ".join(f"stage {s.index} layers {s.layer_start}-{s.layer_end - 1}: {', '.join(s.node_ids)}"
+                           for s in plan.stages)
+        self.store.event("plan", detail=f"epoch {epoch}: {detail}")
         self._on_event("plan", {"plan": plan})
 
+    def _state_sources(
+        self, ranges: list[tuple[int, int]], groups: list[list[Member]]
+    ) -> dict[str, tuple[str, str]]:
+        """For each node that lacks its stage's committed state: (source address or '' for the checkpoint,
+        expected checksum). Rolls the run back to the newest checkpoint when a stage's state exists nowhere else."""
+        if self.step == 0:
+            return {}  # step 0 is each layer's initialisation from the seed: every node builds it itself
+        sources: dict[str, tuple[str, str]] = {}
+        recorded = self.store.checksums(self.step - 1)
+        missing = []
+        for i, (rng, group) in enumerate(zip(ranges, groups)):
+            holders = [m for m in self._alive() if m.held == rng and m.applied_steps == self.step]
+            if not holders:
+                missing.append(i)
+                continue
+            for m in group:
+                if m not in holders:
+                    sources[m.node_id] = (holders[0].address, recorded.get(i, ""))
+        if not missing:
+            return sources
+        manifest = self.checkpoints.latest(at_most=self.step) if self.checkpoints else None
+        steps_done = manifest.steps_done if manifest else 0
+        if steps_done < self.step:
+            log.warning("stage(s) %s lost every copy of step %d: rolling back to step %d", missing, self.step, steps_done)
+            self.store.event("rollback", detail=f"from step {self.step} to step {steps_done}")
+            self.store.rollback_to(steps_done)
+            self.step = steps_done
+            missing = list(range(len(ranges)))
+            sources = {}
+        for i in missing:
+            checksum = self.checkpoints.checksum(manifest, *ranges[i]) if manifest else ""
+            for m in groups[i]:
+                sources[m.node_id] = ("", checksum)
+        return sources
+
+    # -- the run ------------------------------------------------------------------------------------------------
+
     def run(self) -> RunSummary:
-        """Wait for min_nodes, plan, then train every step; returns the summary."""
+        """Wait for min_nodes, plan, then train every step, recovering from failures; returns the summary."""
         try:
             return self._train()
         except RunAborted as e:
@@ -291,79 +494,153 @@ class Coordinator:
         log.info("waiting for %d node(s)", need)
         self._wait(lambda: len(self._alive()) >= need, f"{need} nodes to join", float("inf"))
         self.state = "training"
-        self._make_plan()
-        train_started = time.monotonic()
-        records: list[StepRecord] = []
-        val_loss: float | None = None
-        for step in range(self.step, self.cfg.run.steps):
-            record = self._run_step(step)
-            every = self.cfg.run.eval_every
-            last = step == self.cfg.run.steps - 1
-            if last or (every and (step + 1) % every == 0):
-                val_loss = self._evaluate(step)
-                self.store.set_val_loss(step, val_loss)
-                record = StepRecord(**{**asdict(record), "val_loss": val_loss})
-            records.append(record)
-            self.step = step + 1
+        self._finish_decided_step()
+        first_step = self.step
+        while self.step < self.cfg.run.steps:
+            try:
+                if not self._plan_is_current():
+                    self._replan()
+                record = self._run_step(self.step)
+            except StepFailed as e:
+                self._note_failure(str(e))
+                continue
+            if self._failed_at is not None:
+                self.recoveries.append(time.monotonic() - self._failed_at)
+                self._failed_at = None
+            self.step += 1
+            record = self._after_commit(record)
             self._on_event("step", {"record": record, "of": self.cfg.run.steps})
-        train_s = time.monotonic() - train_started
+        if self.checkpoints is not None and (not self.checkpoints.latest() or self.checkpoints.latest().steps_done != self.step):
+            self._checkpoint()
         self.state = "done"
+        history = self.store.steps()
+        train_s = sum(r.seconds for r in history if r.step >= first_step)
+        vals = [r.val_loss for r in history if r.val_loss is not None]
         return RunSummary(
-            steps=len(records),
-            loss_first=records[0].loss,
-            loss_last=records[-1].loss,
-            val_loss=val_loss,
-            tokens_per_s=self.cfg.tokens_per_step * len(records) / train_s,
+            steps=len(history),
+            loss_first=history[0].loss,
+            loss_last=history[-1].loss,
+            val_loss=vals[-1] if vals else None,
+            tokens_per_s=self.cfg.tokens_per_step * (self.step - first_step) / train_s if train_s else 0.0,
             wall_s=time.monotonic() - started,
             nodes=len(self._alive()),
             stages=len(self.plan.stages) if self.plan else 0,
         )
+
+    def _note_failure(self, why: str) -> None:
+        self._plan_dirty = True  # a new epoch drops whatever the failed step left half-done
+        self.failures += 1
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        log.warning("step %d failed (%s); re-planning", self.step, why)
+        self.store.event("failure", detail=f"step {self.step}: {why}")
+        self._on_event("failure", {"step": self.step, "why": why})
+
+    def _after_commit(self, record: StepRecord) -> StepRecord:
+        """Validation and checkpoints due after a committed step."""
+        step = record.step
+        last = self.step == self.cfg.run.steps
+        every = self.cfg.run.eval_every
+        if last or (every and self.step % every == 0):
+            try:
+                val_loss = self._evaluate(step)
+            except StepFailed as e:
+                log.warning("validation after step %d skipped: %s", step, e)
+            else:
+                self.store.set_val_loss(step, val_loss)
+                record = StepRecord(**{**asdict(record), "val_loss": val_loss})
+        every = self.cfg.scheduler.checkpoint_every
+        if self.checkpoints is not None and every and self.step % every == 0:
+            self._checkpoint()
+        return record
 
     def _run_step(self, step: int) -> StepRecord:
         assert self.plan is not None
         t0 = time.monotonic()
         total = self.cfg.train.microbatches
         timeout = self.cfg.scheduler.step_timeout_s
+        epoch = self.plan.epoch
         with self._cond:
             self._progress = _StepProgress(step=step)
-        heads = list(self.plan.stages[0].node_ids)
+        heads = {h: self.members[h].microbatches_per_s for h in self.plan.stages[0].node_ids}
         for head, ids in assign_microbatches(heads, total).items():
-            self._send([head], pb.Order(start_step=pb.StartStep(step=step, microbatches=ids, total_microbatches=total)))
-        self._wait(lambda: len(self._progress.done) == total, f"step {step}'s microbatches", timeout)
+            if ids:
+                start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
+                self._send([head], pb.Order(start_step=start))
+        self._wait(lambda: len(self._progress.done) == total, f"step {step}'s microbatches", timeout, during_step=True)
 
         nodes = self._plan_nodes()
-        self._send(nodes, pb.Order(commit=pb.CommitStep(step=step)))
-        self._wait(lambda: all(n in self._progress.norms for n in nodes), f"step {step}'s gradient norms", timeout)
-        # One replica per stage: replicas hold the same averaged gradients.
+        self._send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=epoch)))
+        self._wait(
+            lambda: all(n in self._progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, True
+        )
+        for stage in self.plan.stages:
+            if len({self._progress.norms[n] for n in stage.node_ids}) != 1:
+                raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
         total_sq = sum(self._progress.norms[s.node_ids[0]] for s in self.plan.stages)
         clip = self.cfg.train.clip_coefficient(total_sq)
         lr = self.cfg.train.lr_at(step, self.cfg.run.steps)
-        self._send(nodes, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=clip, lr=lr)))
-        self._wait(lambda: all(n in self._progress.checksums for n in nodes), f"step {step}'s checksums", timeout)
-        checksums = self._stage_checksums()
-
-        seconds = time.monotonic() - t0
         losses = [loss for loss, _ in self._progress.done.values()]
+        seconds = time.monotonic() - t0
         record = StepRecord(
             step=step,
             loss=sum(losses) / len(losses),
             val_loss=None,
             tokens_per_s=self.cfg.tokens_per_step / seconds,
             seconds=seconds,
-            plan_epoch=self.plan.epoch,
+            plan_epoch=epoch,
         )
-        self.store.commit_step(record, checksums)
+        # Decided before any node applies it: a restarted coordinator completes this step instead of redoing it.
+        self.store.put("decided", json.dumps({"record": asdict(record), "clip": clip, "lr": lr}))
+        self._send(nodes, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=clip, lr=lr)))
+        self._wait(
+            lambda: all(n in self._progress.checksums or not self.members[n].alive for n in nodes),
+            f"step {step}'s checksums",
+            timeout,
+        )
+        self.store.commit_step(record, self._stage_checksums())
         return record
+
+    def _finish_decided_step(self) -> None:
+        """After a coordinator restart: complete a step whose decision was recorded but not its commit."""
+        decided = self.store.get("decided")
+        if decided is None or self.plan is None:
+            return
+        data = json.loads(decided)
+        record = StepRecord(**data["record"])
+        step = record.step
+        ranges = self._stage_ranges()
+        log.info("completing step %d, decided before the restart", step)
+
+        def holders_at(steps: int) -> dict[int, list[Member]]:
+            return {i: [m for m in self._alive() if m.held == r and m.applied_steps == steps] for i, r in enumerate(ranges)}
+
+        self._wait(
+            lambda: all(holders_at(step)[i] or holders_at(step + 1)[i] for i in range(len(ranges))),
+            "the nodes of the decided step to return",
+            self.cfg.scheduler.rejoin_timeout_s,
+        )
+        with self._cond:
+            self._progress = _StepProgress(step=step)
+        behind = [m.node_id for ms in holders_at(step).values() for m in ms]
+        self._send(behind, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=data["clip"], lr=data["lr"])))
+        self._wait(lambda: all(n in self._progress.checksums for n in behind), "the decided step's apply",
+                   self.cfg.scheduler.step_timeout_s)
+        for n in behind:
+            self.members[n].applied_steps = step + 1
+        self.store.commit_step(record, {})
+        self.step = step + 1
 
     def _stage_checksums(self) -> dict[int, str]:
         """Each stage's parameter checksum; replicas of a stage must agree."""
         assert self.plan is not None
         result: dict[int, str] = {}
         for stage in self.plan.stages:
-            sums = {self._progress.checksums[n] for n in stage.node_ids}
-            if len(sums) != 1:
+            sums = {self._progress.checksums[n] for n in stage.node_ids if n in self._progress.checksums}
+            if len(sums) > 1:
                 raise RunAborted(f"replicas of stage {stage.index} disagree on their parameters")
-            result[stage.index] = sums.pop()
+            if sums:
+                result[stage.index] = sums.pop()
         return result
 
     def _evaluate(self, step: int) -> float:
@@ -371,17 +648,46 @@ class Coordinator:
         n = self.cfg.run.eval_microbatches
         with self._cond:
             self._progress.eval_losses = {}
-        for head, ids in assign_microbatches(list(self.plan.stages[0].node_ids), n).items():
-            self._send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
-        self._wait(lambda: len(self._progress.eval_losses) == n, "validation", self.cfg.scheduler.step_timeout_s)
+        heads = {h: self.members[h].microbatches_per_s for h in self.plan.stages[0].node_ids}
+        for head, ids in assign_microbatches(heads, n).items():
+            if ids:
+                self._send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
+        self._wait(lambda: len(self._progress.eval_losses) == n, "validation", self.cfg.scheduler.step_timeout_s, True)
         return sum(self._progress.eval_losses.values()) / n
+
+    def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
+        """Parameters and optimizer state of a layer range from the checkpoint at steps_done, if there is one."""
+        manifest = self.checkpoints.latest(at_most=steps_done) if self.checkpoints else None
+        if manifest is None or manifest.steps_done != steps_done:
+            return None
+        return self.checkpoints.load_layers(manifest, layer_start, layer_end)
+
+    def _checkpoint(self) -> None:
+        """Write a checkpoint of the committed state, fetched from one replica of each stage."""
+        assert self.checkpoints is not None and self._fetch_state is not None and self.plan is not None
+        checksums = self.store.checksums(self.step - 1)
+        try:
+            stages = [
+                StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), self._fetch_state(s.addresses[0], self.step))
+                for s in self.plan.stages
+            ]
+        except Exception as e:  # a node lost mid-download: the next checkpoint will do
+            log.warning("checkpoint of step %d skipped: %s", self.step, e)
+            return
+        manifest = self.checkpoints.write(self.step, self.plan.epoch, stages)
+        self.store.put("checkpoint", str(manifest.path))
+        self.store.event("checkpoint", detail=f"step {self.step}")
+        self._on_event("checkpoint", {"steps_done": self.step, "path": str(manifest.path)})
 
     # -- status ---------------------------------------------------------------------------------------------------
 
     def status(self) -> pb.StatusReply:
         """A snapshot of the run for `geotrain status`, the status page and /metrics."""
         history = self.store.steps()
-        reply = pb.StatusReply(state=self.state, step=len(history), steps=self.cfg.run.steps)
+        reply = pb.StatusReply(
+            state=self.state, step=len(history), steps=self.cfg.run.steps, failures=self.failures,
+            recovery_s=self.recoveries,
+        )
         if history:
             last = history[-1]
             recent = history[-10:]
@@ -392,7 +698,9 @@ class Coordinator:
             if vals:
                 reply.val_loss = vals[-1]
         for r in history:
-            point = reply.history.add(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s, seconds=r.seconds)
+            point = reply.history.add(
+                step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s, seconds=r.seconds, at=r.committed_at
+            )
             if r.val_loss is not None:
                 point.has_val_loss, point.val_loss = True, r.val_loss
         now = time.monotonic()

@@ -52,6 +52,7 @@ class StepRecord:
     tokens_per_s: float
     seconds: float
     plan_epoch: int
+    committed_at: float = 0.0
 
 
 class RunStore:
@@ -83,8 +84,10 @@ class RunStore:
             self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def commit_step(self, record: StepRecord, checksums: dict[int, str]) -> None:
-        """Record a committed step; a step is committed once."""
-        with self._lock:
+        """Record a committed step (and clear its pending decision) in one transaction; a step is committed once."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM meta WHERE key = 'decided'")
             self._db.execute(
                 "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -95,9 +98,27 @@ class RunStore:
                     record.seconds,
                     record.plan_epoch,
                     json.dumps(checksums),
-                    time.time(),
+                    record.committed_at or time.time(),
                 ),
             )
+
+    def rollback_to(self, steps_done: int) -> None:
+        """Forget the steps after `steps_done` (a rollback to an older checkpoint)."""
+        with self._lock:
+            self._db.execute("DELETE FROM steps WHERE step >= ?", (steps_done,))
+            self._db.execute("DELETE FROM meta WHERE key = 'decided'")
+
+    def committed_steps(self) -> int:
+        """How many steps are committed."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) FROM steps").fetchone()
+        return int(row[0])
+
+    def checksums(self, step: int) -> dict[int, str]:
+        """Each stage's parameter checksum after `step`."""
+        with self._lock:
+            row = self._db.execute("SELECT checksums FROM steps WHERE step = ?", (step,)).fetchone()
+        return {int(k): v for k, v in json.loads(row[0]).items()} if row else {}
 
     def set_val_loss(self, step: int, val_loss: float) -> None:
         """Attach a validation loss to a committed step."""
@@ -108,7 +129,7 @@ class RunStore:
         """Every committed step, in order."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT step, loss, val_loss, tokens_per_s, seconds, plan_epoch FROM steps ORDER BY step"
+                "SELECT step, loss, val_loss, tokens_per_s, seconds, plan_epoch, committed_at FROM steps ORDER BY step"
             ).fetchall()
         return [StepRecord(*row) for row in rows]
 

@@ -1,0 +1,146 @@
+"""Checkpoints on the coordinator: per-stage safetensors files plus a manifest written last.
+
+A checkpoint is written into a temporary directory, every file fsynced, the manifest written to a temporary name,
+fsynced and renamed, then the directory renamed into place and its parent fsynced. A directory without its
+manifest is not a checkpoint: a crash at any point leaves the previous complete one as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class StageState:
+    """One stage's parameters and optimizer state at a step, with its parameter checksum."""
+
+    layer_start: int
+    layer_end: int
+    checksum: str
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A complete checkpoint."""
+
+    path: Path
+    steps_done: int
+    plan_epoch: int
+    stages: list[dict]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def layer_of(name: str) -> int:
+    """The layer index of a state name (`layers.<i>.…` or `optim.layers.<i>.…`)."""
+    parts = name.split(".")
+    return int(parts[2] if parts[0] == "optim" else parts[1])
+
+
+class CheckpointStore:
+    """The checkpoints of one run under `root`, keeping the newest `keep`."""
+
+    def __init__(self, root: str | Path, keep: int) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(
+        self, steps_done: int, plan_epoch: int, stages: list[StageState], before_manifest: Callable[[], None] | None = None
+    ) -> Manifest:
+        """Write a complete checkpoint; `before_manifest` is a fault-injection point for tests."""
+        tmp = self.root / f".step-{steps_done:08d}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        entries = []
+        for stage in stages:
+            name = f"stage-{stage.layer_start:04d}-{stage.layer_end:04d}.safetensors"
+            save_file({k: v.contiguous() for k, v in stage.tensors.items()}, str(tmp / name))
+            _fsync_file(tmp / name)
+            entries.append(
+                {"layer_start": stage.layer_start, "layer_end": stage.layer_end, "file": name, "checksum": stage.checksum}
+            )
+        if before_manifest is not None:
+            before_manifest()
+        manifest = {"steps_done": steps_done, "plan_epoch": plan_epoch, "stages": entries, "written_at": time.time()}
+        (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / (MANIFEST + ".tmp"))
+        os.replace(tmp / (MANIFEST + ".tmp"), tmp / MANIFEST)
+        _fsync_dir(tmp)
+        final = self.root / f"step-{steps_done:08d}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        log.info("checkpoint of step %d written to %s", steps_done, final)
+        return Manifest(final, steps_done, plan_epoch, entries)
+
+    def complete(self) -> list[Manifest]:
+        """Every complete checkpoint, oldest first."""
+        found = []
+        for path in sorted(self.root.iterdir()):
+            if _DIR.match(path.name) and (path / MANIFEST).is_file():
+                data = json.loads((path / MANIFEST).read_text())
+                found.append(Manifest(path, data["steps_done"], data["plan_epoch"], data["stages"]))
+        return found
+
+    def latest(self, at_most: int | None = None) -> Manifest | None:
+        """The newest complete checkpoint, optionally no later than `at_most` steps."""
+        usable = [m for m in self.complete() if at_most is None or m.steps_done <= at_most]
+        return usable[-1] if usable else None
+
+    def load_layers(self, manifest: Manifest, layer_start: int, layer_end: int) -> dict[str, torch.Tensor]:
+        """Parameters and optimizer state of layers [layer_start, layer_end) from a checkpoint."""
+        state: dict[str, torch.Tensor] = {}
+        for entry in manifest.stages:
+            if entry["layer_end"] <= layer_start or entry["layer_start"] >= layer_end:
+                continue
+            for name, tensor in load_file(str(manifest.path / entry["file"])).items():
+                if layer_start <= layer_of(name) < layer_end:
+                    state[name] = tensor
+        return state
+
+    def checksum(self, manifest: Manifest, layer_start: int, layer_end: int) -> str:
+        """The recorded parameter checksum of a stage with exactly this layer range, or '' if none."""
+        for entry in manifest.stages:
+            if (entry["layer_start"], entry["layer_end"]) == (layer_start, layer_end):
+                return entry["checksum"]
+        return ""
+
+    def _prune(self) -> None:
+        complete = self.complete()
+        for old in complete[: max(0, len(complete) - self.keep)]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        for partial in self.root.glob(".step-*.tmp-*"):
+            if not partial.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(partial, ignore_errors=True)
