@@ -215,7 +215,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def launch(port: int) -> None:
         nonlocal nodes
-        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir)
+        regions = [r for r in (args.regions or "").split(",") if r]
+        # Round-robin regions let [emulation] links shape the hops between consecutive local nodes.
+        extra = {f"node-{i + 1}": ["--region", regions[i % len(regions)]] for i in range(args.nodes)} if regions else {}
+        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, extra)
         for i in range(args.nodes):
             nodes.start(f"node-{i + 1}")
         print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
@@ -344,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
     p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
+    p.add_argument(
+        "--regions", metavar="eu,us", help="give the local nodes these regions in turn (for emulation.links)"
+    )
     p.add_argument(
         "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",
         help="SIGKILL a random node now and then and restart it after a delay, to watch fault tolerance",

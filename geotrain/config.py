@@ -19,6 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from geotrain.compression import CodecError
+from geotrain.compression.policy import check_spec
 from geotrain.protocol import geotrain_pb2 as pb
 
 
@@ -149,14 +151,29 @@ class SchedulerSection:
 class CompressionSection:
     """[compression]: the codec for each kind of traffic (see geotrain.compression)."""
 
-    activations: str = field(default="none", metadata={"doc": "codec for activations sent forward"})
-    activation_grads: str = field(default="none", metadata={"doc": "codec for gradients sent backward"})
-    replica_grads: str = field(default="none", metadata={"doc": "codec for gradients replicas average"})
+    activations: str = field(
+        default="none", metadata={"doc": "codec for activations sent forward, or auto (per link, from measurements)"}
+    )
+    activation_grads: str = field(
+        default="none", metadata={"doc": "codec for gradients sent backward, or auto (per link, from measurements)"}
+    )
+    replica_grads: str = field(default="none", metadata={"doc": "codec for gradients replicas average: none only"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if not getattr(self, f.name):
                 raise ConfigError(f"compression.{f.name} must name a codec, e.g. 'none' or 'int8'")
+            try:
+                check_spec(f.name, getattr(self, f.name))
+            except CodecError as e:
+                raise ConfigError(f"compression.{f.name}: {e}") from None
+        if self.replica_grads.strip() != "none":
+            # hivemind compresses the averaged deltas it sends back, so each replica would add a differently
+            # rounded delta to its own gradients and the replicas' parameters would drift apart.
+            raise ConfigError(
+                f"compression.replica_grads must be 'none', got {self.replica_grads!r}: a lossy all-reduce "
+                "leaves stage replicas with different parameters"
+            )
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,8 @@ import grpc
 import torch
 
 from geotrain import __version__
-from geotrain.compression import get_codec
+from geotrain.compression import Codec
+from geotrain.compression.policy import CodecPolicy, StageTimer
 from geotrain.config import RunConfig, from_proto
 from geotrain.node.data import Corpus
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 # Task priorities: lower runs first.
 _CONTROL, _BACKWARD, _FORWARD = 0, 1, 2
 _RPC_DEADLINE_S = 30.0
+# Kinds of traffic the data plane carries, by the [compression] key of their codec.
+_TRAFFIC = ("activations", "activation_grads")
+_TIMED = {_FORWARD: "forward", _BACKWARD: "backward"}
 _STATE_DEADLINE_S = 300.0
 
 
@@ -160,6 +164,8 @@ class Agent:
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
+        self.compute = StageTimer()
+        self._policies: dict[str, CodecPolicy] = {}  # traffic kind -> its codec policy, from the run config
         self._orders: grpc.Future | None = None  # the open order stream, cancelled by stop()
         self._must_register = threading.Event()
         self._dht = None
@@ -221,6 +227,7 @@ class Agent:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
+        self._policies = {kind: CodecPolicy(kind, getattr(self.cfg.compression, kind)) for kind in _TRAFFIC}
         self.run_id = reply.run_id
         self._must_register.clear()
         log.info("registered as %s, serving on %s", self.node_id, self.address)
@@ -348,7 +355,7 @@ class Agent:
 
     def _work_loop(self) -> None:
         while not self.stopped.is_set():
-            _, _, task, epoch = self._tasks.get()
+            priority, _, task, epoch = self._tasks.get()
             if task is None:
                 return
             if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
@@ -361,6 +368,8 @@ class Agent:
             if self.options.slowdown > 1.0 and epoch is not None:
                 # Emulated slower hardware: stretch every compute task, not the control ones.
                 time.sleep((self.options.slowdown - 1.0) * (time.monotonic() - started))
+            if priority in _TIMED:
+                self.compute.observe(_TIMED[priority], time.monotonic() - started)
 
     def _send(self, fn: Callable[[], None], what: str, peer: str = "") -> None:
         def run() -> None:
@@ -510,7 +519,7 @@ class Agent:
         peer, address = self._peer(self.stage_index + 1)
         if not ref.eval:
             self.router.sent(peer, ref.step, ref.microbatch)
-        codec = get_codec(self.cfg.compression.activations)
+        codec = self._codec("activations", peer, outputs)
         send = lambda: self.dataplane.send(peer, address, "forward", ref, outputs, codec)  # noqa: E731
         self._send(send, f"forward to {peer}", peer)
 
@@ -518,9 +527,14 @@ class Agent:
         assert self.cfg is not None
         peer = ref.path[self.stage_index - 1]
         address = self._where(peer)[0]
-        codec = get_codec(self.cfg.compression.activation_grads)
+        codec = self._codec("activation_grads", peer, grad)
         send = lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec)  # noqa: E731
         self._send(send, f"backward to {peer}", peer)
+
+    def _codec(self, kind: str, peer: str, tensor: torch.Tensor) -> Codec:
+        """The codec for a tensor of `kind` to peer: the configured one, or auto's pick from what was measured."""
+        estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
+        return self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
 
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
@@ -567,15 +581,15 @@ class Agent:
                 raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the first stage takes no activations")
             if len(ref.path) != self.stage_index or ref.path[-1] not in plan.stages[self.stage_index - 1].node_ids:
                 raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "activation path does not lead to this stage")
-            codec = cfg.compression.activations
+            kind = "activations"
         else:
             if runtime.is_last:
                 raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the last stage takes no gradients")
             if len(ref.path) != len(plan.stages) or ref.path[self.stage_index] != self.node_id:
                 raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "gradient path does not pass through this node")
-            codec = cfg.compression.activation_grads
+            kind = "activation_grads"
         shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
-        check_activation_header(header, shape, get_codec(codec).codec_id, self.options.max_tensor_bytes)
+        check_activation_header(header, shape, self._policies[kind].accepted_ids, self.options.max_tensor_bytes)
 
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Queue the compute for a validated incoming tensor."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from geotrain.compression import Codec, get_codec
+from geotrain.compression import Codec, FeedbackState
+from geotrain.compression.policy import LinkEstimate, LinkEstimator
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -103,7 +104,9 @@ class DataPlane:
         self._lock = threading.Lock()
         self._stubs: dict[str, rpc.StageStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        self._codec_states: dict[tuple[str, str], object] = {}
+        # (peer, address, direction) -> (codec name, its error feedback): a new codec on a link starts afresh.
+        self._codec_states: dict[tuple[str, str, str], tuple[str, FeedbackState | None]] = {}
+        self._links: dict[str, LinkEstimator] = defaultdict(LinkEstimator)
         self.sent: dict[str, LinkStats] = defaultdict(LinkStats)
         self.received: dict[str, LinkStats] = defaultdict(LinkStats)
         self.deadlines = AdaptiveDeadline()
@@ -119,22 +122,24 @@ class DataPlane:
                 self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]
 
-    def _encode(self, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> bytes:
+    def _encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> bytes:
         with self._lock:
-            key = (address, direction)
-            if key not in self._codec_states:
-                self._codec_states[key] = codec.new_state()
-            state = self._codec_states[key]
+            key = (peer, address, direction)
+            if key not in self._codec_states or self._codec_states[key][0] != codec.name:
+                self._codec_states[key] = (codec.name, codec.new_state())
+            state = self._codec_states[key][1]
         return codec.encode(tensor, state)
 
     def send(
         self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, codec: Codec
     ) -> None:
         """Send one tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward") RPC."""
-        payload = self._encode(address, direction, codec, tensor)
+        payload = self._encode(peer, address, direction, codec, tensor)
         header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload)
         stub = self.stub(address)
         method = stub.Forward if direction == "forward" else stub.Backward
+        # The link estimate counts the emulated delay: it stands for the time the bytes spend on the wire.
+        began = time.monotonic()
         if self.emulator is not None:
             self.emulator.delay(peer, len(payload))
         started = time.monotonic()
@@ -143,13 +148,20 @@ class DataPlane:
         if self._on_peer_unavailable is not None:
             suspect = lambda e: self._on_peer_unavailable(peer, e.details() or "unavailable")  # noqa: E731
         call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=deadline), on_unavailable=suspect)
-        self.deadlines.observe(peer, time.monotonic() - started)
+        done = time.monotonic()
+        self.deadlines.observe(peer, done - started)
         with self._lock:
+            self._links[peer].observe(codec.name, len(payload), done - began)
             stats = self.sent[peer]
             stats.raw_bytes += tensor.numel() * tensor.element_size()
             stats.wire_bytes += len(payload)
             stats.messages += 1
             stats.codec = codec.name
+
+    def estimate(self, peer: str) -> LinkEstimate | None:
+        """The measured bandwidth and latency of the link to peer, or None before the first call."""
+        with self._lock:
+            return self._links[peer].estimate() if peer in self._links else None
 
     def count_received(self, peer: str, raw_bytes: int, wire_bytes: int) -> None:
         """Record an incoming tensor's sizes."""

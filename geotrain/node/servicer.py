@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -72,19 +72,20 @@ class StageServicer(rpc.StageServicer):
 
 
 def check_activation_header(
-    header: pb.TensorHeader, shape: list[int], codec_id: int, max_bytes: int
+    header: pb.TensorHeader, shape: list[int], codec_ids: Collection[int], max_bytes: int
 ) -> None:
-    """Raise FrameError unless header describes an fp32 activation of `shape` in codec `codec_id`."""
+    """Raise FrameError unless header describes an fp32 activation of `shape` in one of the codecs `codec_ids`."""
     if header.dtype != pb.DTYPE_FLOAT32:
         raise FrameError(
             grpc.StatusCode.INVALID_ARGUMENT, f"expected float32 activations, got {pb.DType.Name(header.dtype)}"
         )
     if list(header.shape) != shape:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape {shape}, got {list(header.shape)}")
-    if header.codec != codec_id:
+    if header.codec not in codec_ids:
+        expected = " or ".join(pb.Codec.Name(c) for c in sorted(codec_ids))
         raise FrameError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"expected codec {pb.Codec.Name(codec_id)}, got {pb.Codec.Name(header.codec)}"
+            f"expected codec {expected}, got {pb.Codec.Name(header.codec)}"
             if header.codec in pb.Codec.values()
             else f"unknown codec {header.codec}",
         )
