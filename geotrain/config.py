@@ -22,6 +22,7 @@ else:  # pragma: no cover
 from geotrain.compression import CodecError
 from geotrain.compression.policy import check_spec
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.probe import MAX_PROBE_BYTES
 
 
 class ConfigError(ValueError):
@@ -210,6 +211,20 @@ class EmulationSection:
 
 
 @dataclass(kw_only=True)
+class ProfileSection:
+    """[profile]: what every node measures when it joins (geotrain.node.profiler)."""
+
+    probe_bytes: int = _bounded(
+        2 << 20, 64 << 10, MAX_PROBE_BYTES,
+        "bytes of each link's bandwidth probe; several MiB on a WAN, so TCP's ramp-up and a shaper's burst do not count",
+    )
+    layer_repeats: int = _bounded(5, 1, 100, "timed fwd+bwd runs of each layer after a warm-up; the median counts")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "profile")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -220,6 +235,7 @@ class RunConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     @property
     def tokens_per_step(self) -> int:
@@ -315,7 +331,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation")
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile")
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:

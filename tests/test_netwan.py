@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import time
@@ -138,6 +140,46 @@ def test_training_runs_across_the_wan(wan):
     # Each node reached the coordinator, and is reached by its peers, through its region's relay.
     assert f"r0n0 joined from {wan.node_address(0, 0)} (region-0)" in log
     assert f"r1n0 joined from {wan.node_address(1, 0)} (region-1)" in log
+
+
+def _measured_links(wan) -> dict[tuple[str, str], tuple[float, float]]:
+    """(src, dst) -> (Mbit/s, one-way ms) of every link the coordinator's Status shows measured; {} until it serves."""
+    result = subprocess.run(
+        ["ip", "netns", "exec", wan.region_ns(0), sys.executable, "-m", "geotrain", "status", "--json",
+         "--coordinator", f"127.0.0.1:{netwan.COORDINATOR_PORT}"],
+        capture_output=True, text=True, timeout=20, cwd=REPO, env={**os.environ, "GEOTRAIN_TOKEN": wan.token},
+    )
+    if result.returncode:
+        return {}
+    return {(link["src"], link["dst"]): (link["bandwidth_mbps"], link["latency_ms"])
+            for link in json.loads(result.stdout)["links"] if link["bandwidth_mbps"]}
+
+
+@pytest.mark.timeout(150)
+def test_profiler_measures_the_inter_region_link(wan):
+    # A small model keeps training traffic a few % of the link, so the probes measure the link, not the load; probes
+    # of 8 MiB (3.4 s at 20 Mbit/s) leave TCP's ramp-up and the shaper's burst out of the figure.
+    coordinator = wan.start_coordinator([
+        "--set", "run.steps=40", "--set", "run.eval_every=0", "--set", "model.seq_len=16",
+        "--set", "train.microbatch_size=2", "--set", f"profile.probe_bytes={8 << 20}",
+    ])
+    wan.start_nodes()
+    # r0n0 and the coordinator share region 0. The pair is probed by its upstream end, whichever joined first.
+    def crossing() -> list[tuple[str, str]]:
+        return [p for p in (("r1n0", "coordinator"), ("r0n0", "r1n0"), ("r1n0", "r0n0")) if p in links]
+
+    links: dict[tuple[str, str], tuple[float, float]] = {}
+    deadline = time.monotonic() + 90
+    while len(crossing()) < 2 and coordinator.poll() is None and time.monotonic() < deadline:
+        links = _measured_links(wan)
+        time.sleep(0.5)
+    log = (wan.log_dir / "coordinator.log").read_text()
+    assert len(crossing()) == 2 and crossing()[0][1] == "coordinator", f"measured: {links}\n{log[-3000:]}"
+    for pair in crossing():
+        mbps, latency_ms = links[pair]
+        assert abs(mbps - LINK_MBPS) <= 0.2 * LINK_MBPS, f"{pair}: {mbps:.2f} Mbit/s measured, {LINK_MBPS} configured"
+        assert latency_ms >= LATENCY_MS, f"{pair}: {latency_ms:.1f} ms one way, the relay adds {LATENCY_MS}"
+    assert coordinator.wait(60) == 0, log[-3000:]
 
 
 @pytest.mark.timeout(60)

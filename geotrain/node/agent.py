@@ -30,6 +30,7 @@ from geotrain.config import RunConfig, from_proto
 from geotrain.node.data import Corpus
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
 from geotrain.node.model import loss_fn
+from geotrain.node.profiler import NodeProfiler, stretch
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer, check_activation_header
 from geotrain.node.stage import StageRuntime
@@ -159,6 +160,7 @@ class Agent:
         )
         self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls)
         self.coordinator = rpc.CoordinatorStub(self._channel)
+        self.profiler = NodeProfiler(self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown)
         self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
         rpc.add_StageServicer_to_server(StageServicer(self), self._server)
         self.address = ""
@@ -184,7 +186,10 @@ class Agent:
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             threading.Thread(target=self._start_averaging, args=(dht_peers,), name="dht", daemon=True).start()
             self._load_corpus()
+            # The worker's first task: no training compute competes with the timing, and the node enters profiled.
+            self._submit(_CONTROL, lambda: self.profiler.measure_layers(self.cfg))
             threading.Thread(target=self._work_loop, name="worker", daemon=True).start()
+            threading.Thread(target=self.profiler.run, args=(self.cfg, self.stopped), name="profiler", daemon=True).start()
             self._orders_loop()
         finally:
             self.close()
@@ -199,6 +204,7 @@ class Agent:
         """Release the server, channels, threads and the DHT (its p2p daemon included)."""
         self.stopped.set()
         self._tasks.put((-1, -1, None, None))
+        self.profiler.close()
         self._server.stop(grace=1.0).wait(2.0)
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.dataplane.close()
@@ -230,6 +236,7 @@ class Agent:
         self._policies = {kind: CodecPolicy(kind, getattr(self.cfg.compression, kind)) for kind in _TRAFFIC}
         self.run_id = reply.run_id
         self._must_register.clear()
+        self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
         return list(reply.dht_initial_peers)
 
@@ -365,9 +372,8 @@ class Agent:
                 task()
             except Exception:
                 log.exception("task failed")
-            if self.options.slowdown > 1.0 and epoch is not None:
-                # Emulated slower hardware: stretch every compute task, not the control ones.
-                time.sleep((self.options.slowdown - 1.0) * (time.monotonic() - started))
+            if epoch is not None:  # emulated slower hardware stretches every compute task, not the control ones
+                stretch(started, self.options.slowdown)
             if priority in _TIMED:
                 self.compute.observe(_TIMED[priority], time.monotonic() - started)
 
@@ -413,6 +419,10 @@ class Agent:
             self.router.reset()
         peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
         self.dataplane.reset_links(peers)
+        if stage is not None and index + 1 < len(plan.stages):
+            # Each pair is probed by its upstream end only: two probes at once, one each way, skew each other.
+            after = plan.stages[index + 1]
+            self.profiler.neighbours(dict(zip(after.node_ids, after.addresses)))
         where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
         log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
@@ -477,9 +487,12 @@ class Agent:
         """The emulated link to peer: the node's own flags, else the run config's region matrix."""
         if self.options.bandwidth_mbps or self.options.latency_ms:
             return "egress", LinkShape(self.options.bandwidth_mbps * 1e6, self.options.latency_ms / 1e3)
-        if self.cfg is None or not self.cfg.emulation.links:
+        if self.cfg is None or not self.cfg.emulation.links or self.plan is None:
             return None
-        region = self._where(peer)[1]
+        try:
+            region = self._where(peer)[1]
+        except KeyError:  # not a node of the plan (the coordinator): its region is unknown, the link unshaped
+            return None
         shape = self.cfg.emulation.link(self.options.region, region)
         return (region, LinkShape(shape[0] * 1e6, shape[1] / 1e3)) if shape else None
 

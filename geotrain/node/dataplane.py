@@ -22,9 +22,13 @@ from geotrain.compression.policy import LinkEstimate, LinkEstimator
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.probe import probe_chunks
 from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel
 
 log = logging.getLogger(__name__)
+
+ProbeTarget = rpc.StageStub | rpc.CoordinatorStub
+"""A stub whose Probe RPC counts a probe stream: a peer's Stage service or the coordinator."""
 
 
 @dataclass
@@ -66,6 +70,12 @@ class LinkEmulator:
             done = start + (nbytes * 8 / shape.bandwidth_bps if shape.bandwidth_bps else 0.0)
             self._free_at[key] = done
         time.sleep(max(0.0, done + shape.latency_s - now))
+
+    def reply(self, peer: str) -> None:
+        """Sleep the link's latency once more: the way back of a round trip, whose reply is too small to queue."""
+        shaped = self._shape_for(peer)
+        if shaped is not None:
+            time.sleep(shaped[1].latency_s)
 
 
 class AdaptiveDeadline:
@@ -162,6 +172,17 @@ class DataPlane:
         """The measured bandwidth and latency of the link to peer, or None before the first call."""
         with self._lock:
             return self._links[peer].estimate() if peer in self._links else None
+
+    def probe(self, peer: str, target: ProbeTarget, nbytes: int, timeout_s: float) -> float:
+        """Seconds for a probe of nbytes to reach peer, through the link emulator as tensors go, and its reply to
+        return; raises grpc.RpcError when the call fails."""
+        started = time.monotonic()
+        if self.emulator is not None:
+            self.emulator.delay(peer, nbytes)
+        target.Probe(probe_chunks(nbytes), timeout=timeout_s)
+        if self.emulator is not None:
+            self.emulator.reply(peer)
+        return time.monotonic() - started
 
     def count_received(self, peer: str, raw_bytes: int, wire_bytes: int) -> None:
         """Record an incoming tensor's sizes."""

@@ -19,6 +19,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.probe import serve_probe
 
 if TYPE_CHECKING:
     from geotrain.node.agent import Agent
@@ -69,6 +70,9 @@ class StageServicer(rpc.StageServicer):
         if snapshot is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no state after {request.steps_done} steps")
         yield from framing.state_chunks(snapshot)
+
+    def Probe(self, request_iterator, context):  # noqa: D102, N802
+        return serve_probe(request_iterator, context)
 
 
 def check_activation_header(

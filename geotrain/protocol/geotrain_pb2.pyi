@@ -150,21 +150,31 @@ class EmulationSettings(_message.Message):
     links: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, links: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ProfileSettings(_message.Message):
+    __slots__ = ("probe_bytes", "layer_repeats")
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_REPEATS_FIELD_NUMBER: _ClassVar[int]
+    probe_bytes: int
+    layer_repeats: int
+    def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ...) -> None: ...
+
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression", "emulation")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     EMULATION_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
     train: TrainSettings
     compression: CompressionSettings
     emulation: EmulationSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ...) -> None: ...
+    profile: ProfileSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps")
@@ -436,8 +446,50 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LinkProbe(_message.Message):
+    __slots__ = ("peer", "bandwidth_bps", "rtt_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    bandwidth_bps: float
+    rtt_s: float
+    def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
+
+class NodeProfileReport(_message.Message):
+    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    layer_seconds: _containers.RepeatedScalarFieldContainer[float]
+    boundary_bytes: _containers.RepeatedScalarFieldContainer[int]
+    param_bytes: _containers.RepeatedScalarFieldContainer[int]
+    memory_bytes: int
+    links: _containers.RepeatedCompositeFieldContainer[LinkProbe]
+    activation_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProbeChunk(_message.Message):
+    __slots__ = ("total_bytes", "data")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    data: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +503,8 @@ class NodeStatus(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    PROFILED_MICROBATCH_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -464,7 +518,9 @@ class NodeStatus(_message.Message):
     bytes_received: int
     compression_ratio: float
     alive: bool
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+    profiled_microbatch_s: float
+    memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")

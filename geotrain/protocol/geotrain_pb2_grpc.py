@@ -84,6 +84,16 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchCheckpointRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.ReportProfile = channel.unary_unary(
+                '/geotrain.v1.Coordinator/ReportProfile',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.NodeProfileReport.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/geotrain.v1.Coordinator/Probe',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -150,6 +160,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportProfile(self, request, context):
+        """What a node measured; the latest report per node is kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request_iterator, context):
+        """Counts a probe stream's bytes and replies: nodes measure their link to the coordinator with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +226,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FetchCheckpoint,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchCheckpointRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.SerializeToString,
+            ),
+            'ReportProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProfile,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.NodeProfileReport.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +518,60 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReportProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/ReportProfile',
+            geotrain_dot_protocol_dot_geotrain__pb2.NodeProfileReport.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geotrain.v1.Coordinator/Probe',
+            geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StageStub:
     """Missing associated documentation comment in .proto file."""
@@ -508,6 +596,11 @@ class StageStub:
                 '/geotrain.v1.Stage/FetchState',
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/geotrain.v1.Stage/Probe',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
                 _registered_method=True)
 
 
@@ -534,6 +627,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request_iterator, context):
+        """Counts a probe stream's bytes and replies: peers measure their link to this node with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -551,6 +651,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -634,6 +739,33 @@ class Stage:
             '/geotrain.v1.Stage/FetchState',
             geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geotrain.v1.Stage/Probe',
+            geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

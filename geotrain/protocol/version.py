@@ -2,4 +2,4 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: node profiles (RunConfig.profile, which a node requires; ReportProfile, Probe)

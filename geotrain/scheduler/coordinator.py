@@ -30,6 +30,7 @@ from geotrain.config import RunConfig, to_proto
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.checkpoint import CheckpointStore, StageState
+from geotrain.scheduler.profiles import check_report, measured_link
 from geotrain.scheduler.state import RunStore, StepRecord
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Member:
     bytes_received: int = 0
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
+    profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
 
 
 @dataclass
@@ -230,6 +232,16 @@ class Coordinator:
             member.microbatches_per_s = request.microbatches_per_s
             self._cond.notify_all()
         return pb.HeartbeatReply(known=True)
+
+    def report_profile(self, request: pb.NodeProfileReport) -> None:
+        """Keep a node's latest profile; KeyError for an unknown node, ValueError for a malformed report."""
+        check_report(request, self.cfg.model.total_layers)
+        with self._cond:
+            member = self.members.get(request.node_id)
+            if member is None:
+                raise KeyError(request.node_id)
+            member.profile = request
+        log.debug("profile of %s: %d link(s)", request.node_id, len(request.links))
 
     def report_failure(self, request: pb.FailureReport) -> None:
         """A node's calls to a peer fail: the peer is dead if it is also late with its heartbeat."""
@@ -712,6 +724,7 @@ class Coordinator:
             st = stage_of.get(m.node_id)
             sent_raw = sum(link.raw_bytes for link in m.links)
             sent_wire = sum(link.wire_bytes for link in m.links)
+            probes = {p.peer: p for p in m.profile.links} if m.profile else {}
             reply.nodes.add(
                 node_id=m.node_id,
                 region=m.region,
@@ -726,6 +739,8 @@ class Coordinator:
                 bytes_received=m.bytes_received,
                 compression_ratio=sent_raw / sent_wire if sent_wire else 1.0,
                 alive=m.alive,
+                profiled_microbatch_s=sum(m.profile.layer_seconds) if m.profile else 0.0,
+                memory_bytes=m.profile.memory_bytes if m.profile else 0,
             )
             for link in m.links:
                 reply.links.add(
@@ -735,7 +750,10 @@ class Coordinator:
                     compression_ratio=link.raw_bytes / link.wire_bytes if link.wire_bytes else 1.0,
                     raw_bytes=link.raw_bytes,
                     wire_bytes=link.wire_bytes,
+                    **measured_link(probes.pop(link.peer, None)),
                 )
+            for probe in probes.values():  # measured, no training traffic yet (or never: the coordinator's link)
+                reply.links.add(src=m.node_id, dst=probe.peer, compression_ratio=1.0, **measured_link(probe))
         if plan:
             reply.plan_epoch = plan.epoch
             for st in plan.stages:

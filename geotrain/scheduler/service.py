@@ -14,6 +14,7 @@ from geotrain.config import RunConfig
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.probe import serve_probe
 from geotrain.protocol.transport import TlsFiles, make_channel, make_server
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
@@ -72,6 +73,18 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
                           f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
         yield from framing.state_chunks(state.items())
+
+    def ReportProfile(self, request, context):  # noqa: D102, N802
+        try:
+            self.c.report_profile(request)
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
+        return pb.Ack()
+
+    def Probe(self, request_iterator, context):  # noqa: D102, N802
+        return serve_probe(request_iterator, context)
 
 
 def make_coordinator_server(

@@ -1,0 +1,143 @@
+"""Node profiles on the coordinator: check what nodes report, and turn the reports into the planner's inputs.
+
+Nodes measure per-layer time, boundary and parameter bytes, memory, and their links (node/profiler.py); the
+coordinator keeps the latest report of each member and builds NodeProfile, ModelProfile and Network from them, so
+the planner works from measured numbers without any model code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Protocol
+
+from geotrain.config import RunConfig
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler.costmodel import Link, ModelProfile, Network, NodeProfile
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTRA_REGION = Link(bandwidth_bps=1e9, latency_s=0.5e-3)
+"""Link inside a region when no pair there was measured: a datacenter LAN."""
+DEFAULT_INTER_REGION = Link(bandwidth_bps=100e6, latency_s=0.05)
+"""Link between regions when no pair between any regions was measured: ordinary internet."""
+_FP32_BYTES = 4  # stages train in fp32
+
+
+class Profiled(Protocol):
+    """A member as planner_inputs reads it (scheduler.coordinator.Member fits)."""
+
+    node_id: str
+    region: str
+    profile: pb.NodeProfileReport | None
+
+
+def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
+    """Raise ValueError unless a report describes every layer of the model with finite, sensible numbers."""
+    if not report.node_id:
+        raise ValueError("node_id is empty")
+    for name in ("layer_seconds", "boundary_bytes", "param_bytes", "activation_bytes"):
+        if len(getattr(report, name)) != total_layers:
+            raise ValueError(f"{name} has {len(getattr(report, name))} entries, the model has {total_layers} layers")
+    if not all(math.isfinite(t) and t > 0 for t in report.layer_seconds):
+        raise ValueError("layer_seconds must be finite and > 0")
+    if report.memory_bytes <= 0:
+        raise ValueError("memory_bytes must be > 0")
+    for link in report.links:
+        if not link.peer:
+            raise ValueError("a link probe names no peer")
+        if not (math.isfinite(link.bandwidth_bps) and link.bandwidth_bps > 0):
+            raise ValueError(f"bandwidth to {link.peer} must be finite and > 0, got {link.bandwidth_bps}")
+        if not (math.isfinite(link.rtt_s) and link.rtt_s >= 0):
+            raise ValueError(f"round trip to {link.peer} must be finite and >= 0, got {link.rtt_s}")
+
+
+def measured_link(probe: pb.LinkProbe | None) -> dict[str, float]:
+    """LinkStatus fields (bandwidth_mbps, one-way latency_ms) of a probe; zeros say "not measured"."""
+    if probe is None:
+        return {"bandwidth_mbps": 0.0, "latency_ms": 0.0}
+    return {"bandwidth_mbps": probe.bandwidth_bps / 1e6, "latency_ms": probe.rtt_s / 2 * 1e3}
+
+
+def model_profile(report: pb.NodeProfileReport, cfg: RunConfig) -> ModelProfile:
+    """The model's per-layer sizes as a node measured them (every node runs the same shapes)."""
+    tokens = cfg.train.microbatch_size * cfg.model.seq_len
+    return ModelProfile(
+        layer_param_bytes=list(report.param_bytes),
+        boundary_bytes=list(report.boundary_bytes),
+        layer_activation_bytes=list(report.activation_bytes),
+        # Not measured, and planning from measured times never reads it: the 6 x parameters x tokens rule.
+        layer_flops=[6.0 * p / _FP32_BYTES * tokens for p in report.param_bytes],
+        bytes_per_value=_FP32_BYTES,
+    )
+
+
+def _pair_links(members: Sequence[Profiled]) -> dict[tuple[str, str], Link]:
+    """Measured node pairs (sorted ids), both directions folded into one symmetric link."""
+    ids = {m.node_id for m in members}
+    seen: dict[tuple[str, str], list[pb.LinkProbe]] = defaultdict(list)
+    for m in members:
+        assert m.profile is not None
+        for probe in m.profile.links:
+            if probe.peer in ids and probe.peer != m.node_id:
+                seen[tuple(sorted((m.node_id, probe.peer)))].append(probe)
+    # Activations go one way and gradients the other, so a step pays 1/bw of each direction: the harmonic mean.
+    return {
+        pair: Link(
+            bandwidth_bps=len(probes) / sum(1 / p.bandwidth_bps for p in probes),
+            latency_s=statistics.fmean(p.rtt_s for p in probes) / 2,
+        )
+        for pair, probes in seen.items()
+    }
+
+
+def _median_link(links: list[Link]) -> Link:
+    return Link(
+        bandwidth_bps=statistics.median(link.bandwidth_bps for link in links),
+        latency_s=statistics.median(link.latency_s for link in links),
+    )
+
+
+def measured_network(
+    members: Sequence[Profiled],
+    *,
+    intra_default: Link = DEFAULT_INTRA_REGION,
+    inter_default: Link = DEFAULT_INTER_REGION,
+) -> Network:
+    """Measured pairs as overrides; region links the median of the pairs measured between (or inside) regions."""
+    region = {m.node_id: m.region for m in members}
+    pairs = _pair_links(members)
+    by_regions: dict[tuple[str, str], list[Link]] = defaultdict(list)
+    for (a, b), link in pairs.items():
+        by_regions[tuple(sorted((region[a], region[b])))].append(link)
+    intra = [link for (ra, rb), links in by_regions.items() if ra == rb for link in links]
+    inter = {pair: _median_link(links) for pair, links in by_regions.items() if pair[0] != pair[1]}
+    return Network(
+        intra_region=_median_link(intra) if intra else intra_default,
+        inter_region=inter,
+        default_inter_region=_median_link(list(inter.values())) if inter else inter_default,
+        pair_overrides=pairs,
+    )
+
+
+def planner_inputs(
+    members: Sequence[Profiled], cfg: RunConfig
+) -> tuple[list[NodeProfile], ModelProfile, Network]:
+    """The planner's nodes, model and network from the members that have reported a profile (the others are left
+    out); ValueError when none has."""
+    profiled = [m for m in members if m.profile is not None]
+    if not profiled:
+        raise ValueError("no node has reported a profile yet")
+    nodes = [
+        NodeProfile(
+            node_id=m.node_id,
+            region=m.region,
+            layer_seconds=list(m.profile.layer_seconds),
+            memory_bytes=m.profile.memory_bytes,
+        )
+        for m in profiled
+    ]
+    return nodes, model_profile(profiled[0].profile, cfg), measured_network(profiled)

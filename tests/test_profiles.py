@@ -1,0 +1,123 @@
+"""scheduler/profiles: reports are checked, and stored reports become the planner's nodes, model and network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from geotrain.config import load_config
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler.coordinator import Coordinator, Member
+from geotrain.scheduler.planner import plan
+from geotrain.scheduler.profiles import DEFAULT_INTRA_REGION, check_report, planner_inputs
+
+CFG = load_config(None, ["model.n_layers=2"])
+LAYERS = CFG.model.total_layers
+HIDDEN = CFG.train.microbatch_size * CFG.model.seq_len * CFG.model.d_model * 4
+
+
+def _report(node_id: str, seconds: float = 0.01, links: dict[str, tuple[float, float]] | None = None):
+    """A well-formed report; links maps peer -> (Mbit/s, round trip ms)."""
+    return pb.NodeProfileReport(
+        node_id=node_id,
+        layer_seconds=[seconds] * LAYERS,
+        boundary_bytes=[HIDDEN] * (LAYERS - 1) + [0],
+        param_bytes=[1000 * (i + 1) for i in range(LAYERS)],
+        activation_bytes=[5 * HIDDEN] * LAYERS,
+        memory_bytes=8 << 30,
+        links=[pb.LinkProbe(peer=p, bandwidth_bps=mbps * 1e6, rtt_s=ms / 1e3) for p, (mbps, ms) in (links or {}).items()],
+    )
+
+
+def _member(node_id: str, region: str, report: pb.NodeProfileReport | None) -> Member:
+    member = Member(node_id, "127.0.0.1:1", region, 0.0, 0.0)
+    member.profile = report
+    return member
+
+
+def test_reports_become_planner_inputs():
+    members = [
+        _member("a", "eu", _report("a", 0.01, {"b": (100, 20), "c": (10, 100), "coordinator": (1000, 1)})),
+        _member("b", "eu", _report("b", 0.02, {"a": (50, 40)})),
+        _member("c", "us", _report("c", 0.01, {"a": (30, 100)})),
+        _member("d", "us", None),  # joined, not profiled yet
+    ]
+    nodes, model, network = planner_inputs(members, CFG)
+    assert [n.node_id for n in nodes] == ["a", "b", "c"]
+    assert nodes[1].layer_seconds == [0.02] * LAYERS and nodes[1].region == "eu" and nodes[1].memory_bytes == 8 << 30
+    assert model.boundary_bytes == [HIDDEN] * (LAYERS - 1) + [0]
+    assert model.layer_param_bytes == [1000 * (i + 1) for i in range(LAYERS)]
+    assert model.layer_activation_bytes == [5 * HIDDEN] * LAYERS
+    # Both directions fold into one link: a step pays 1/bw of each way; the latency is half the mean round trip.
+    ab = network.pair_overrides[("a", "b")]
+    assert ab.bandwidth_bps == pytest.approx(2 / (1 / 100e6 + 1 / 50e6))
+    assert ab.latency_s == pytest.approx(0.015)
+    assert network.pair_overrides[("a", "c")].bandwidth_bps == pytest.approx(2 / (1 / 10e6 + 1 / 30e6))
+    assert ("a", "coordinator") not in network.pair_overrides
+    # Region links for pairs nobody measured: the median of what was measured between (or inside) those regions.
+    assert network.region_link("eu", "us").bandwidth_bps == pytest.approx(15e6)
+    assert network.region_link("eu", "eu").bandwidth_bps == pytest.approx(ab.bandwidth_bps)
+    assert network.region_link("us", "us") == network.region_link("eu", "eu")
+    assert network.region_link("us", "asia") == network.region_link("eu", "us")
+    # The planner takes them as they are.
+    result = plan(nodes=nodes, model=model, network=network, microbatches=4, microbatch_size=CFG.train.microbatch_size)
+    assert math.isfinite(result.step_seconds) and result.stages
+
+
+def test_without_measured_pairs_the_defaults_apply():
+    nodes, _, network = planner_inputs([_member("a", "eu", _report("a"))], CFG)
+    assert len(nodes) == 1 and not network.pair_overrides
+    assert network.intra_region == DEFAULT_INTRA_REGION
+    assert network.default_inter_region is not None
+
+
+def test_no_profile_yet_is_an_error():
+    with pytest.raises(ValueError, match="no node"):
+        planner_inputs([_member("a", "eu", None)], CFG)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.layer_seconds.pop(), "layer_seconds has"),
+        (lambda r: r.boundary_bytes.append(1), "boundary_bytes has"),
+        (lambda r: r.layer_seconds.__setitem__(0, 0.0), "finite and > 0"),
+        (lambda r: r.layer_seconds.__setitem__(0, math.nan), "finite and > 0"),
+        (lambda r: setattr(r, "memory_bytes", 0), "memory_bytes"),
+        (lambda r: r.links.add(peer="b", bandwidth_bps=math.inf, rtt_s=0.1), "bandwidth to b"),
+        (lambda r: r.links.add(peer="b", bandwidth_bps=1e6, rtt_s=-1), "round trip to b"),
+        (lambda r: r.links.add(peer="", bandwidth_bps=1e6, rtt_s=0.1), "no peer"),
+        (lambda r: setattr(r, "node_id", ""), "node_id"),
+    ],
+)
+def test_malformed_reports_are_rejected(change, message):
+    report = _report("a")
+    check_report(report, LAYERS)
+    change(report)
+    with pytest.raises(ValueError, match=message):
+        check_report(report, LAYERS)
+
+
+def test_coordinator_keeps_the_latest_profile_and_shows_measured_links():
+    coordinator = Coordinator(CFG)
+    for node_id in ("a", "b"):
+        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address="x:1"))
+    coordinator.heartbeat(pb.HeartbeatRequest(node_id="a", links=[pb.LinkCounter(peer="b", raw_bytes=8, wire_bytes=4)]))
+    with pytest.raises(KeyError):
+        coordinator.report_profile(_report("nobody"))
+    with pytest.raises(ValueError):
+        coordinator.report_profile(pb.NodeProfileReport(node_id="a"))
+    coordinator.report_profile(_report("a", links={"coordinator": (500, 2)}))
+    coordinator.report_profile(_report("a", links={"coordinator": (500, 2), "b": (20, 60)}))
+    assert [p.peer for p in coordinator.members["a"].profile.links] == ["coordinator", "b"]
+    status = coordinator.status()
+    links = {(link.src, link.dst): link for link in status.links}
+    assert links[("a", "b")].bandwidth_mbps == pytest.approx(20) and links[("a", "b")].latency_ms == pytest.approx(30)
+    assert links[("a", "b")].wire_bytes == 4  # the traffic counters stay on the same entry
+    assert links[("a", "coordinator")].bandwidth_mbps == pytest.approx(500)
+    nodes = {n.node_id: n for n in status.nodes}
+    assert nodes["a"].profiled_microbatch_s == pytest.approx(0.01 * LAYERS) and nodes["a"].memory_bytes == 8 << 30
+    assert nodes["b"].profiled_microbatch_s == 0
+    coordinator.store.close()
