@@ -23,7 +23,7 @@ EXAMPLES = {
     "join": "geotrain join --coordinator coordinator.example.org:7000 --token $TOKEN",
     "demo": "geotrain demo --nodes 3 --steps 30",
     "train-local": "geotrain train-local --config run.toml --json",
-    "plan": "geotrain plan --cluster deploy/clusters/four-regions.yaml",
+    "plan": "geotrain plan --cluster deploy/clusters/four-regions-wan.yaml --set model.n_layers=24",
     "status": "geotrain status --coordinator coordinator.example.org:7000 --token $TOKEN --watch",
 }
 
@@ -264,10 +264,16 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """geotrain plan."""
+    from geotrain.node.model import VOCAB
     from geotrain.scheduler.plan_cli import run_plan
 
     cfg = _config(args)
-    return run_plan(args.cluster, cfg, as_json=args.json)
+    m = cfg.model
+    model = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": VOCAB}
+    return run_plan(
+        args.cluster, model, cfg.train.microbatches, cfg.train.microbatch_size, as_json=args.json,
+        stages=cfg.scheduler.stages or None,
+    )
 
 
 # -- parser ---------------------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from geotrain.config import RunConfig
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
-from geotrain.scheduler.local import spawn_node, stop_processes
-from geotrain.scheduler.service import make_coordinator_server
+from geotrain.scheduler.local import LocalNodes
+from geotrain.scheduler.service import CoordinatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ class LocalCluster:
     coordinator: Coordinator
     port: int
     token: str
-    procs: list[subprocess.Popen]
+    nodes: LocalNodes
     thread: threading.Thread
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -64,35 +64,40 @@ class LocalCluster:
 
 @contextmanager
 def local_cluster(
-    cfg: RunConfig, n_nodes: int, log_dir: Path, on_event: Callable[[str, dict], None] | None = None
+    cfg: RunConfig,
+    n_nodes: int,
+    log_dir: Path,
+    on_event: Callable[[str, dict], None] | None = None,
+    state_dir: Path | None = None,
+    resume: bool = False,
 ) -> Iterator[LocalCluster]:
     """Start a coordinator and n_nodes `geotrain join` processes (training starts when all joined); always tear down."""
     cfg.scheduler.min_nodes = n_nodes
     token = new_token()
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
-    coordinator = Coordinator(cfg, on_event=on_event)
-    server, port = make_coordinator_server(coordinator, token, "127.0.0.1:0")
-    procs = [spawn_node(f"127.0.0.1:{port}", f"node-{i + 1}", token, log_dir) for i in range(n_nodes)]
-    server.start()
+    process = CoordinatorProcess(cfg, token, "127.0.0.1:0", state_dir=state_dir, resume=resume, on_event=on_event)
+    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, log_dir)
+    for i in range(n_nodes):
+        nodes.start(f"node-{i + 1}")
+    process.server.start()
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            result["summary"] = coordinator.run()
+            result["summary"] = process.coordinator.run()
         except Exception as e:  # handed to the test through LocalCluster.wait
             result["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        yield LocalCluster(coordinator, port, token, procs, thread, result)
+        yield LocalCluster(process.coordinator, process.port, token, nodes, thread, result)
     finally:
-        coordinator.stop_requested.set()
+        process.coordinator.stop_requested.set()
         thread.join(10)
-        coordinator.shutdown_nodes("test over", grace_s=1.0)
-        stop_processes(procs)
-        server.stop(grace=0.5).wait(2)
-        coordinator.store.close()
+        process.coordinator.shutdown_nodes("test over", grace_s=1.0)
+        nodes.stop_all()
+        process.close()
 
 
 @pytest.fixture
@@ -100,4 +105,8 @@ def small_config() -> RunConfig:
     """A fast configuration for multi-process tests."""
     from geotrain.config import load_config
 
-    return load_config(None, ["run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4"])
+    return load_config(
+        None,
+        ["run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
+         "scheduler.heartbeat_timeout_s=2.5", "scheduler.heartbeat_interval_s=0.5"],
+    )

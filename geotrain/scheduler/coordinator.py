@@ -67,6 +67,7 @@ class Member:
     bytes_received: int = 0
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
+    restarted: bool = False  # a new incarnation of a node the plan counts on: its old one's work is lost
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
 
 
@@ -197,6 +198,7 @@ class Coordinator:
             if request.layer_end:
                 member.held = (request.layer_start, request.layer_end)
                 member.applied_steps = request.applied_steps
+            member.restarted = existing is not None and node_id in self._plan_nodes() and not request.layer_end
             self.members[node_id] = member
             self._cond.notify_all()
         kind = "rejoin" if existing is not None else "join"
@@ -325,15 +327,18 @@ class Coordinator:
             while not predicate():
                 if self.stop_requested.is_set():
                     raise RunAborted("stopped")
-                dead = self._check_liveness()
-                if during_step and dead & set(self._plan_nodes()):
-                    raise StepFailed(f"node(s) {', '.join(sorted(dead & set(self._plan_nodes())))} lost")
+                lost = (self._check_liveness() | self._restarted()) & set(self._plan_nodes())
+                if during_step and lost:
+                    raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if during_step:
                         raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
                     raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
                 self._cond.wait(min(remaining, 0.1))
+
+    def _restarted(self) -> set[str]:
+        return {m.node_id for m in self.members.values() if m.restarted}
 
     def _check_liveness(self) -> set[str]:
         """Mark silent nodes dead (and suspects that are late too); returns every dead member's id."""
@@ -394,7 +399,12 @@ class Coordinator:
 
     def _plan_is_current(self) -> bool:
         alive = {m.node_id for m in self._alive()}
-        return not self._plan_dirty and set(self._plan_nodes()) <= alive and not self._can_grow()
+        return (
+            not self._plan_dirty
+            and set(self._plan_nodes()) <= alive
+            and not self._restarted() & set(self._plan_nodes())
+            and not self._can_grow()
+        )
 
     def _replan(self) -> None:
         """Bump the plan epoch: assign nodes, give every node that lacks its stage's state a source, and wait
@@ -428,6 +438,9 @@ class Coordinator:
             )
         with self._cond:
             self.plan = plan
+            for group in groups:
+                for m in group:
+                    m.restarted = False  # the new plan counts on this incarnation
         self.store.put("plan", plan.SerializeToString().hex())
         self.store.put("plan_epoch", str(epoch))
         self._send([m.node_id for m in self._alive()], pb.Order(plan=plan))

@@ -1,0 +1,233 @@
+"""Nodes and the coordinator die; training goes on, loses nothing committed, and ends where one process ends."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from geotrain.config import RunConfig, load_config
+from geotrain.node.local import train_local
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import new_token
+from geotrain.protocol.transport import make_channel
+from geotrain.scheduler.checkpoint import CheckpointStore, StageState
+from geotrain.scheduler.local import LocalNodes
+from geotrain.scheduler.service import fetch_model_state
+from geotrain.scheduler.state import RunStore
+from tests.conftest import REPO, geotrain_env, local_cluster
+
+
+def _config(*overrides: str) -> RunConfig:
+    return load_config(
+        None,
+        [
+            "run.steps=6", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
+            "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", "scheduler.step_timeout_s=60",
+            *overrides,
+        ],
+    )
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    runtime, _ = train_local(cfg)
+    return {name: p.detach().clone() for name, p in runtime.named_state()}
+
+
+def _kill_after_step(cluster, step: int, pick) -> threading.Event:
+    """SIGKILL the node pick(plan) returns once `step` is committed (so mid-way through the next step)."""
+    killed = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and cluster.coordinator.step <= step:
+            time.sleep(0.02)
+        cluster.nodes.kill(pick(cluster.coordinator.plan))
+        killed.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
+@pytest.mark.timeout(150)
+def test_replica_killed_mid_step_changes_nothing_but_time(tmp_path):
+    cfg = _config("scheduler.stages=2")
+    with local_cluster(cfg, 4, tmp_path) as cluster:
+        killed = _kill_after_step(cluster, 2, lambda plan: plan.stages[1].node_ids[1])
+        summary = cluster.wait(120)
+        assert killed.is_set()
+        assert summary.steps == cfg.run.steps
+        assert cluster.coordinator.failures >= 1
+        # The dead replica's stage went on with its other replica.
+        final_plan = cluster.coordinator.plan
+        state = fetch_model_state(final_plan, cluster.token, summary.steps)
+        kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
+    assert "dead" in kinds and "rollback" not in kinds
+    assert _max_diff(state, _reference(cfg)) <= 1e-4
+
+
+@pytest.mark.timeout(150)
+def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
+    # Three nodes, two stages, one replica each: the third node is a spare.
+    cfg = _config("scheduler.stages=2", "scheduler.replicas=1", "scheduler.checkpoint_every=1")
+    plans: list[pb.Plan] = []
+    cluster = None
+
+    def kill_after_third_checkpoint(kind: str, data: dict) -> None:
+        # Right after step 3's checkpoint: the stage's only node dies between two steps.
+        if kind == "plan":
+            plans.append(data["plan"])
+        if kind == "checkpoint" and data["steps_done"] == 3:
+            cluster.nodes.kill(plans[0].stages[1].node_ids[0])
+
+    with local_cluster(cfg, 3, tmp_path, on_event=kill_after_third_checkpoint, state_dir=tmp_path / "state") as cluster:
+        summary = cluster.wait(120)
+        final_plan = cluster.coordinator.plan
+        state = fetch_model_state(final_plan, cluster.token, summary.steps)
+        store = cluster.coordinator.store
+        steps = [r.step for r in store.steps()]
+        kinds = [kind for _, kind, _, _ in store.events()]
+    first = plans[0]
+    spare = ({"node-1", "node-2", "node-3"} - {n for s in first.stages for n in s.node_ids}).pop()
+    assert final_plan.stages[1].node_ids == [spare] and "dead" in kinds
+    # Every step committed once, none rolled back and redone.
+    assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
+    assert _max_diff(state, _reference(cfg)) <= 1e-4
+
+
+@pytest.mark.timeout(150)
+def test_killed_node_rejoins_with_its_peers_state(tmp_path):
+    cfg = _config("scheduler.stages=2", "run.steps=5")
+    victim = "node-1"
+    restarted, held, compared = threading.Event(), threading.Event(), threading.Event()
+    plans: list[pb.Plan] = []
+
+    def hold_plan_with_rejoined_victim(kind: str, data: dict) -> None:
+        # The first plan with the victim after its restart: it has loaded its state and not committed a step yet.
+        if kind == "plan" and restarted.is_set() and any(victim in s.node_ids for s in data["plan"].stages):
+            plans.append(data["plan"])
+            held.set()
+            compared.wait(60)
+
+    with local_cluster(cfg, 4, tmp_path, on_event=hold_plan_with_rejoined_victim) as cluster:
+        _kill_after_step(cluster, 1, lambda plan: victim).wait(60)
+        cluster.nodes.start(victim)
+        restarted.set()
+        assert held.wait(90)
+        plan = plans[-1]
+        stage = next(s for s in plan.stages if victim in s.node_ids)
+        steps_done = cluster.coordinator.step
+        states = {}
+        for node_id, address in zip(stage.node_ids, stage.addresses):
+            channel = make_channel(address, cluster.token, lambda: "tester")
+            stream = rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=30)
+            states[node_id] = framing.read_state(stream)
+            channel.close()
+        compared.set()
+        summary = cluster.wait(120)
+    assert steps_done > 0 and len(states) == 2
+    mine, theirs = states.pop(victim), states.popitem()[1]
+    # Parameters and optimizer state, bit for bit.
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert summary.steps == cfg.run.steps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_coordinator(port: int, state_dir: Path, token: str, settings: list[str], resume: bool) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir),
+        "--token", token, "--save-final", str(state_dir / "final.safetensors"),
+        *[arg for s in settings for arg in ("--set", s)], *(["--resume"] if resume else []),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
+        start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
+    )
+
+
+@pytest.mark.timeout(180)
+def test_coordinator_killed_and_restarted_on_its_state_dir(tmp_path):
+    settings = [
+        "run.steps=8", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
+        "scheduler.min_nodes=2", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=5",
+        "scheduler.checkpoint_every=100",
+    ]
+    port, token, state_dir = _free_port(), new_token(), tmp_path / "state"
+    nodes = LocalNodes(f"127.0.0.1:{port}", token, tmp_path)
+    first = _start_coordinator(port, state_dir, token, settings, resume=False)
+    second = None
+    try:
+        for node_id in ("node-1", "node-2"):
+            nodes.start(node_id)
+        for line in first.stdout:
+            if re.match(r"step +3/", line):
+                break
+        time.sleep(0.1)  # somewhere inside step 4
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        committed = RunStore(state_dir / "run.sqlite").committed_steps()
+        assert 3 <= committed < 8
+        second = _start_coordinator(port, state_dir, token, settings, resume=True)
+        out, _ = second.communicate(timeout=150)
+        assert second.returncode == 0, out[-3000:]
+        assert "done: 8 steps" in out
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        nodes.stop_all()
+    state = load_file(state_dir / "final.safetensors")
+    assert _max_diff(state, _reference(load_config(None, settings))) <= 1e-4
+
+
+@pytest.mark.timeout(150)
+def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+    state_dir = tmp_path / "state"
+    cfg = _config("run.steps=4", "scheduler.checkpoint_every=2")
+    with local_cluster(cfg, 2, tmp_path, state_dir=state_dir) as cluster:
+        assert cluster.wait(120).steps == 4
+    store = CheckpointStore(state_dir / "checkpoints", keep=3)
+    assert [m.steps_done for m in store.complete()] == [2, 4]
+
+    class Crash(Exception):
+        pass
+
+    def crash() -> None:
+        raise Crash
+
+    stage = StageState(0, 1, "x", {"layers.0.tok.weight": torch.zeros(2, 2)})
+    with pytest.raises(Crash):
+        store.write(6, 1, [stage], before_manifest=crash)
+    assert store.latest().steps_done == 4  # the half-written step-6 checkpoint does not exist
+
+    # A fresh cluster resumes the run from the state dir: no node holds state, so the checkpoint feeds them.
+    cfg = _config("run.steps=6", "scheduler.checkpoint_every=2")
+    (tmp_path / "again").mkdir()
+    with local_cluster(cfg, 2, tmp_path / "again", state_dir=state_dir, resume=True) as cluster:
+        summary = cluster.wait(120)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
+    assert summary.steps == 6 and "rollback" not in kinds
+    assert _max_diff(state, _reference(cfg)) <= 1e-4
