@@ -42,7 +42,7 @@ def _fresh_counters(coordinator: Coordinator, since: float, timeout_s: float = 3
 def run(codec: str, steps: int, log_dir: Path) -> dict[str, object]:
     """Train one run with `codec` on activations and activation gradients; return its JSON figures."""
     cfg = load_config(None, [
-        f"run.steps={steps}", f"scheduler.min_nodes={NODES}", f"emulation.links={LINK}",
+        f"run.steps={steps}", f"scheduler.min_nodes={NODES}", f"emulation.links={LINK}", "scheduler.placement=uniform",
         f"compression.activations={codec}", f"compression.activation_grads={codec}",
     ])
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint

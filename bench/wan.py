@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run(codec: str, steps: int) -> dict[str, object]:
     """One demo run with `codec`; returns its JSON figures."""
     settings = [
-        "emulation.links=eu-us=20/50", "train.microbatches=8", "run.eval_every=0",
+        "emulation.links=eu-us=20/50", "train.microbatches=8", "run.eval_every=0", "scheduler.placement=uniform",
         f"compression.activations={codec}", f"compression.activation_grads={codec}",
     ]
     cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", "3", "--steps", str(steps), "--regions", "eu,us",

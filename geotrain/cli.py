@@ -169,6 +169,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
+    from geotrain.node.progress import ProgressReporter
     from geotrain.protocol.auth import resolve_token
     from geotrain.scheduler.local import exit_with_parent
 
@@ -186,11 +187,15 @@ def cmd_join(args: argparse.Namespace) -> int:
     exit_with_parent()
     agent = Agent(options)
     _install_signal_handlers(agent.stop)
+    progress = ProgressReporter(agent, sys.stderr)
+    progress.start()
     try:
         agent.run()
     except NodeError as e:
         print(f"geotrain: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        progress.stop()
     return 0
 
 
@@ -199,12 +204,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from geotrain.protocol.auth import TOKEN_ENV, new_token
     from geotrain.scheduler.local import Chaos, LocalNodes
 
-    stages = args.stages or args.nodes
-    if stages > args.nodes:
-        raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
-    cfg = _config(args, **{"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": stages})
-    if stages > cfg.model.total_layers:
-        raise UsageError(f"--stages {stages} exceeds the model's {cfg.model.total_layers} layers")
+    if args.stages and args.stages > args.nodes:
+        raise UsageError(f"--stages {args.stages} needs at least {args.stages} nodes, --nodes is {args.nodes}")
+    cfg = _config(args, **{"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": args.stages})
+    if cfg.scheduler.stages > cfg.model.total_layers:
+        raise UsageError(f"--stages {cfg.scheduler.stages} exceeds the model's {cfg.model.total_layers} layers")
     chaos = Chaos.parse(args.chaos) if args.chaos else None
     torch_threads()
     token = os.environ.get(TOKEN_ENV) or new_token()
@@ -215,10 +219,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def launch(port: int) -> None:
         nonlocal nodes
-        regions = [r for r in (args.regions or "").split(",") if r]
-        # Round-robin regions let [emulation] links shape the hops between consecutive local nodes.
-        extra = {f"node-{i + 1}": ["--region", regions[i % len(regions)]] for i in range(args.nodes)} if regions else {}
-        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, extra)
+        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args))
         for i in range(args.nodes):
             nodes.start(f"node-{i + 1}")
         print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
@@ -232,6 +233,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
             chaos.stop()
         if nodes is not None:
             nodes.stop_all()
+
+
+def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """`join` flags of each local node from --regions and --slowdowns, given to the nodes in turn: regions let
+    [emulation] links shape the hops between local nodes, slowdowns make them as unequal as real machines."""
+    flags: dict[str, list[str]] = {f"node-{i + 1}": [] for i in range(args.nodes)}
+    for option, values in (("--region", args.regions), ("--slowdown", args.slowdowns)):
+        listed = [v for v in (values or "").split(",") if v]
+        for i, node_id in enumerate(flags):
+            if listed:
+                flags[node_id] += [option, listed[i % len(listed)]]
+    return flags
 
 
 def torch_threads() -> None:
@@ -349,12 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo", "Train the default model on this machine: a coordinator and local node processes.", [common])
     p.add_argument("--nodes", type=int, default=3, help="local node processes (default 3)")
-    p.add_argument("--stages", type=int, help="pipeline stages (default: one per node; fewer: stages get replicas)")
+    p.add_argument(
+        "--stages", type=int,
+        help="pipeline stages (default: the planner's choice; fewer than nodes: stages get replicas)",
+    )
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
     p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     p.add_argument(
         "--regions", metavar="eu,us", help="give the local nodes these regions in turn (for emulation.links)"
+    )
+    p.add_argument(
+        "--slowdowns", metavar="1,3", help="give the local nodes these --slowdown factors in turn (unequal machines)"
     )
     p.add_argument(
         "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",

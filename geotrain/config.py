@@ -138,9 +138,15 @@ class SchedulerSection:
     checkpoint_every: int = _bounded(10, 0, 10**9, "steps between checkpoints (needs a state dir); 0 = only at the end")
     keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")
     rejoin_timeout_s: float = _bounded(60.0, 0.0, 86400.0, "how long a stage without nodes waits for one to join")
+    placement: str = field(
+        default="measured",
+        metadata={"doc": "measured: the planner places stages by the nodes' profiles; uniform: equal layer counts"},
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "scheduler")
+        if self.placement not in ("measured", "uniform"):
+            raise ConfigError(f"scheduler.placement must be measured or uniform, got {self.placement!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"scheduler.heartbeat_timeout_s must exceed scheduler.heartbeat_interval_s "

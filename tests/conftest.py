@@ -108,5 +108,5 @@ def small_config() -> RunConfig:
     return load_config(
         None,
         ["run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
-         "scheduler.heartbeat_timeout_s=2.5", "scheduler.heartbeat_interval_s=0.5"],
+         "scheduler.heartbeat_timeout_s=2.5", "scheduler.heartbeat_interval_s=0.5", "scheduler.placement=uniform"],
     )

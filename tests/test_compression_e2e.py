@@ -34,7 +34,7 @@ def test_int8_run_trains_and_links_carry_fewer_wire_bytes(small_config, tmp_path
 def test_auto_compresses_an_emulated_slow_link():
     result = run_cli(
         "demo", "--nodes", "2", "--steps", "6", "--regions", "eu,us", "--http", "off",
-        "--set", "emulation.links=eu-us=20/50", "--set", "run.eval_every=0",
+        "--set", "emulation.links=eu-us=20/50", "--set", "run.eval_every=0", "--set", "scheduler.placement=uniform",
         "--set", "compression.activations=auto", "--set", "compression.activation_grads=auto",
         timeout=80,
     )

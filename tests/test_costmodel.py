@@ -27,19 +27,19 @@ def model_for(nodes, microbatches=4, codec_ratio=1.0, network=SLOW_NET):
 
 def test_two_stage_pipeline_by_hand():
     cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])])
-    # Each stage 1 s per microbatch; the link: 2 * (1000 B / 1000 B/s + 0.5 s) = 3 s, the bottleneck.
-    # T = (M-1) * 3 + (1 + 1) + 3 = 14.
-    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(14.0)
+    # Each stage 1 s per microbatch; the link is busy 2 * 1000 B / 1000 B/s = 2 s per microbatch, the bottleneck;
+    # one microbatch's transfer adds the latency: 2 + 2 * 0.5 = 3 s. T = (M-1) * 2 + (1 + 1) + 3 = 11.
+    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(11.0)
     plan = cm.plan([(0, 1, [0]), (1, 2, [1])], {})
-    assert plan.samples_per_s == pytest.approx(4 / 14)
-    assert plan.stages[0].transfer_s == pytest.approx(12.0)
+    assert plan.samples_per_s == pytest.approx(4 / 11)
+    assert plan.stages[0].transfer_s == pytest.approx(8.0)
     assert plan.bottleneck.startswith("link stage 0 -> 1")
 
 
 def test_codec_ratio_shrinks_the_bytes_term_only():
     cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])], codec_ratio=0.5)
-    # Link: 2 * (0.5 + 0.5) = 2 s; T = 3 * 2 + 2 + 2 = 10.
-    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(10.0)
+    # Link busy 2 * 0.5 = 1 s, transfer 1 + 2 * 0.5 = 2 s; T = 3 * 1 + 2 + 2 = 7.
+    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(7.0)
 
 
 def test_replicas_share_by_speed_and_average_gradients():
@@ -54,9 +54,9 @@ def test_parallel_pairs_divide_link_occupancy():
     nodes = [node(f"n{i}", [1.0, 1.0]) for i in range(4)]
     one = model_for(nodes[:2], network=SLOW_NET)
     two = model_for(nodes, network=SLOW_NET)
-    assert one.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(3 * 3 + 2 + 3)
-    # Two pairs: link occupancy 3 / 2 = 1.5 > compute 0.5; plus all-reduce 2*(1/2)*800/8000 + 2*0.5 = 1.1.
-    assert two.step_seconds([(0, 1, [0, 1]), (1, 2, [2, 3])]) == pytest.approx(3 * 1.5 + 2 + 3 + 1.1)
+    assert one.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(3 * 2 + 2 + 3)
+    # Two pairs: link occupancy 2 / 2 = 1 > compute 0.5; plus all-reduce 2*(1/2)*800/8000 + 2*0.5 = 1.1.
+    assert two.step_seconds([(0, 1, [0, 1]), (1, 2, [2, 3])]) == pytest.approx(3 * 1.0 + 2 + 3 + 1.1)
     assert model_for(nodes, network=fast_net).step_seconds([(0, 2, [0, 1, 2, 3])]) < 5
 
 

@@ -36,7 +36,7 @@ def _config(*overrides: str) -> RunConfig:
         [
             "run.steps=6", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
             "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", "scheduler.step_timeout_s=60",
-            *overrides,
+            "scheduler.placement=uniform", *overrides,
         ],
     )
 
@@ -172,7 +172,7 @@ def test_coordinator_killed_and_restarted_on_its_state_dir(tmp_path):
     settings = [
         "run.steps=8", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
         "scheduler.min_nodes=2", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=5",
-        "scheduler.checkpoint_every=100",
+        "scheduler.checkpoint_every=100", "scheduler.placement=uniform",
     ]
     port, token, state_dir = _free_port(), new_token(), tmp_path / "state"
     nodes = LocalNodes(f"127.0.0.1:{port}", token, tmp_path)

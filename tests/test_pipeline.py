@@ -37,7 +37,7 @@ def _train_both(tmp_path: Path, nodes: int, settings: list[str]) -> tuple[subpro
 
 @pytest.mark.timeout(120)
 def test_three_stages_equal_train_local(tmp_path):
-    settings = ["run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0"]
+    settings = ["run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0", "scheduler.placement=uniform"]
     demo, diff = _train_both(tmp_path, 3, settings)
     assert diff <= 1e-4
     assert demo.stdout.count("stage ") >= 3
@@ -49,7 +49,7 @@ def test_three_stages_equal_train_local(tmp_path):
 @pytest.mark.timeout(120)
 def test_two_uneven_stages_equal_train_local(tmp_path):
     # 3 blocks + embedding + head = 5 layers on 2 stages: a 3 / 2 split.
-    settings = ["model.n_layers=3", "run.steps=5", "train.microbatches=5", "run.eval_every=0"]
+    settings = ["model.n_layers=3", "run.steps=5", "train.microbatches=5", "run.eval_every=0", "scheduler.placement=uniform"]
     demo, diff = _train_both(tmp_path, 2, settings)
     assert diff <= 1e-4
     assert "stage 0: layers 0-2" in demo.stdout and "stage 1: layers 3-4" in demo.stdout

@@ -591,7 +591,7 @@ class RunEvent(_message.Message):
     def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s")
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +608,7 @@ class StatusReply(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     steps: int
@@ -624,7 +625,8 @@ class StatusReply(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[RunEvent]
     failures: int
     recovery_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    estimated_step_s: float
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")

@@ -29,8 +29,11 @@ from geotrain import __version__
 from geotrain.config import RunConfig, to_proto
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler import costmodel
 from geotrain.scheduler.checkpoint import CheckpointStore, StageState
-from geotrain.scheduler.profiles import check_report, measured_link
+from geotrain.scheduler.planner import PlannerConfig
+from geotrain.scheduler.planner import plan as plan_stages
+from geotrain.scheduler.profiles import check_report, measured_link, planner_inputs
 from geotrain.scheduler.state import RunStore, StepRecord
 
 log = logging.getLogger(__name__)
@@ -168,6 +171,8 @@ class Coordinator:
         self._failed_at: float | None = None
         self._suspects: set[str] = set()
         self._plan_dirty = True
+        self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
+        self._excluded: set[str] = set()  # nodes the planner left out: they stay spares
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
@@ -385,6 +390,8 @@ class Coordinator:
                 group.append(unplaced.pop(0))
         cap = self.cfg.scheduler.replicas or len(alive)
         for m in unplaced:
+            if m.node_id in self._excluded:
+                continue
             smallest = min(groups, key=len)
             if len(smallest) < cap:
                 smallest.append(m)
@@ -392,7 +399,7 @@ class Coordinator:
 
     def _can_grow(self) -> bool:
         """Some live node serves no stage and a stage has room for another replica."""
-        placed = set(self._plan_nodes())
+        placed = set(self._plan_nodes()) | self._excluded
         cap = self.cfg.scheduler.replicas or len(self.members)
         spare = any(m.node_id not in placed for m in self._alive())
         return spare and self.plan is not None and any(len(s.node_ids) < cap for s in self.plan.stages)
@@ -406,15 +413,61 @@ class Coordinator:
             and not self._can_grow()
         )
 
+    def _layout(self) -> tuple[list[tuple[int, int]], list[list[Member]]]:
+        """Layer ranges and their nodes. Once a plan exists its ranges stay (state stays where it is, nodes keep
+        their layers); a first plan comes from the planner over measured profiles, or splits layers evenly."""
+        if self.plan is None and self.cfg.scheduler.placement == "measured":
+            self._wait(
+                lambda: all(m.profile is not None for m in self._alive()), "node profiles", self.cfg.scheduler.step_timeout_s
+            )
+            nodes, model, network = planner_inputs(self._alive(), self.cfg)
+            planned = plan_stages(
+                nodes=nodes,
+                model=model,
+                network=network,
+                microbatches=self.cfg.train.microbatches,
+                microbatch_size=self.cfg.train.microbatch_size,
+                config=PlannerConfig(stages=self.cfg.scheduler.stages or None),
+            )
+            for node_id, why in planned.excluded.items():
+                log.info("%s serves no stage: %s", node_id, why)
+                self.store.event("excluded", node_id, why)
+            self._excluded = set(planned.excluded)
+            return [(s.start, s.end) for s in planned.stages], [[self.members[n] for n in s.node_ids] for s in planned.stages]
+        ranges = self._stage_ranges()
+        return ranges, self._assign(ranges)
+
+    def _estimate(self, ranges: list[tuple[int, int]], groups: list[list[Member]]) -> costmodel.Plan | None:
+        """The cost model's estimate of a layout, once every node in it has reported a profile."""
+        members = [m for g in groups for m in g]
+        if any(m.profile is None for m in members):
+            return None
+        nodes, model, network = planner_inputs(members, self.cfg)
+        index = {n.node_id: i for i, n in enumerate(nodes)}
+        cm = costmodel.CostModel(
+            nodes=nodes,
+            model=model,
+            network=network,
+            microbatches=self.cfg.train.microbatches,
+            microbatch_size=self.cfg.train.microbatch_size,
+        )
+        stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
+        return cm.plan(stages, {}) if cm.feasible(stages) else None
+
+    def _update_estimate(self, ranges: list[tuple[int, int]], groups: list[list[Member]]) -> None:
+        self.estimate = self._estimate(ranges, groups)
+        if self.estimate is not None:
+            self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
+
     def _replan(self) -> None:
         """Bump the plan epoch: assign nodes, give every node that lacks its stage's state a source, and wait
         until every node runs the new plan with the committed state."""
-        ranges = self._stage_ranges()
-        groups = self._assign(ranges)
+        ranges, groups = self._layout()
         if any(not g for g in groups):
             log.warning("a stage has no node; waiting up to %.0fs for one", self.cfg.scheduler.rejoin_timeout_s)
             self._wait(lambda: all(self._assign(ranges)), "a node for every stage", self.cfg.scheduler.rejoin_timeout_s)
             groups = self._assign(ranges)
+        self._update_estimate(ranges, groups)
         loads = self._state_sources(ranges, groups)
         epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
         multi = [m.node_id for g in groups if len(g) > 1 for m in g]
@@ -562,7 +615,11 @@ class Coordinator:
         self._on_event("failure", {"step": self.step, "why": why})
 
     def _after_commit(self, record: StepRecord) -> StepRecord:
-        """Validation and checkpoints due after a committed step."""
+        """Validation and checkpoints due after a committed step; the plan's estimate once its profiles are in."""
+        if self.estimate is None and self.plan is not None:
+            self._update_estimate(
+                self._stage_ranges(), [[self.members[n] for n in s.node_ids] for s in self.plan.stages]
+            )
         step = record.step
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
@@ -767,12 +824,19 @@ class Coordinator:
                 )
             for probe in probes.values():  # measured, no training traffic yet (or never: the coordinator's link)
                 reply.links.add(src=m.node_id, dst=probe.peer, compression_ratio=1.0, **measured_link(probe))
+        estimate = self.estimate
+        if estimate is not None:
+            reply.estimated_step_s, reply.bottleneck = estimate.step_seconds, estimate.bottleneck
         if plan:
             reply.plan_epoch = plan.epoch
             for st in plan.stages:
-                reply.stages.add(
+                stage = reply.stages.add(
                     index=st.index, layer_start=st.layer_start, layer_end=st.layer_end, node_ids=list(st.node_ids)
                 )
+                if estimate is not None and st.index < len(estimate.stages):
+                    est = estimate.stages[st.index]
+                    stage.est_compute_s, stage.est_transfer_s = est.compute_s, est.transfer_s
+                    stage.utilisation = min(1.0, est.compute_s / estimate.step_seconds) if estimate.step_seconds else 0.0
         for at, kind, node_id, detail in self.store.events():
             reply.events.add(at=at, kind=kind, node_id=node_id, detail=detail)
         return reply

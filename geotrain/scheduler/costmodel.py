@@ -9,9 +9,12 @@ For stage s with replicas R_s serving layers [a_s, b_s):
     h_s = |R_s| * c_s                                           harmonic mean of t_r: one microbatch's latency
     w_r = c_s / t_r                                             share of the microbatches replica r gets
 For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, codec ratio rho:
-    tau_ij = 2 * (B * rho_ij / bw_ij + lat_ij)                  activation forward + gradient back, pair i->j
+    sigma_ij = 2 * B * rho_ij / bw_ij                           serialisation: activation forward + gradient back
+    tau_ij = sigma_ij + 2 * lat_ij                              one microbatch's transfer time, pair i->j
     x_s = sum_ij w_i w_j tau_ij                                 expected over speed-weighted routing
-    o_s = x_s / min(|R_s|, |R_s+1|)                             link occupancy: disjoint pairs send in parallel
+    o_s = (sum_ij w_i w_j sigma_ij) / min(|R_s|, |R_s+1|)       link occupancy: disjoint pairs send in parallel;
+                                                                latency does not occupy a link (microbatches in
+                                                                flight overlap it), it counts once in the fill
 For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n = |R_s| >= 2):
     g_s = 2 (n-1)/n * P_s / min_{i!=j} bw_ij + 2 * max_{i!=j} lat_ij      P_s = parameter bytes of the stage
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
@@ -21,7 +24,8 @@ Step (GPipe-style fill and drain; compute and communication overlap, so the slow
 
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments
 + activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound).
-Not modelled: contention of several pairs on one region's uplink, and the all-reduce overlapping the drain.
+Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and the
+data heads' window of microbatches in flight (train.inflight), which bounds how much latency pipelining hides.
 """
 
 from __future__ import annotations
@@ -457,8 +461,9 @@ class CostModel:
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
             seconds_per_bit, latency = self.mean_link(idxs[s], weights[s], idxs[s + 1], weights[s + 1])
-            transfer[s] = 2 * (self.boundary_bits[stages[s][1] - 1] * seconds_per_bit + latency)
-            link_occ[s] = transfer[s] / min(len(idxs[s]), len(idxs[s + 1]))
+            serialise = 2 * self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
+            transfer[s] = serialise + 2 * latency
+            link_occ[s] = serialise / min(len(idxs[s]), len(idxs[s + 1]))
         beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
         step = (self.microbatches - 1) * beta + lat.sum() + transfer.sum() + allreduce.max()
         return _Terms(
