@@ -26,20 +26,25 @@ def model_for(nodes, microbatches=4, codec_ratio=1.0, network=SLOW_NET):
 
 
 def test_two_stage_pipeline_by_hand():
-    cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])])
-    # Each stage 1 s per microbatch; the link is busy 2 * 1000 B / 1000 B/s = 2 s per microbatch, the bottleneck;
-    # one microbatch's transfer adds the latency: 2 + 2 * 0.5 = 3 s. T = (M-1) * 2 + (1 + 1) + 3 = 11.
-    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(11.0)
+    cm = model_for([node("a", [0.5, 2.0]), node("b", [2.0, 0.5])])
+    # Each stage 0.5 s per microbatch; the link (full duplex) is busy 1000 B / 1000 B/s = 1 s each way per
+    # microbatch, the bottleneck; one microbatch's transfer there and back: 2 * (1 + 0.5) = 3 s.
+    # T = (M-1) * 1 + (0.5 + 0.5) + 3 = 7.
+    assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(7.0)
     plan = cm.plan([(0, 1, [0]), (1, 2, [1])], {})
-    assert plan.samples_per_s == pytest.approx(4 / 11)
-    assert plan.stages[0].transfer_s == pytest.approx(8.0)
-    assert plan.bottleneck.startswith("link stage 0 -> 1")
+    assert plan.samples_per_s == pytest.approx(4 / 7)
+    assert plan.stages[0].transfer_s == pytest.approx(4.0)
+    # With 4 microbatches the fill and drain (0.5 + 0.5 + 3 s) outweighs the link's pace (3 * 1 s).
+    assert plan.bottleneck.startswith("pipeline fill and drain")
 
 
 def test_codec_ratio_shrinks_the_bytes_term_only():
     cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])], codec_ratio=0.5)
-    # Link busy 2 * 0.5 = 1 s, transfer 1 + 2 * 0.5 = 2 s; T = 3 * 1 + 2 + 2 = 7.
+    # Link busy 0.5 s each way, so compute (1 s) paces; transfer 2 * (0.5 + 0.5) = 2 s; T = 3 * 1 + 2 + 2 = 7.
     assert cm.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(7.0)
+    assert model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])]).step_seconds(
+        [(0, 1, [0]), (1, 2, [1])]
+    ) == pytest.approx(3 * 1 + 2 + 3)
 
 
 def test_replicas_share_by_speed_and_average_gradients():
@@ -52,11 +57,12 @@ def test_replicas_share_by_speed_and_average_gradients():
 def test_parallel_pairs_divide_link_occupancy():
     fast_net = Network(intra_region=Link(bandwidth_bps=8e9, latency_s=0.0))
     nodes = [node(f"n{i}", [1.0, 1.0]) for i in range(4)]
-    one = model_for(nodes[:2], network=SLOW_NET)
-    two = model_for(nodes, network=SLOW_NET)
-    assert one.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(3 * 2 + 2 + 3)
-    # Two pairs: link occupancy 2 / 2 = 1 > compute 0.5; plus all-reduce 2*(1/2)*800/8000 + 2*0.5 = 1.1.
-    assert two.step_seconds([(0, 1, [0, 1]), (1, 2, [2, 3])]) == pytest.approx(3 * 1.0 + 2 + 3 + 1.1)
+    slow = Network(intra_region=Link(bandwidth_bps=4000, latency_s=0.5))  # 500 bytes/s: 2 s each way
+    one = model_for(nodes[:2], network=slow)
+    two = model_for(nodes, network=slow)
+    assert one.step_seconds([(0, 1, [0]), (1, 2, [1])]) == pytest.approx(3 * 2 + 2 + 2 * (2 + 0.5))
+    # Two pairs: link occupancy 2 / 2 = 1 > compute 0.5; plus all-reduce 2*(1/2)*800/4000 + 2*0.5 = 1.2.
+    assert two.step_seconds([(0, 1, [0, 1]), (1, 2, [2, 3])]) == pytest.approx(3 * 1.0 + 2 + 5 + 1.2)
     assert model_for(nodes, network=fast_net).step_seconds([(0, 2, [0, 1, 2, 3])]) < 5
 
 

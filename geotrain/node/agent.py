@@ -169,6 +169,7 @@ class Agent:
         self.compute = StageTimer()
         self._policies: dict[str, CodecPolicy] = {}  # traffic kind -> its codec policy, from the run config
         self._orders: grpc.Future | None = None  # the open order stream, cancelled by stop()
+        self._peer_regions: dict[str, str] = {}  # from plans and probe orders: what the link emulator shapes by
         self._must_register = threading.Event()
         self._dht = None
         self.averager = None  # ReplicaAverager once the DHT is up
@@ -310,6 +311,11 @@ class Agent:
             log.info("coordinator ends the run: %s", order.shutdown.reason)
             self.stopped.set()
             return True
+        if kind == "probe_peers":
+            probe = order.probe_peers
+            self._peer_regions.update(zip(probe.node_ids, probe.regions))
+            self.profiler.neighbours(dict(zip(probe.node_ids, probe.addresses)))
+            return False
         if kind == "plan" and self.averager is not None:
             self.averager.cancel_all()  # an all-reduce of the abandoned epoch must not hold up the new plan
         handlers: dict[str, Callable[[], None]] = {
@@ -415,6 +421,8 @@ class Agent:
             else:
                 self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
             self.plan, self.stage_index = plan, index
+            for s in plan.stages:
+                self._peer_regions.update(zip(s.node_ids, s.regions))
             self._head = None
             self.router.reset()
         peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
@@ -474,24 +482,22 @@ class Agent:
         node_id = self.router.pick(list(stage.node_ids))
         return node_id, stage.addresses[list(stage.node_ids).index(node_id)]
 
-    def _where(self, node_id: str) -> tuple[str, str]:
-        """(address, region) of a node of the plan."""
+    def _address_of(self, node_id: str) -> str:
+        """Address of a node of the plan."""
         assert self.plan is not None
         for stage in self.plan.stages:
-            for i, nid in enumerate(stage.node_ids):
-                if nid == node_id:
-                    return stage.addresses[i], stage.regions[i] if stage.regions else ""
+            if node_id in stage.node_ids:
+                return stage.addresses[list(stage.node_ids).index(node_id)]
         raise KeyError(node_id)
 
     def _link_shape(self, peer: str) -> tuple[str, LinkShape] | None:
         """The emulated link to peer: the node's own flags, else the run config's region matrix."""
         if self.options.bandwidth_mbps or self.options.latency_ms:
             return "egress", LinkShape(self.options.bandwidth_mbps * 1e6, self.options.latency_ms / 1e3)
-        if self.cfg is None or not self.cfg.emulation.links or self.plan is None:
+        if self.cfg is None or not self.cfg.emulation.links:
             return None
-        try:
-            region = self._where(peer)[1]
-        except KeyError:  # not a node of the plan (the coordinator): its region is unknown, the link unshaped
+        region = self._peer_regions.get(peer)
+        if region is None:  # not a peer of a plan or a probe (the coordinator): its region is unknown, unshaped
             return None
         shape = self.cfg.emulation.link(self.options.region, region)
         return (region, LinkShape(shape[0] * 1e6, shape[1] / 1e3)) if shape else None
@@ -539,7 +545,7 @@ class Agent:
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
         peer = ref.path[self.stage_index - 1]
-        address = self._where(peer)[0]
+        address = self._address_of(peer)
         codec = self._codec("activation_grads", peer, grad)
         send = lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec)  # noqa: E731
         self._send(send, f"backward to {peer}", peer)

@@ -322,6 +322,16 @@ class Evaluate(_message.Message):
     microbatches: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ProbePeers(_message.Message):
+    __slots__ = ("node_ids", "addresses", "regions")
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    regions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CommitStep(_message.Message):
     __slots__ = ("step", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -347,7 +357,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +365,7 @@ class Order(_message.Message):
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
@@ -362,7 +373,8 @@ class Order(_message.Message):
     evaluate: Evaluate
     shutdown: Shutdown
     load_state: LoadState
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ...) -> None: ...
+    probe_peers: ProbePeers
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")

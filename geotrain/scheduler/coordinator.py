@@ -173,6 +173,7 @@ class Coordinator:
         self._plan_dirty = True
         self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
         self._excluded: set[str] = set()  # nodes the planner left out: they stay spares
+        self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
@@ -420,6 +421,7 @@ class Coordinator:
             self._wait(
                 lambda: all(m.profile is not None for m in self._alive()), "node profiles", self.cfg.scheduler.step_timeout_s
             )
+            self._probe_regions()
             nodes, model, network = planner_inputs(self._alive(), self.cfg)
             planned = plan_stages(
                 nodes=nodes,
@@ -436,6 +438,41 @@ class Coordinator:
             return [(s.start, s.end) for s in planned.stages], [[self.members[n] for n in s.node_ids] for s in planned.stages]
         ranges = self._stage_ranges()
         return ranges, self._assign(ranges)
+
+    def _probe_regions(self) -> None:
+        """Have one node of each region measure its link to one node of every other region, so the planner sees
+        measured links between regions rather than defaults; waits for the reports (a missing one keeps defaults)."""
+        alive = sorted(self._alive(), key=lambda m: m.node_id)
+        first = {}
+        for m in alive:
+            first.setdefault(m.region, m)
+        asked: dict[str, list[Member]] = {}
+        regions = sorted(first)
+        for i, a in enumerate(regions):
+            for b in regions[i + 1 :]:
+                asked.setdefault(first[a].node_id, []).append(first[b])
+        for node_id, peers in asked.items():
+            order = pb.ProbePeers(
+                node_ids=[p.node_id for p in peers],
+                addresses=[p.address for p in peers],
+                regions=[p.region for p in peers],
+            )
+            self._send([node_id], pb.Order(probe_peers=order))
+
+        def measured() -> bool:
+            for node_id, peers in asked.items():
+                member = self.members[node_id]
+                links = {link.peer for link in member.profile.links} if member.profile else set()
+                if member.alive and not {p.node_id for p in peers} <= links:
+                    return False
+            return True
+
+        try:
+            self._wait(measured, "links between regions", self.cfg.scheduler.step_timeout_s / 4)
+        except RunAborted as e:
+            if self.stop_requested.is_set():
+                raise
+            log.warning("planning with default links between regions: %s", e)
 
     def _estimate(self, ranges: list[tuple[int, int]], groups: list[list[Member]]) -> costmodel.Plan | None:
         """The cost model's estimate of a layout, once every node in it has reported a profile."""
@@ -454,7 +491,12 @@ class Coordinator:
         stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
         return cm.plan(stages, {}) if cm.feasible(stages) else None
 
+    def _profiles_changed(self) -> bool:
+        """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
+        return any(self.members[n].profile is not self._estimated_from.get(n) for n in self._plan_nodes())
+
     def _update_estimate(self, ranges: list[tuple[int, int]], groups: list[list[Member]]) -> None:
+        self._estimated_from = {m.node_id: m.profile for g in groups for m in g}
         self.estimate = self._estimate(ranges, groups)
         if self.estimate is not None:
             self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
@@ -616,7 +658,7 @@ class Coordinator:
 
     def _after_commit(self, record: StepRecord) -> StepRecord:
         """Validation and checkpoints due after a committed step; the plan's estimate once its profiles are in."""
-        if self.estimate is None and self.plan is not None:
+        if self.plan is not None and self._profiles_changed():
             self._update_estimate(
                 self._stage_ranges(), [[self.members[n] for n in s.node_ids] for s in self.plan.stages]
             )

@@ -9,8 +9,9 @@ For stage s with replicas R_s serving layers [a_s, b_s):
     h_s = |R_s| * c_s                                           harmonic mean of t_r: one microbatch's latency
     w_r = c_s / t_r                                             share of the microbatches replica r gets
 For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, codec ratio rho:
-    sigma_ij = 2 * B * rho_ij / bw_ij                           serialisation: activation forward + gradient back
-    tau_ij = sigma_ij + 2 * lat_ij                              one microbatch's transfer time, pair i->j
+    sigma_ij = B * rho_ij / bw_ij                               serialisation one way: links are full duplex, so
+                                                                activations forward and gradients back overlap
+    tau_ij = 2 * (sigma_ij + lat_ij)                            one microbatch's transfer there and back, i->j
     x_s = sum_ij w_i w_j tau_ij                                 expected over speed-weighted routing
     o_s = (sum_ij w_i w_j sigma_ij) / min(|R_s|, |R_s+1|)       link occupancy: disjoint pairs send in parallel;
                                                                 latency does not occupy a link (microbatches in
@@ -461,8 +462,8 @@ class CostModel:
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
             seconds_per_bit, latency = self.mean_link(idxs[s], weights[s], idxs[s + 1], weights[s + 1])
-            serialise = 2 * self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
-            transfer[s] = serialise + 2 * latency
+            serialise = self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
+            transfer[s] = 2 * (serialise + latency)
             link_occ[s] = serialise / min(len(idxs[s]), len(idxs[s + 1]))
         beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
         step = (self.microbatches - 1) * beta + lat.sum() + transfer.sum() + allreduce.max()
