@@ -28,7 +28,7 @@ def run(strategy: str, state_dir: Path, steps: int, link: str) -> dict:
     # uniform: one stage per node, equal layer counts, nodes in join order; measured: the planner decides all.
     placement = "uniform" if strategy == "uniform" else "measured"
     cmd = [
-        sys.executable, "-m", "geotrain", "demo", "--nodes", "4", "--http", "off",
+        sys.executable, "-m", "geotrain", "demo", "--nodes", "4", "--stages", "0", "--http", "off",
         "--regions", "eu,us", "--slowdowns", "1,1,4,4", "--state-dir", str(state_dir), "--steps", str(steps),
         "--set", f"emulation.links=eu-us={link}", "--set", f"scheduler.placement={placement}",
         "--set", "run.eval_every=0",

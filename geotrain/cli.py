@@ -204,9 +204,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from geotrain.protocol.auth import TOKEN_ENV, new_token
     from geotrain.scheduler.local import Chaos, LocalNodes
 
-    if args.stages and args.stages > args.nodes:
-        raise UsageError(f"--stages {args.stages} needs at least {args.stages} nodes, --nodes is {args.nodes}")
-    cfg = _config(args, **{"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": args.stages})
+    stages = args.nodes if args.stages is None else args.stages
+    if stages > args.nodes:
+        raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
+    forced: dict[str, Any] = {"run.steps": args.steps, "scheduler.min_nodes": args.nodes, "scheduler.stages": stages}
+    if 0 < stages < args.nodes and not any(s.startswith("scheduler.placement=") for s in args.set or []):
+        # Fewer stages than nodes asks for replicas: every node serves, layers split evenly, unless told otherwise.
+        forced["scheduler.placement"] = "uniform"
+    cfg = _config(args, **forced)
     if cfg.scheduler.stages > cfg.model.total_layers:
         raise UsageError(f"--stages {cfg.scheduler.stages} exceeds the model's {cfg.model.total_layers} layers")
     chaos = Chaos.parse(args.chaos) if args.chaos else None
@@ -364,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=3, help="local node processes (default 3)")
     p.add_argument(
         "--stages", type=int,
-        help="pipeline stages (default: the planner's choice; fewer than nodes: stages get replicas)",
+        help="pipeline stages (default: one per node, layers placed by measured speed; fewer: every node serves and "
+        "stages get replicas; 0: the planner chooses everything)",
     )
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
     p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")

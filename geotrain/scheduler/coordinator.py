@@ -191,7 +191,9 @@ class Coordinator:
                 return pb.RegisterReply(accepted=False, reason=pb.REJECT_REASON_RUN_FINISHED, message="the run is over")
             node_id = request.node_id
             existing = self.members.get(node_id) if node_id else None
-            if existing is not None and existing.alive and not self._silent(existing):
+            # The same id from a new address is that node restarted (its old process is gone); from the same
+            # address while the old one still heartbeats, it is a second node claiming a live identity.
+            if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
                 return pb.RegisterReply(
                     accepted=False, reason=pb.REJECT_REASON_DUPLICATE_NODE, message=f"node {node_id} is already live"
                 )

@@ -48,7 +48,7 @@ def spawn_node(
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every process, then SIGKILL whatever is still running after grace_s."""
+    """SIGTERM every node, then SIGKILL whatever of its process group (its DHT fork, p2pd) still runs after grace_s."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -56,8 +56,12 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         try:
             p.wait(grace_s)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 class LocalNodes:
