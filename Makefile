@@ -7,7 +7,7 @@ PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 proto
 	pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test proto bench clean
+.PHONY: venv demo test proto clean
 
 venv: $(STAMP)
 
@@ -25,7 +25,8 @@ demo: $(STAMP)
 # The status page test drives headless Chromium; install Debian's when we may (root with apt), else it skips.
 test: $(STAMP)
 	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
-		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; fi
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+		echo "chromium could not be installed: the browser test will skip"; fi
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)

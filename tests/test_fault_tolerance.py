@@ -27,7 +27,7 @@ from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.state import RunStore
-from tests.conftest import REPO, geotrain_env, local_cluster
+from tests.conftest import REPO, LocalCluster, geotrain_env, local_cluster
 
 
 def _config(*overrides: str) -> RunConfig:
@@ -88,16 +88,17 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
     # Three nodes, two stages, one replica each: the third node is a spare.
     cfg = _config("scheduler.stages=2", "scheduler.replicas=1", "scheduler.checkpoint_every=1")
     plans: list[pb.Plan] = []
-    cluster = None
+    running: list[LocalCluster] = []
 
     def kill_after_third_checkpoint(kind: str, data: dict) -> None:
         # Right after step 3's checkpoint: the stage's only node dies between two steps.
         if kind == "plan":
             plans.append(data["plan"])
         if kind == "checkpoint" and data["steps_done"] == 3:
-            cluster.nodes.kill(plans[0].stages[1].node_ids[0])
+            running[0].nodes.kill(plans[0].stages[1].node_ids[0])
 
     with local_cluster(cfg, 3, tmp_path, on_event=kill_after_third_checkpoint, state_dir=tmp_path / "state") as cluster:
+        running.append(cluster)
         summary = cluster.wait(120)
         final_plan = cluster.coordinator.plan
         state = fetch_model_state(final_plan, cluster.token, summary.steps)

@@ -113,10 +113,6 @@ class StageRuntime:
         # Microbatches of an older step can no longer be backpropagated.
         self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
 
-    def drop(self, key: MicrobatchKey) -> None:
-        """Forget a forwarded microbatch whose backward will never come (a failed path)."""
-        self._pending.pop(key, None)
-
     # -- commit -------------------------------------------------------------------------------------------------
 
     def counted(self, step: int) -> int:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from geotrain import __version__
@@ -259,7 +258,7 @@ class Coordinator:
             peer = self.members.get(request.peer)
             if peer is None or not peer.alive:
                 return
-            log.info("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
+            log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
             self._suspects.add(request.peer)
             self._cond.notify_all()
 
