@@ -115,7 +115,8 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_killed_node_rejoins_with_its_peers_state(tmp_path):
-    cfg = _config("scheduler.stages=2", "run.steps=5")
+    # Enough steps that the run is still going when the victim is back (it needs a few seconds to start).
+    cfg = _config("scheduler.stages=2", "run.steps=40")
     victim = "node-1"
     restarted, held, compared = threading.Event(), threading.Event(), threading.Event()
     plans: list[pb.Plan] = []
@@ -129,6 +130,9 @@ def test_killed_node_rejoins_with_its_peers_state(tmp_path):
 
     with local_cluster(cfg, 4, tmp_path, on_event=hold_plan_with_rejoined_victim) as cluster:
         _kill_after_step(cluster, 1, lambda plan: victim).wait(60)
+        deadline = time.monotonic() + 30
+        while cluster.coordinator.members[victim].alive and time.monotonic() < deadline:
+            time.sleep(0.05)  # restart once the death is noticed: the restart itself is the node coming back
         cluster.nodes.start(victim)
         restarted.set()
         assert held.wait(90)

@@ -26,6 +26,10 @@ _OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Servers accept the clients' keepalive pings (the default minimum interval of 5 minutes answers a 20 s ping on
+    # an idle channel with GOAWAY "too_many_pings").
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
 
 
