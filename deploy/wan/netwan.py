@@ -178,7 +178,7 @@ class Wan:
         self.spec = spec
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix=f"netwan-{spec.run_id}-"))
         # A caller's GEOTRAIN_TOKEN is kept so it can talk to the run (e.g. query the coordinator) while it runs.
-        self.token = os.environ.get("GEOTRAIN_TOKEN") or secrets.token_urlsafe(24)
+        self.token = os.environ.get("GEOTRAIN_TOKEN") or secrets.token_hex(24)
         self.processes: list[subprocess.Popen] = []  # geotrain: the coordinator and the nodes
         self._relays: list[subprocess.Popen] = []
 

@@ -35,8 +35,8 @@ def resolve_token(token: str | None) -> str:
 
 
 def new_token() -> str:
-    """A fresh random run token."""
-    return secrets.token_urlsafe(24)
+    """A fresh random run token (hex: a token starting with "-" would read as an option on a command line)."""
+    return secrets.token_hex(24)
 
 
 def sign(token: str, method: str, node_id: str, ts: str, nonce: str) -> str:
