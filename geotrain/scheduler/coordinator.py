@@ -233,8 +233,11 @@ class Coordinator:
                 return pb.HeartbeatReply(known=False)
             member.last_seen = time.monotonic()
             member.plan_epoch = request.plan_epoch
+            # A heartbeat built before a StepApplied report may arrive after it; only a state load (a new
+            # state_epoch) moves a node's applied steps back.
+            if request.applied_step >= member.applied_steps or request.state_epoch != member.state_epoch:
+                member.applied_steps = request.applied_step
             member.state_epoch = request.state_epoch
-            member.applied_steps = request.applied_step
             member.peer_id = request.dht_peer_id
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
             member.links = list(request.links)
