@@ -38,6 +38,26 @@ def test_two_stage_pipeline_by_hand():
     assert plan.bottleneck.startswith("pipeline fill and drain")
 
 
+def test_data_heads_window_paces_when_round_trip_is_long():
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
+    # Round trip: h = 0.5 + 0.5, x = 2 * (1 + 0.5) = 3, so 4 s. One microbatch in flight: one every 4 s, slower than
+    # the link's 1 s; T = (M-1) * 4 + 4 = 16.
+    one = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=1)
+    assert one.step_seconds(stages) == pytest.approx(16.0)
+    assert one.plan(stages, {}).bottleneck.startswith("data heads' window: 1 microbatches in flight")
+    # Four in flight: 4 / 4 = 1 s per microbatch, no slower than the link: the unbounded step time.
+    four = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=4)
+    assert four.step_seconds(stages) == pytest.approx(model_for(nodes).step_seconds(stages)) == pytest.approx(7.0)
+    # Two data heads hold twice the window: 4 / (1 * 2) = 2 s; their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
+    three = [*nodes, node("c", [0.5, 2.0])]
+    cm = CostModel(nodes=three, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=1)
+    # Stage 0: c = 0.25, h = 0.5; the link term is unchanged (one pair at a time), 1 s.
+    assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(3 * 2 + 4 + 1.1)
+    with pytest.raises(ValueError, match="inflight"):
+        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=0)
+
+
 def test_codec_ratio_shrinks_the_bytes_term_only():
     cm = model_for([node("a", [1.0, 2.0]), node("b", [2.0, 1.0])], codec_ratio=0.5)
     # Link busy 0.5 s each way, so compute (1 s) paces; transfer 2 * (0.5 + 0.5) = 2 s; T = 3 * 1 + 2 + 2 = 7.
@@ -74,6 +94,18 @@ def test_memory_infeasible_plan_is_infinite_and_small_node_unusable():
     assert cm.step_seconds([(0, 2, [1])]) == math.inf
     tiny = model_for([node("tiny", [1.0, 1.0], memory=100)])
     assert tiny.usable == []
+
+
+def test_mixed_precision_state_is_16_bytes_per_parameter():
+    # 16-bit parameters and gradients (2 + 2), fp32 master copy (4), AdamW's fp32 moments (8): 16 bytes per
+    # parameter, as in fp32 (4 + 4 + 8); per parameter byte that is 8 at 2 bytes per value and 4 at 4.
+    half = ModelProfile(**{**TINY.__dict__, "bytes_per_value": 2})
+    assert half.state_bytes_per_param_byte == 8 and TINY.state_bytes_per_param_byte == 4
+    gpt = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab": 100, "microbatch_size": 1}
+    fp32, bf16 = ModelProfile.gpt(**gpt), ModelProfile.gpt(**gpt, bytes_per_value=2)
+    assert sum(fp32.layer_param_bytes) * fp32.state_bytes_per_param_byte == pytest.approx(
+        sum(bf16.layer_param_bytes) * bf16.state_bytes_per_param_byte
+    )
 
 
 def test_gpt_profile_shape_and_size():

@@ -18,15 +18,18 @@ For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, c
                                                                 flight overlap it), it counts once in the fill
 For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n = |R_s| >= 2):
     g_s = 2 (n-1)/n * P_s / min_{i!=j} bw_ij + 2 * max_{i!=j} lat_ij      P_s = parameter bytes of the stage
+The data heads' window (train.inflight = W; None: unbounded): each replica of stage 0 keeps at most W microbatches
+in flight and launches the next only when one has come back, so by Little's law
+    w = (sum_s h_s + sum_s x_s) / (W * |R_0|)                   one microbatch's round trip over all windows
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
-    beta = max(max_s c_s, max_s o_s)
+    beta = max(max_s c_s, max_s o_s, w)
     T = (M - 1) * beta + sum_s h_s + sum_s x_s + max_s g_s
     samples/s = M * microbatch_size / T
 
-Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments
+Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
+copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes per parameter, fp32 too)
 + activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound).
-Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and the
-data heads' window of microbatches in flight (train.inflight), which bounds how much latency pipelining hides.
+Not modelled: contention of several pairs on one region's uplink, and the all-reduce overlapping the drain.
 """
 
 from __future__ import annotations
@@ -105,8 +108,10 @@ class ModelProfile:
 
     @property
     def state_bytes_per_param_byte(self) -> float:
-        """Memory per parameter byte: the parameter, its gradient and AdamW's fp32 moments."""
-        return 2 + ADAMW_MOMENTS * FP32_BYTES / self.bytes_per_value
+        """Memory per parameter byte: the parameter, its gradient, AdamW's fp32 moments and, in 16-bit training,
+        the fp32 master copy the optimizer updates (16 bytes per parameter either way)."""
+        master = FP32_BYTES if self.bytes_per_value < FP32_BYTES else 0
+        return 2 + (ADAMW_MOMENTS * FP32_BYTES + master) / self.bytes_per_value
 
     @classmethod
     def gpt(
@@ -292,6 +297,7 @@ class _Terms:
     transfer: np.ndarray  # x_s, one per boundary
     link_occupancy: np.ndarray  # o_s, one per boundary
     allreduce: np.ndarray  # g_s
+    window: float  # w
     step_s: float
 
 
@@ -307,9 +313,12 @@ class CostModel:
         microbatches: int,
         microbatch_size: int,
         codec_ratio: float | CodecRatio = 1.0,
+        inflight: int | None = None,
     ) -> None:
         if microbatches <= 0 or microbatch_size <= 0:
             raise ValueError("microbatches and microbatch_size must be > 0")
+        if inflight is not None and inflight <= 0:
+            raise ValueError(f"inflight must be > 0 or None, got {inflight}")
         ids = [n.node_id for n in nodes]
         if len(set(ids)) != len(ids):
             raise ValueError("node ids must be unique")
@@ -324,6 +333,7 @@ class CostModel:
         self.microbatches = microbatches
         self.microbatch_size = microbatch_size
         self.codec = CodecRatio.of(codec_ratio)
+        self.inflight = inflight
         self.index = {nid: i for i, nid in enumerate(ids)}
         n_layers = model.n_layers
         self.prefix_seconds = np.zeros((len(nodes), n_layers + 1))
@@ -465,10 +475,18 @@ class CostModel:
             serialise = self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
             transfer[s] = 2 * (serialise + latency)
             link_occ[s] = serialise / min(len(idxs[s]), len(idxs[s + 1]))
-        beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
-        step = (self.microbatches - 1) * beta + lat.sum() + transfer.sum() + allreduce.max()
+        round_trip = lat.sum() + transfer.sum()
+        window = round_trip / (self.inflight * len(idxs[0])) if self.inflight else 0.0
+        beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0, window)
+        step = (self.microbatches - 1) * beta + round_trip + allreduce.max()
         return _Terms(
-            occupancy=occ, latency=lat, transfer=transfer, link_occupancy=link_occ, allreduce=allreduce, step_s=step
+            occupancy=occ,
+            latency=lat,
+            transfer=transfer,
+            link_occupancy=link_occ,
+            allreduce=allreduce,
+            window=window,
+            step_s=step,
         )
 
     def feasible(self, stages: Stages) -> bool:
@@ -521,7 +539,7 @@ class CostModel:
 
     def _bottleneck(self, stages: Stages, t: _Terms) -> str:
         m = self.microbatches
-        pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0)
+        pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0, t.window)
         fill = t.latency.sum() + t.transfer.sum()
         sync = t.allreduce.max()
 
@@ -538,6 +556,11 @@ class CostModel:
         if fill > pace:
             return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
         s = int(np.argmax(t.occupancy))
+        if t.window > max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
+            return (
+                f"data heads' window: {self.inflight} microbatches in flight on each of {len(stages[0][2])} stage-0"
+                f" replicas over a {fill:.3g} s round trip, {share(pace)}"
+            )
         if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
             b = int(np.argmax(t.link_occupancy))
             return (

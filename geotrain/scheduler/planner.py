@@ -71,10 +71,12 @@ def plan(
     microbatches: int,
     microbatch_size: int,
     codec_ratio: float | CodecRatio = 1.0,
+    inflight: int | None = None,
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
 ) -> Plan:
-    """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it)."""
+    """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it);
+    inflight is the data heads' window (train.inflight), None for unbounded."""
     cm = CostModel(
         nodes=nodes,
         model=model,
@@ -82,6 +84,7 @@ def plan(
         microbatches=microbatches,
         microbatch_size=microbatch_size,
         codec_ratio=codec_ratio,
+        inflight=inflight,
     )
     return Planner(cm, config or PlannerConfig()).plan(previous)
 
