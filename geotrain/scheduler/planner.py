@@ -327,9 +327,11 @@ class Planner:
         for s in range(n_stages - 1):
             a, b = (np.asarray(groups[k], dtype=np.int64) for k in (s, s + 1))
             per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
-            x = np.concatenate([[np.inf], 2 * (cm.boundary_bits * per_bit + lat)])  # indexed by cut position
-            link_fill.append(x)
-            link_occ.append((cm.microbatches - 1) * x / min(len(a), len(b)))
+            # Indexed by cut position, as CostModel scores them: serialisation one way occupies the link (full
+            # duplex; latency overlaps), the fill pays both ways and the latency.
+            serialise = np.concatenate([[np.inf], cm.boundary_bits * per_bit])
+            link_fill.append(2 * (serialise + lat))
+            link_occ.append((cm.microbatches - 1) * serialise / min(len(a), len(b)))
         worst = occ[0][0].copy()  # cut at b: best bottleneck of stages so far
         total = fill[0][0].copy()
         back = []
