@@ -4,8 +4,13 @@ Prints one JSON line per (scenario, nodes, strategy): scenario, nodes, multi_reg
 ratio_to_bound, plan_seconds. Nothing else goes to stdout.
 
 Model: GPT with 24 blocks, d_model 2048, 16 heads, seq 1024, vocab 50257 (1.42B parameters, head untied),
-fp32, microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster).
-Devices sustain 40% of their published peak (geotrain.scheduler.cluster.DEVICES).
+microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster).
+Devices sustain 40% of their published peak (geotrain.scheduler.cluster.DEVICES). Those peaks are fp16/bf16 tensor
+core figures, so the nodes that run at them train in mixed precision: activations, their gradients and the
+gradients replicas average are 16-bit on the wire (bytes_per_value=2), and each parameter still costs 16 bytes of
+memory (fp32 master copy and moments). The live system trains in fp32 (bytes_per_value=4); nothing here changes it.
+The data heads' window (train.inflight) is left unbounded: the bench plans the global batch as one pipeline fill,
+as the issue's goals are stated.
 
 Strategies, all scored by the same CostModel:
 - uniform: equal layer counts per stage, nodes in join order (a seeded shuffle) dealt round-robin to stages.
@@ -42,7 +47,7 @@ SIZES = (16, 64, 256, 1024)
 SEED = 0
 EFFICIENCY = 0.4
 MICROBATCHES_PER_NODE = 16
-MODEL = dict(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, microbatch_size=1)
+MODEL = dict(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, microbatch_size=1, bytes_per_value=2)
 DTFM = json.loads((Path(__file__).parent / "scenarios" / "dtfm.json").read_text())
 MIXED_GPUS = ["A100-80G", "A100-40G", "V100-32G", "A10G", "L4", "T4", "RTX-4090"]
 VOLUNTEER_DEVICES = ["RTX-4090", "RTX-3090", "RTX-3090", "RTX-3060", "RTX-3060", "Apple-M2-Pro-GPU", "laptop-CPU-8-core"]
