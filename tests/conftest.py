@@ -70,13 +70,15 @@ def local_cluster(
     on_event: Callable[[str, dict], None] | None = None,
     state_dir: Path | None = None,
     resume: bool = False,
+    node_args: dict[str, list[str]] | None = None,
 ) -> Iterator[LocalCluster]:
-    """Start a coordinator and n_nodes `geotrain join` processes (training starts when all joined); always tear down."""
+    """Start a coordinator and n_nodes `geotrain join` processes, node-1 to node-N with their node_args (training
+    starts when all joined); always tear down."""
     cfg.scheduler.min_nodes = n_nodes
     token = new_token()
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
     process = CoordinatorProcess(cfg, token, "127.0.0.1:0", state_dir=state_dir, resume=resume, on_event=on_event)
-    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, log_dir)
+    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, log_dir, node_args)
     for i in range(n_nodes):
         nodes.start(f"node-{i + 1}")
     process.server.start()

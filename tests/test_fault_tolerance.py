@@ -114,6 +114,51 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
+    # Measured placement, two stages, node-2 six times slower than node-1: the first plan gives node-2 few layers.
+    # Once node-3, as fast as node-1, joins, the planner's best plan spreads the layers over node-1 and node-3 and
+    # leaves node-2 out, so layers move; they travel through a checkpoint of the committed step.
+    cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=8")
+    plans: list[pb.Plan] = []
+    step_2_done = threading.Event()
+    running: list[LocalCluster] = []
+
+    def hold_for_node_3(kind: str, data: dict) -> None:
+        # After step 2 the coordinator goes on only once node-3 has joined and reported its profile.
+        if kind == "plan":
+            plans.append(data["plan"])
+        if kind == "step" and data["record"].step == 2:
+            step_2_done.set()
+            deadline = time.monotonic() + 60
+            members = running[0].coordinator.members
+            while "node-3" not in members or members["node-3"].profile is None:
+                assert time.monotonic() < deadline, "node-3 never reported its profile"
+                time.sleep(0.05)
+
+    slow = {"node-2": ["--slowdown", "6"]}
+    state_dir = tmp_path / "state"
+    with local_cluster(cfg, 2, tmp_path, on_event=hold_for_node_3, state_dir=state_dir, node_args=slow) as cluster:
+        running.append(cluster)
+        assert step_2_done.wait(60)
+        cluster.nodes.start("node-3")
+        summary = cluster.wait(120)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        store = cluster.coordinator.store
+        steps = [r.step for r in store.steps()]
+        kinds = [kind for _, kind, _, _ in store.events()]
+
+    def ranges(plan: pb.Plan) -> dict[str, tuple[int, int]]:
+        return {n: (s.layer_start, s.layer_end) for s in plan.stages for n in s.node_ids}
+
+    before, after = ranges(plans[0]), ranges(plans[-1])
+    assert set(before) == {"node-1", "node-2"} and set(after) == {"node-1", "node-3"}, (before, after)
+    assert before["node-1"] != after["node-1"]
+    assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
+    assert steps == list(range(cfg.run.steps))
+    assert _max_diff(state, _reference(cfg)) <= 1e-4
+
+
+@pytest.mark.timeout(150)
 def test_killed_node_rejoins_with_its_peers_state(tmp_path):
     # Enough steps that the run is still going when the victim is back (it needs a few seconds to start).
     cfg = _config("scheduler.stages=2", "run.steps=40")

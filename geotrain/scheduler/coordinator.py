@@ -11,6 +11,10 @@ Failures: a node missing heartbeats, or reported by peers whose calls to it fail
 the plan epoch, which drops every uncommitted gradient on every node, fills stages that lost every replica from
 spare or returning nodes (state from a live replica, else from a checkpoint, rolling the whole run back when only
 an older checkpoint exists), and runs the step again: each (stage, microbatch) is counted exactly once.
+
+Placement: with scheduler.placement = measured, the planner makes the first plan from the nodes' profiles and
+every later one (after a death, a return, or a node joining) from the current plan, moving as few layers as it
+can; layers that move travel through a checkpoint of the committed step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from geotrain import __version__
@@ -29,7 +33,7 @@ from geotrain.config import RunConfig, to_proto
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel
-from geotrain.scheduler.checkpoint import CheckpointStore, StageState
+from geotrain.scheduler.checkpoint import CheckpointStore, Manifest, StageState
 from geotrain.scheduler.planner import PlannerConfig
 from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import check_report, measured_link, planner_inputs
@@ -402,12 +406,22 @@ class Coordinator:
                 smallest.append(m)
         return groups
 
+    def _replans_measured(self) -> bool:
+        """Whether every plan comes from the planner over measured profiles. A plan after the first may move
+        layers, and a moved layer's state travels through a checkpoint, so without a checkpoint store only the
+        first plan is the planner's and later ones keep its layer ranges."""
+        return self.cfg.scheduler.placement == "measured" and self.checkpoints is not None
+
     def _can_grow(self) -> bool:
-        """Some live node serves no stage and a stage has room for another replica."""
+        """Some live node serves no stage (and, for the planner, has reported its profile) and could serve one:
+        the planner decides where it helps, else a stage has room for another replica."""
+        if self.plan is None:
+            return False
         placed = set(self._plan_nodes()) | self._excluded
+        measured = self._replans_measured()
+        spare = any(m.node_id not in placed and (m.profile is not None or not measured) for m in self._alive())
         cap = self.cfg.scheduler.replicas or len(self.members)
-        spare = any(m.node_id not in placed for m in self._alive())
-        return spare and self.plan is not None and any(len(s.node_ids) < cap for s in self.plan.stages)
+        return spare and (measured or any(len(s.node_ids) < cap for s in self.plan.stages))
 
     def _plan_is_current(self) -> bool:
         alive = {m.node_id for m in self._alive()}
@@ -419,29 +433,55 @@ class Coordinator:
         )
 
     def _layout(self) -> tuple[list[tuple[int, int]], list[list[Member]]]:
-        """Layer ranges and their nodes. Once a plan exists its ranges stay (state stays where it is, nodes keep
-        their layers); a first plan comes from the planner over measured profiles, or splits layers evenly."""
-        if self.plan is None and self.cfg.scheduler.placement == "measured":
-            self._wait(
-                lambda: all(m.profile is not None for m in self._alive()), "node profiles", self.cfg.scheduler.step_timeout_s
-            )
-            self._probe_regions()
-            nodes, model, network = planner_inputs(self._alive(), self.cfg)
-            planned = plan_stages(
-                nodes=nodes,
-                model=model,
-                network=network,
-                microbatches=self.cfg.train.microbatches,
-                microbatch_size=self.cfg.train.microbatch_size,
-                config=PlannerConfig(stages=self.cfg.scheduler.stages or None),
-            )
-            for node_id, why in planned.excluded.items():
-                log.info("%s serves no stage: %s", node_id, why)
-                self.store.event("excluded", node_id, why)
-            self._excluded = set(planned.excluded)
-            return [(s.start, s.end) for s in planned.stages], [[self.members[n] for n in s.node_ids] for s in planned.stages]
+        """Layer ranges and their nodes. With measured placement the planner makes every plan from the nodes'
+        profiles, a later one from the current plan so that it moves as few layers as it can; otherwise, and
+        for later plans without checkpoints, a first plan splits layers evenly and later ones keep their ranges
+        (state stays where it is, nodes keep their layers) and only reassign nodes."""
+        if self.cfg.scheduler.placement == "measured" and (self.plan is None or self._replans_measured()):
+            if self.plan is None:
+                self._wait(
+                    lambda: all(m.profile is not None for m in self._alive()),
+                    "node profiles",
+                    self.cfg.scheduler.step_timeout_s,
+                )
+                self._probe_regions()
+            return self._planned_layout()
         ranges = self._stage_ranges()
         return ranges, self._assign(ranges)
+
+    def _planned_layout(self) -> tuple[list[tuple[int, int]], list[list[Member]]]:
+        """The planner's layout over the live nodes that reported a profile (a node still measuring waits for
+        the next plan), starting from the current plan's estimate when there is one."""
+        previous = None
+        if self.plan is not None and self.estimate is not None:
+            previous = replace(self.estimate, excluded={n: "left out before" for n in self._excluded})
+        while True:
+            candidates = [m for m in self._alive() if m.profile is not None]
+            try:
+                nodes, model, network = planner_inputs(candidates, self.cfg)
+                planned = plan_stages(
+                    nodes=nodes,
+                    model=model,
+                    network=network,
+                    microbatches=self.cfg.train.microbatches,
+                    microbatch_size=self.cfg.train.microbatch_size,
+                    config=PlannerConfig(stages=self.cfg.scheduler.stages or None),
+                    previous=previous,
+                )
+                break
+            except ValueError as e:  # too few nodes, or too little memory among them
+                timeout = self.cfg.scheduler.rejoin_timeout_s
+                log.warning("no plan from %d node(s): %s; waiting up to %.0fs for others", len(candidates), e, timeout)
+                ids = {m.node_id for m in candidates}
+                self._wait(
+                    lambda: {m.node_id for m in self._alive() if m.profile is not None} != ids, "a node to plan with", timeout
+                )
+        for node_id, why in planned.excluded.items():
+            if node_id not in self._excluded:
+                log.info("%s serves no stage: %s", node_id, why)
+                self.store.event("excluded", node_id, why)
+        self._excluded = set(planned.excluded)
+        return [(s.start, s.end) for s in planned.stages], [[self.members[n] for n in s.node_ids] for s in planned.stages]
 
     def _probe_regions(self) -> None:
         """Have one node of each region measure its link to one node of every other region, so the planner sees
@@ -570,36 +610,55 @@ class Coordinator:
         self, ranges: list[tuple[int, int]], groups: list[list[Member]]
     ) -> dict[str, tuple[str, str]]:
         """For each node that lacks its stage's committed state: (source address or '' for the checkpoint,
-        expected checksum). Rolls the run back to the newest checkpoint when a stage's state exists nowhere else."""
+        expected checksum). A stage whose range no live node holds whole (the plan moved layers) loads from a
+        checkpoint of the committed step, written now from the current plan's live holders if there is none.
+        When a stage of the current plan lost every copy, the run rolls back to the newest checkpoint."""
         if self.step == 0:
             return {}  # step 0 is each layer's initialisation from the seed: every node builds it itself
         sources: dict[str, tuple[str, str]] = {}
         recorded = self.store.checksums(self.step - 1)
-        missing = []
+        current = self._stage_ranges()
+        reshaped = []
         for i, (rng, group) in enumerate(zip(ranges, groups)):
-            holders = [m for m in self._alive() if m.held == rng and m.applied_steps == self.step]
+            holders = self._holders(rng)
             if not holders:
-                missing.append(i)
+                reshaped.append(i)
                 continue
             for m in group:
                 if m not in holders:
-                    sources[m.node_id] = (holders[0].address, recorded.get(i, ""))
-        if not missing:
+                    sources[m.node_id] = (holders[0].address, recorded.get(current.index(rng), "") if rng in current else "")
+        if not reshaped:
             return sources
-        manifest = self.checkpoints.latest(at_most=self.step) if self.checkpoints else None
-        steps_done = manifest.steps_done if manifest else 0
-        if steps_done < self.step:
-            log.warning("stage(s) %s lost every copy of step %d: rolling back to step %d", missing, self.step, steps_done)
+        manifest = self._snapshot()
+        if manifest is None:
+            manifest = self.checkpoints.latest(at_most=self.step) if self.checkpoints else None
+            steps_done = manifest.steps_done if manifest else 0
+            log.warning("a stage lost every copy of step %d: rolling back to step %d", self.step, steps_done)
             self.store.event("rollback", detail=f"from step {self.step} to step {steps_done}")
             self.store.rollback_to(steps_done)
             self.step = steps_done
-            missing = list(range(len(ranges)))
+            reshaped = list(range(len(ranges)))
             sources = {}
-        for i in missing:
+        for i in reshaped:
             checksum = self.checkpoints.checksum(manifest, *ranges[i]) if manifest else ""
             for m in groups[i]:
                 sources[m.node_id] = ("", checksum)
         return sources
+
+    def _holders(self, rng: tuple[int, int]) -> list[Member]:
+        """Live nodes holding exactly this layer range at the committed step."""
+        return [m for m in self._alive() if m.held == rng and m.applied_steps == self.step]
+
+    def _snapshot(self) -> Manifest | None:
+        """A checkpoint of the committed step: the newest one if it is of this step, else one written now from
+        live holders of the current plan's stages; None when there is no checkpoint store or a stage of the
+        current plan has no live copy of this step."""
+        if self.checkpoints is None:
+            return None
+        latest = self.checkpoints.latest(at_most=self.step)
+        if latest is not None and latest.steps_done == self.step:
+            return latest
+        return self._checkpoint()
 
     # -- the run ------------------------------------------------------------------------------------------------
 
@@ -790,22 +849,27 @@ class Coordinator:
             return None
         return self.checkpoints.load_layers(manifest, layer_start, layer_end)
 
-    def _checkpoint(self) -> None:
-        """Write a checkpoint of the committed state, fetched from one replica of each stage."""
+    def _checkpoint(self) -> Manifest | None:
+        """Write a checkpoint of the committed state, fetched from a live holder of each stage; None (and no
+        checkpoint) when a stage has none or a download fails."""
         assert self.checkpoints is not None and self._fetch_state is not None and self.plan is not None
         checksums = self.store.checksums(self.step - 1)
+        stages = []
         try:
-            stages = [
-                StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), self._fetch_state(s.addresses[0], self.step))
-                for s in self.plan.stages
-            ]
+            for s in self.plan.stages:
+                holders = self._holders((s.layer_start, s.layer_end))
+                if not holders:
+                    raise LookupError(f"no live node holds stage {s.index}")
+                state = self._fetch_state(holders[0].address, self.step)
+                stages.append(StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), state))
         except Exception as e:  # a node lost mid-download: the next checkpoint will do
             log.warning("checkpoint of step %d skipped: %s", self.step, e)
-            return
+            return None
         manifest = self.checkpoints.write(self.step, self.plan.epoch, stages)
         self.store.put("checkpoint", str(manifest.path))
         self.store.event("checkpoint", detail=f"step {self.step}")
         self._on_event("checkpoint", {"steps_done": self.step, "path": str(manifest.path)})
+        return manifest
 
     # -- status ---------------------------------------------------------------------------------------------------
 

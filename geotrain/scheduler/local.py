@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,9 @@ PARENT_ENV = "GEOTRAIN_PARENT_PID"
 
 
 def exit_with_parent() -> None:
-    """In a spawned node: have Linux SIGTERM us when the spawning process dies, so no node outlives a killed demo.
+    """In a spawned node: have Linux SIGTERM us when the spawning thread dies (the kernel ties PR_SET_PDEATHSIG to
+    the thread that forked, not its process), so no node outlives a killed demo; LocalNodes spawns from one thread
+    that lives as long as the process.
 
     The child arms this itself after exec: a preexec_fn would make Python fork() while gRPC threads run in the
     parent, which leaves the child's gRPC broken.
@@ -72,11 +75,15 @@ class LocalNodes:
         self.extra_args = extra_args or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
+        # Nodes die with the thread that spawned them (exit_with_parent): spawn all of them from one thread that
+        # outlives the callers, which may be short-lived (a chaos thread, the coordinator's run thread).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-spawner")
 
     def start(self, node_id: str) -> subprocess.Popen:
         """Start (or restart) the node `node_id`."""
         with self._lock:
-            proc = spawn_node(self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id))
+            args = (self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id))
+            proc = self._spawner.submit(spawn_node, *args).result()
             self.procs[node_id] = proc
             return proc
 
