@@ -6,11 +6,17 @@ How it searches (every candidate is scored by CostModel, the same model that sco
    nearest neighbour + 2-opt above), so the pipeline crosses each slow link once and only where it must.
 3. For every stage count S, both directions of the chain, and a few node subsets (all nodes; without the slowest
    links; without the slowest devices), stages are dealt to regions by D'Hondt on compute (a region too small for
-   a stage of its own either joins its neighbour's stage or stays out), or region borders are ignored; inside a region, nodes sorted by link then
-   speed are cut into stages of equal compute, so a stage's replicas share a similar uplink (FusionLLM's grouping).
-4. A dynamic program splits the layers over those stages, minimising the slowest stage or link per microbatch.
-5. The best few candidates get a local search: shift a stage boundary by one layer and, on small clusters, move a
-   node to another stage or out.
+   a stage of its own either joins its neighbour's stage or stays out), or region borders are ignored; inside a
+   region, nodes sorted by link then speed are cut into stages of equal compute, so a stage's replicas share a
+   similar uplink (FusionLLM's grouping).
+4. A dynamic program splits the layers over those stages. The step pays two maxima, the pace (M-1) x the slowest
+   stage or link per microbatch, and the slowest gradient all-reduce: the DP minimises the pace under a cap on every
+   stage's all-reduce, lowering the cap until the pace alone costs more than the best step found.
+5. The best few candidates are varied in their replica counts, which equal-compute groups fix too early: each
+   region's nodes are dealt again among its stages by load (a stage's compute, or a slow link it feeds with fewer
+   parallel pairs than its neighbour), and a local search moves chunks of nodes between neighbouring stages; both
+   split the layers again. Then all of them get a local search: shift a stage boundary by one layer and, on small
+   clusters, move a node to another stage or out.
 6. Re-planning from a previous plan adds that plan, with departed nodes removed and new ones added where they
    relieve most, as a candidate; among plans within `replan_tolerance` of the best, the one moving the fewest
    layers wins. Ties break on stable keys, so the same inputs give the same plan.
@@ -100,7 +106,7 @@ class Planner:
         intra = cm.network.intra_region.bandwidth_bps
         self.uplink = np.array([min(intra, cm.network.node_bandwidth_bps.get(n.node_id, intra)) for n in cm.nodes])
         self._need_cache: dict[int, np.ndarray] = {}
-        self._stage_tables: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._stage_tables: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, ...]] = {}
         self._params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8  # [a, b]: bits of [a, b)
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
@@ -131,7 +137,13 @@ class Planner:
         ranked = sorted((c for c in scored if math.isfinite(scored[c])), key=lambda c: (scored[c], c))
         if not ranked:
             raise ValueError("no feasible plan: the nodes lack memory for every layer split tried")
-        starts = [(cand, False) for cand in ranked[: self.config.refine_candidates]]
+        starts = []
+        for cand in ranked[: self.config.refine_candidates]:
+            # Replica counts re-dealt by load and resized by local search, each also a start of the local search.
+            others = {*self._redealt(cand), self._resized(cand)} - {cand}
+            for other in others:
+                scored.setdefault(other, cm.step_seconds(other))
+            starts += [(c, False) for c in [cand, *sorted(others, key=lambda c: (scored[c], c))[:1]]]
         prev_ranges = self._previous_ranges(previous)
         adapted = self._adapt(prev_ranges) if prev_ranges else None
         if adapted is not None:
@@ -140,7 +152,6 @@ class Planner:
         for cand, nodes_first in starts:
             refined = self._refine(cand, nodes_first=nodes_first)
             scored.setdefault(refined, cm.step_seconds(refined))
-        best = min(c for c in scored if math.isfinite(scored[c]))
         best_cost = min(scored[c] for c in scored)
         if prev_ranges:
             limit = best_cost * (1 + self.config.replan_tolerance)
@@ -317,33 +328,56 @@ class Planner:
         return out
 
     def _split_layers(self, groups: Sequence[Sequence[int]]) -> tuple[Stage, ...] | None:
-        """Min-max DP over layer cuts for fixed replica groups, of each stage's (M-1) x occupancy + all-reduce and
-        each link's (M-1) x occupancy; ties go to the smaller fill time."""
-        cm, n_layers, n_stages = self.cm, self.n_layers, len(groups)
-        if n_stages > n_layers:
+        """Layer cuts for fixed replica groups that minimise the step time's two maxima, (M-1) x the slowest stage or
+        link per microbatch (the pace) plus the slowest gradient all-reduce: a min-max DP on the pace under a cap on
+        every stage's all-reduce, with the cap lowered below the last answer's slowest all-reduce until the pace
+        alone outweighs the best step time found. That walks the whole pace/all-reduce trade-off."""
+        cm, n_stages = self.cm, len(groups)
+        if n_stages > self.n_layers:
             return None
-        occ, fill, fits = zip(*(self._stage_table(tuple(g), n_stages) for g in groups))
-        link_occ, link_fill = [], []
-        for s in range(n_stages - 1):
-            a, b = (np.asarray(groups[k], dtype=np.int64) for k in (s, s + 1))
-            per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
-            # Indexed by cut position, as CostModel scores them: serialisation one way occupies the link (full
-            # duplex; latency overlaps), the fill pays both ways and the latency.
-            serialise = np.concatenate([[np.inf], cm.boundary_bits * per_bit])
-            link_fill.append(2 * (serialise + lat))
-            link_occ.append((cm.microbatches - 1) * serialise / min(len(a), len(b)))
-        worst = occ[0][0].copy()  # cut at b: best bottleneck of stages so far
-        total = fill[0][0].copy()
+        tables = [self._stage_table(tuple(g), n_stages) for g in groups]
+        links = [self._link_table(groups[s], groups[s + 1]) for s in range(n_stages - 1)]
+        best, best_cost, cap = None, math.inf, math.inf
+        while True:
+            found = self._split_under(tables, links, cap)
+            if found is None:
+                break
+            bounds, pace, fill, slowest_sync = found
+            # The DP's own terms add up to the cost model's step time; score the winner alone with the cost model.
+            if pace + fill + slowest_sync < best_cost:
+                best, best_cost = bounds, pace + fill + slowest_sync
+            # A lower cap cannot lower the pace, so once the pace alone reaches the best step, nothing beats it.
+            if pace >= best_cost or slowest_sync <= 0:
+                break
+            cap = slowest_sync * (1 - 1e-9)
+        if best is None:
+            return None
+        return tuple(
+            (a, b, tuple(sorted(i for k, i in enumerate(g) if tables[s][3][k, a, b])))
+            for s, (g, a, b) in enumerate(zip(groups, best[:-1], best[1:]))
+        )
+
+    def _split_under(
+        self, tables: Sequence[tuple[np.ndarray, ...]], links: Sequence[tuple[np.ndarray, np.ndarray]], cap: float
+    ) -> tuple[list[int], float, float, float] | None:
+        """Min-max DP over layer cuts of the pace, stages whose all-reduce exceeds cap excluded; ties go to the
+        smaller fill, then the earlier cut. Returns the layer bounds, the pace, the fill and the slowest all-reduce."""
+        n_layers = self.n_layers
+        pace, fill, sync = tables[0][0], tables[0][1], tables[0][2]
+        worst = np.where(sync[0] <= cap, pace[0], np.inf)  # cut at b: best bottleneck of stages so far
+        total = fill[0].copy()
         back = []
-        for s in range(1, n_stages):
-            prev_worst = np.maximum(worst, link_occ[s - 1])
-            cand_worst = np.maximum(prev_worst[:, None], occ[s])
-            cand_total = (total + link_fill[s - 1])[:, None] + fill[s]
+        cols = np.arange(n_layers + 1)
+        for s in range(1, len(tables)):
+            pace, fill, sync = tables[s][:3]
+            link_occ, link_fill = links[s - 1]
+            prev_worst = np.maximum(worst, link_occ)
+            cand_worst = np.maximum(prev_worst[:, None], np.where(sync <= cap, pace, np.inf))
+            cand_total = (total + link_fill)[:, None] + fill
             cand_worst[self._below_diagonal] = np.inf
             # Per column b: smallest worst, then total, then earliest cut. Keys compare at float32 precision so that
             # summation-order noise in the last bits cannot pick a different split among equal ones.
             key = np.lexsort((cand_total.astype(np.float32), cand_worst.astype(np.float32)), axis=0)[0]
-            cols = np.arange(n_layers + 1)
             worst, total = cand_worst[key, cols], cand_total[key, cols]
             back.append(key)
         if not math.isfinite(worst[n_layers]):
@@ -351,18 +385,23 @@ class Planner:
         cuts = [n_layers]
         for key in reversed(back):
             cuts.append(int(key[cuts[-1]]))
-        cuts.reverse()
-        bounds = [0] + cuts
-        stages = []
-        for s, g in enumerate(groups):
-            a, b = bounds[s], bounds[s + 1]
-            members = tuple(sorted(i for k, i in enumerate(g) if fits[s][k, a, b]))
-            stages.append((a, b, members))
-        return tuple(stages)
+        bounds = [0] + cuts[::-1]
+        slowest_sync = max(float(t[2][a, b]) for t, a, b in zip(tables, bounds[:-1], bounds[1:]))
+        return bounds, float(worst[n_layers]), float(total[n_layers]), slowest_sync
 
-    def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For a replica group among n_stages stages, over every layer range [a, b): the DP's key (M-1) x occupancy
-        + all-reduce, the fill latency, and which members fit in memory. Memoised: candidates share groups."""
+    def _link_table(self, left: Sequence[int], right: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """For each cut position between two replica groups: (M-1) x the link's occupancy and its fill."""
+        cm = self.cm
+        a, b = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
+        per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
+        # As CostModel scores them: serialisation one way occupies the link (full duplex; latency overlaps), the
+        # fill pays both ways and the latency.
+        serialise = np.concatenate([[np.inf], cm.boundary_bits * per_bit])
+        return (cm.microbatches - 1) * serialise / min(len(a), len(b)), 2 * (serialise + lat)
+
+    def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, ...]:
+        """For a replica group among n_stages stages, over every layer range [a, b): (M-1) x occupancy, the fill
+        latency, the gradient all-reduce, and which members fit in memory. Memoised: candidates share groups."""
         key = (group, n_stages)
         if key not in self._stage_tables:
             cm = self.cm
@@ -376,10 +415,9 @@ class Planner:
             with np.errstate(divide="ignore"):
                 inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
                 c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
-            # Key per stage in seconds per step: its share of the pipeline pace plus its own gradient all-reduce.
-            key_s = (cm.microbatches - 1) * c + cm.allreduce_seconds(idx, self._params_bits)
+            sync = np.broadcast_to(cm.allreduce_seconds(idx, self._params_bits), c.shape)
             fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
-            self._stage_tables[key] = (key_s, c * len(idx), fits)
+            self._stage_tables[key] = ((cm.microbatches - 1) * c, c * len(idx), sync, fits)
         return self._stage_tables[key]
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
@@ -393,6 +431,89 @@ class Planner:
         need[self._below_diagonal] = np.inf
         self._need_cache[n_stages] = need
         return need
+
+    def _redealt(self, stages: tuple[Stage, ...], rounds: int = 3) -> list[tuple[Stage, ...]]:
+        """The plan with each region's nodes dealt again among the stages that region alone serves, then the layer
+        DP again, a few rounds. Equal-rate groups leave a stage that drew heavy layers, or that feeds a slow link
+        with few parallel pairs, as the pace; dealing by load gives it more replicas instead. Longest-processing-time
+        first: the fastest node joins the stage it fits with the highest load, its seconds per microbatch or those
+        of an adjacent link where it is the side with fewer replicas. Stages stay inside their region, so no
+        all-reduce moves onto a slower link."""
+        cm, out = self.cm, []
+        for _ in range(rounds):
+            n_stages = len(stages)
+            idx = [np.asarray(nodes, dtype=np.int64) for _, _, nodes in stages]
+            speed = [self.speed[g] / self.speed[g].sum() for g in idx]
+            # One-way seconds per microbatch of each boundary's traffic on one pair (and a 0 past the last stage).
+            sigma = np.array(
+                [cm.boundary_bits[stages[s][1] - 1] * cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0]
+                 for s in range(n_stages - 1)] + [0.0]
+            )
+            count = np.array([len(g) for g in idx], dtype=np.float64)
+            owner = [{int(cm.region_of[i]) for i in nodes} for _, _, nodes in stages]
+            groups = [list(nodes) if len(regions) > 1 else [] for regions, (_, _, nodes) in zip(owner, stages)]
+            for region in sorted({next(iter(r)) for r in owner if len(r) == 1}):
+                served = np.array([s for s, r in enumerate(owner) if r == {region}])
+                members = sorted((i for s in served for i in stages[s][2]), key=lambda i: self.rank[i])
+                a, b = np.array([stages[s][0] for s in served]), np.array([stages[s][1] for s in served])
+                secs = cm.prefix_seconds[np.ix_(members, b)] - cm.prefix_seconds[np.ix_(members, a)]
+                need = np.array([cm.stage_memory_bytes(stages[s][0], stages[s][1], n_stages) for s in served])
+                fits = cm.memory[members][:, None] >= need[None, :]
+                count[served] = 0
+                inv = np.zeros(len(served))
+                # The links into and out of each served stage, and the stage on their other side.
+                sides = []
+                for link, other in ((served - 1, served - 1), (served, served + 1)):
+                    ok = (link >= 0) & (link < n_stages - 1)
+                    sides.append((ok, np.where(ok, sigma[np.clip(link, 0, n_stages - 1)], 0.0),
+                                  np.clip(other, 0, n_stages - 1)))
+                for row, i in enumerate(members):
+                    if not fits[row].any():
+                        continue
+                    own = count[served]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        load = 1.0 / inv
+                        for ok, link, other in sides:
+                            load = np.maximum(load, np.where(ok & (own <= count[other]), link / own, 0.0))
+                    # Highest load first; among empty stages (infinite load), the one this node is slowest on.
+                    k = int(np.lexsort((-secs[row], -np.where(fits[row], load, -1.0)))[0])
+                    groups[served[k]].append(i)
+                    inv[k] += 1.0 / secs[row, k]
+                    count[served[k]] += 1
+            if not all(groups):
+                break
+            dealt = self._split_layers(groups)
+            if dealt is None or dealt == stages:
+                break
+            out.append(dealt)
+            stages = dealt
+        return out
+
+    def _resized(self, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+        """Local search over replica counts: move a chunk of nodes between neighbouring stages (the last-ranked of
+        one to the other) and split the layers again, halving the chunk down to one node when nothing improves. The
+        layer DP alone cannot trade a stage's replicas for a neighbour's, e.g. more parallel pairs on a slow link."""
+        cm = self.cm
+        best, best_cost = stages, cm.step_seconds(stages)
+        chunk = max(1, min(len(nodes) for _, _, nodes in stages) // 4)
+        while True:
+            improved = False
+            for s, (src, dst) in itertools.product(range(len(best) - 1), ((0, 1), (1, 0))):
+                groups = [sorted(nodes, key=lambda i: self.rank[i]) for _, _, nodes in best]
+                give, take = groups[s + src], groups[s + dst]
+                if len(give) <= chunk:
+                    continue
+                moved = give[-chunk:] if src == 0 else give[:chunk]
+                groups[s + src] = give[:-chunk] if src == 0 else give[chunk:]
+                groups[s + dst] = moved + take if src == 0 else take + moved
+                trial = self._split_layers(groups)
+                cost = cm.step_seconds(trial) if trial is not None else math.inf
+                if cost < best_cost * (1 - 1e-9):
+                    best, best_cost, improved = trial, cost, True
+            if not improved:
+                if chunk == 1:
+                    return best
+                chunk //= 2
 
     # --- local search ----------------------------------------------------------------------------------
 
