@@ -3,6 +3,7 @@ rejected, and a live run ends with every member's profile on the coordinator."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ import pytest
 from geotrain.config import load_config
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
 from geotrain.node.model import build_layer
-from geotrain.node.profiler import available_memory_bytes, probe_link, profile_layers
+from geotrain.node.profiler import available_memory_bytes, host_turn, probe_link, profile_layers
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import new_token
@@ -60,6 +61,32 @@ def test_slowdown_is_measured():
     fast = min(sum(profile_layers(CFG, slowdown=1.0, repeats=3).layer_seconds) for _ in range(2))
     slow = sum(profile_layers(CFG, slowdown=3.0, repeats=3).layer_seconds)
     assert slow / fast > 2, f"--slowdown 3 measured {slow / fast:.2f}x"
+
+
+@pytest.mark.timeout(30)
+def test_nodes_on_one_host_take_turns_timing_layers(tmp_path):
+    lock = tmp_path / "profile.lock"  # not the host's: nodes of other runs may be timing their layers now
+    inside, release, second_entered = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with host_turn(lock):
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        with host_turn(lock):
+            second_entered.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    assert not second_entered.wait(0.5)  # blocked while the first holds the turn
+    release.set()
+    assert second_entered.wait(10)
+    a.join(10)
+    b.join(10)
 
 
 def test_available_memory_is_positive():

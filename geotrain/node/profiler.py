@@ -9,13 +9,16 @@ agent's worker uses the same function, so a node started with --slowdown F measu
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
 import statistics
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +124,27 @@ def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: st
     return profile
 
 
+HOST_LOCK = Path(tempfile.gettempdir()) / "geotrain-profile.lock"
+
+
+@contextmanager
+def host_turn(lock_path: Path = HOST_LOCK) -> Iterator[None]:
+    """Take this host's turn at timing layers: nodes that share a machine (a demo, a multi-GPU box) and time their
+    layers at once measure each other's load instead of their own speed. Best effort: without the lock file
+    (say, another user's and not readable), no turn is taken."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.debug("timing layers without taking turns: %s", e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _cgroup_headroom() -> int | None:
     """Bytes the cgroup (v2) this process runs in may still take, or None without a limit."""
     root = Path("/sys/fs/cgroup")
@@ -178,9 +202,10 @@ class NodeProfiler:
 
     def measure_layers(self, cfg: RunConfig) -> None:
         """Time the model's layers and read free memory (run it where nothing else computes: the worker)."""
-        started = time.monotonic()
         try:
-            layers = profile_layers(cfg, self._slowdown, cfg.profile.layer_repeats)
+            with host_turn():
+                started = time.monotonic()
+                layers = profile_layers(cfg, self._slowdown, cfg.profile.layer_repeats)
             with self._lock:
                 self._layers, self._memory = layers, available_memory_bytes()
         finally:
