@@ -3,6 +3,10 @@ rejected, and a live run ends with every member's profile on the coordinator."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +25,7 @@ from geotrain.protocol.probe import COORDINATOR_PEER, MAX_PROBE_BYTES
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.service import make_coordinator_server
-from tests.conftest import local_cluster
+from tests.conftest import REPO, local_cluster
 
 CFG = load_config(None, ["model.n_layers=2", "model.d_model=64", "train.microbatch_size=4"])
 
@@ -63,30 +67,46 @@ def test_slowdown_is_measured():
     assert slow / fast > 2, f"--slowdown 3 measured {slow / fast:.2f}x"
 
 
-@pytest.mark.timeout(30)
+_TURN_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from geotrain.node.profiler import host_turn
+with host_turn(Path(sys.argv[1])):
+    print("in", flush=True)
+    input()
+    if os.fork() == 0:  # as hivemind forks its DHT process, while the turn is held
+        time.sleep(60)
+        os._exit(0)
+input()
+"""
+
+
+@pytest.mark.timeout(60)
 def test_nodes_on_one_host_take_turns_timing_layers(tmp_path):
     lock = tmp_path / "profile.lock"  # not the host's: nodes of other runs may be timing their layers now
-    inside, release, second_entered = threading.Event(), threading.Event(), threading.Event()
+    # Another process (a node is one) holds the turn until told to let go.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _TURN_HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO, start_new_session=True,
+    )
+    entered = threading.Event()
 
-    def first() -> None:
+    def take_turn() -> None:
         with host_turn(lock):
-            inside.set()
-            release.wait(10)
+            entered.set()
 
-    def second() -> None:
-        with host_turn(lock):
-            second_entered.set()
-
-    a = threading.Thread(target=first)
-    a.start()
-    assert inside.wait(10)
-    b = threading.Thread(target=second)
-    b.start()
-    assert not second_entered.wait(0.5)  # blocked while the first holds the turn
-    release.set()
-    assert second_entered.wait(10)
-    a.join(10)
-    b.join(10)
+    try:
+        assert holder.stdout.readline().strip() == "in"
+        waiter = threading.Thread(target=take_turn, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5)  # blocked while the other process holds the turn
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        # The holder let go; the child it forked meanwhile still runs and must not keep the turn.
+        assert entered.wait(20)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
 
 
 def test_available_memory_is_positive():

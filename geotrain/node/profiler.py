@@ -130,16 +130,20 @@ HOST_LOCK = Path(tempfile.gettempdir()) / "geotrain-profile.lock"
 @contextmanager
 def host_turn(lock_path: Path = HOST_LOCK) -> Iterator[None]:
     """Take this host's turn at timing layers: nodes that share a machine (a demo, a multi-GPU box) and time their
-    layers at once measure each other's load instead of their own speed. Best effort: without the lock file
-    (say, another user's and not readable), no turn is taken."""
+    layers at once measure each other's load instead of their own speed.
+
+    A POSIX record lock (lockf), not flock: a process forked while the lock is held (hivemind's DHT) would share an
+    flock and keep it after its parent dies, while a record lock belongs to this process alone and ends with it.
+    So two threads of one process do not exclude each other; a node is one process. Best effort: without write
+    access to the lock file (another user's), no turn is taken."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
         log.debug("timing layers without taking turns: %s", e)
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
