@@ -57,6 +57,37 @@ def test_within_5_percent_of_brute_force(seed, n_nodes, regions):
     assert ours.step_seconds <= optimum * 1.05
 
 
+def test_two_instances_keep_each_stage_on_one_instance():
+    # DT-FM's datacenter in small: instances of 3 and 2 GPUs, 100 Gbit/s inside, 3.125 Gbit/s between. The optimum
+    # keeps every stage's all-reduce inside an instance and lets the pipeline cross between them; the instance of 3
+    # hosts two stages with different replica counts.
+    model = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=2,
+                             bytes_per_value=2)
+    net = Network(intra_region=Link(bandwidth_bps=100e9, latency_s=1e-5),
+                  default_inter_region=Link(bandwidth_bps=3.125e9, latency_s=0.0))
+    seconds = [f / 20e12 for f in model.layer_flops]
+    nodes = [NodeProfile(node_id=f"n{i}", region=f"instance{int(i >= 3)}", layer_seconds=seconds,
+                         memory_bytes=16 * 10**9) for i in range(5)]
+    kwargs = dict(model=model, network=net, microbatches=24, microbatch_size=2)
+    ours = plan(nodes=nodes, **kwargs)
+    assert ours.step_seconds == pytest.approx(brute_force(CostModel(nodes=nodes, **kwargs)))
+    instance = {n.node_id: n.region for n in nodes}
+    assert all(len({instance[i] for i in st.node_ids}) == 1 for st in ours.stages)
+    assert sorted(len(st.node_ids) for st in ours.stages) == [1, 2, 2]
+
+
+def test_data_heads_window_is_planned_for():
+    nodes = random_nodes(12, 4, ("east",))
+    kwargs = dict(nodes=nodes, model=MODEL, network=NET, microbatches=8, microbatch_size=2)
+    windowed = plan(**kwargs, inflight=1)
+    # One microbatch in flight per data head: the plan is scored with the window, and no better than unbounded.
+    cm = CostModel(nodes=nodes, model=MODEL, network=NET, microbatches=8, microbatch_size=2, inflight=1)
+    stages = [(st.start, st.end, [cm.index[n] for n in st.node_ids]) for st in windowed.stages]
+    assert windowed.step_seconds == pytest.approx(cm.step_seconds(stages))
+    assert windowed.step_seconds >= plan(**kwargs).step_seconds
+    assert windowed.step_seconds <= brute_force(cm) * 1.05
+
+
 def test_too_small_node_is_excluded_with_reason():
     nodes = random_nodes(7, 6)
     nodes.append(NodeProfile(node_id="tiny", region="east", layer_seconds=nodes[0].layer_seconds, memory_bytes=1000))
