@@ -159,6 +159,42 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_node_restarted_while_a_decided_step_is_applied(tmp_path):
+    # A replica's process is replaced (killed, restarted under its id before it is declared dead) after the
+    # coordinator decided step 2 and before the replica reported applying it: the step stands, committed from the
+    # other replica, and the new incarnation takes up the committed state.
+    cfg = _config("scheduler.stages=2", "scheduler.heartbeat_timeout_s=30")
+    victim = "node-1"
+    withheld, restarted = threading.Event(), threading.Event()
+    with local_cluster(cfg, 4, tmp_path) as cluster:
+        coordinator = cluster.coordinator
+        report_applied = coordinator.step_applied
+
+        def lose_the_victims_report(request: pb.StepAppliedRequest) -> None:
+            if request.node_id == victim and request.step == 2 and not withheld.is_set():
+                withheld.set()
+                restarted.wait(60)  # the old incarnation's report is lost with it
+                return
+            report_applied(request)
+
+        coordinator.step_applied = lose_the_victims_report
+        assert withheld.wait(60)
+        cluster.nodes.kill(victim)
+        cluster.nodes.start(victim)
+        deadline = time.monotonic() + 60
+        while not coordinator.members[victim].restarted:
+            assert time.monotonic() < deadline, "the restarted victim never registered"
+            time.sleep(0.05)
+        restarted.set()
+        summary = cluster.wait(120)
+        state = fetch_model_state(coordinator.plan, cluster.token, summary.steps)
+        steps = [r.step for r in coordinator.store.steps()]
+        kinds = [kind for _, kind, _, _ in coordinator.store.events()]
+    assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
+    assert _max_diff(state, _reference(cfg)) <= 1e-4
+
+
+@pytest.mark.timeout(150)
 def test_killed_node_rejoins_with_its_peers_state(tmp_path):
     # Enough steps that the run is still going when the victim is back (it needs a few seconds to start).
     cfg = _config("scheduler.stages=2", "run.steps=40")

@@ -341,7 +341,7 @@ class Coordinator:
             while not predicate():
                 if self.stop_requested.is_set():
                     raise RunAborted("stopped")
-                lost = (self._check_liveness() | self._restarted()) & set(self._plan_nodes())
+                lost = self._lost() & set(self._plan_nodes())
                 if during_step and lost:
                     raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
                 remaining = deadline - time.monotonic()
@@ -350,6 +350,10 @@ class Coordinator:
                         raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
                     raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
                 self._cond.wait(min(remaining, 0.1))
+
+    def _lost(self) -> set[str]:
+        """Nodes whose state of the step in progress is gone: dead, or restarted as a new incarnation."""
+        return self._check_liveness() | self._restarted()
 
     def _restarted(self) -> set[str]:
         return {m.node_id for m in self.members.values() if m.restarted}
@@ -465,6 +469,7 @@ class Coordinator:
                     network=network,
                     microbatches=self.cfg.train.microbatches,
                     microbatch_size=self.cfg.train.microbatch_size,
+                    inflight=self.cfg.train.inflight,
                     config=PlannerConfig(stages=self.cfg.scheduler.stages or None),
                     previous=previous,
                 )
@@ -531,6 +536,7 @@ class Coordinator:
             network=network,
             microbatches=self.cfg.train.microbatches,
             microbatch_size=self.cfg.train.microbatch_size,
+            inflight=self.cfg.train.inflight,
         )
         stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
         return cm.plan(stages, {}) if cm.feasible(stages) else None
@@ -658,6 +664,8 @@ class Coordinator:
         latest = self.checkpoints.latest(at_most=self.step)
         if latest is not None and latest.steps_done == self.step:
             return latest
+        if not all(self._holders(rng) for rng in self._stage_ranges()):
+            return None
         return self._checkpoint()
 
     # -- the run ------------------------------------------------------------------------------------------------
@@ -780,8 +788,10 @@ class Coordinator:
         # Decided before any node applies it: a restarted coordinator completes this step instead of redoing it.
         self.store.put("decided", json.dumps({"record": asdict(record), "clip": clip, "lr": lr}))
         self._send(nodes, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=clip, lr=lr)))
+        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
+        # takes up the committed state with the next plan.
         self._wait(
-            lambda: all(n in self._progress.checksums or not self.members[n].alive for n in nodes),
+            lambda: all(n in self._progress.checksums or n in self._lost() for n in nodes),
             f"step {step}'s checksums",
             timeout,
         )
