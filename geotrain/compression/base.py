@@ -108,11 +108,14 @@ def read_header(payload: Buffer) -> tuple[memoryview, Header]:
     return view, Header(codec_id, param, count, numel)
 
 
-def new_payload(codec_id: int, param: int, count: int, numel: int, body_nbytes: int) -> torch.Tensor:
-    """Allocate a whole payload as one uint8 tensor with its header written; the caller fills the body."""
-    buf = torch.empty(HEADER.size + body_nbytes, dtype=torch.uint8)
-    HEADER.pack_into(buf.numpy(), 0, MAGIC, VERSION, codec_id, 0, param, count, numel)
-    return buf
+def new_payload(codec_id: int, param: int, count: int, numel: int, body_nbytes: int) -> tuple[bytearray, torch.Tensor]:
+    """Allocate a whole payload with its header written, and a uint8 tensor over it through which to fill the body.
+
+    The encoder returns the bytearray itself: writing through the tensor spares a copy of the payload at the end.
+    """
+    payload = bytearray(HEADER.size + body_nbytes)
+    HEADER.pack_into(payload, 0, MAGIC, VERSION, codec_id, 0, param, count, numel)
+    return payload, torch.frombuffer(payload, dtype=torch.uint8)
 
 
 def body(buf: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -205,7 +208,7 @@ class Codec(abc.ABC):
     def encoded_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Payload length for a tensor of this shape, header included; an upper bound for top-k."""
 
-    def encode(self, tensor: torch.Tensor, state: FeedbackState | None = None) -> bytes:
+    def encode(self, tensor: torch.Tensor, state: FeedbackState | None = None) -> bytes | bytearray:
         """Encode `tensor` (on any device) into a payload; updates `state` in place."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -251,7 +254,7 @@ class Codec(abc.ABC):
         return self.encoded_nbytes(shape, dtype)
 
     @abc.abstractmethod
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes | bytearray:
         """Encode a flat contiguous CPU tensor that has `shape`."""
 
     @abc.abstractmethod

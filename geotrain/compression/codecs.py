@@ -65,7 +65,7 @@ _F16_MAX = torch.finfo(torch.float16).max
 _ROUND_MAGIC = 1.5 * 2**23
 # Floor of a block scale so that 1 / scale stays finite for all-zero and subnormal blocks.
 _MIN_SCALE = 2.0**-120
-# Elements per quantisation pass: the float temporary stays in cache instead of faulting in fresh pages.
+# Elements per pass of (de)quantisation, see _row_chunks: 2 MiB of float32 stays in cache between passes.
 _CHUNK = 1 << 19
 # Top-k: tensors up to this size take the exact top-k; larger ones estimate the threshold from a sample.
 _TOPK_SAMPLE = 1 << 16
@@ -79,8 +79,14 @@ def _all_finite(x: torch.Tensor) -> bool:
     return x.numel() == 0 or (math.isfinite(x.amax()) and math.isfinite(x.amin()))
 
 
-def _finish(buf: torch.Tensor) -> bytes:
-    return buf.numpy().tobytes()
+def _row_chunks(rows: int, width: int) -> list[slice]:
+    """Consecutive slices of rows, about _CHUNK elements each, the first the largest.
+
+    A pass over a chunk leaves it in cache for the next pass, where whole-tensor passes would each stream it from
+    memory; temporaries of chunk size are reused instead of faulting in fresh pages.
+    """
+    step = max(1, _CHUNK // width)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def _accumulate(flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> torch.Tensor:
@@ -126,9 +132,9 @@ class _CastCodec(Codec):
         """Header plus two bytes per element."""
         return HEADER.size + math.prod(shape) * 2
 
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         n = flat.numel()
-        buf = new_payload(self.codec_id, 0, 0, n, 2 * n)
+        payload, buf = new_payload(self.codec_id, 0, 0, n, 2 * n)
         out = body(buf, 0, n, self.wire_dtype)
         out.copy_(flat)
         # Checking the 2-byte result keeps the common case to one extra half-size pass.
@@ -136,7 +142,7 @@ class _CastCodec(Codec):
             over = torch.isinf(out) & torch.isfinite(flat)
             # In float32: the largest fp16 is not representable in bf16 (the input may be bf16).
             out[over] = (flat[over].float().sign() * torch.finfo(self.wire_dtype).max).to(self.wire_dtype)
-        return _finish(buf)
+        return payload
 
     def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return read_body(view, 0, header.numel, self.wire_dtype).to(dtype).view(shape)
@@ -188,14 +194,14 @@ class _BlockQuantCodec(Codec):
         full, tail = divmod(n, self.param)
         return HEADER.size + 4 * -(-n // self.param) + self._packed(full * self.param) + self._packed(tail)
 
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         x = flat.float()
         n, block = x.numel(), self.param
         full, tail = divmod(n, block)
         blocks = full + (tail > 0)
         main_bytes = self._packed(full * block)
         qbytes = main_bytes + self._packed(tail)
-        buf = new_payload(self.codec_id, block, 0, n, 4 * blocks + qbytes)
+        payload, buf = new_payload(self.codec_id, block, 0, n, 4 * blocks + qbytes)
         scales = body(buf, 0, blocks, torch.float32)
         q = body(buf, 4 * blocks, qbytes, torch.uint8)
         if full:
@@ -204,20 +210,22 @@ class _BlockQuantCodec(Codec):
             # The zero pad gives int4 whole bytes and cannot change the block's absmax.
             rest = F.pad(x[full * block :], (0, self._packed(tail) * self.per_byte - tail))
             self._quantize(rest.view(1, -1), scales[full:], q[main_bytes:].view(1, -1))
-        return _finish(buf)
+        return payload
 
     def _quantize(self, rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Quantise each row of `rows` as one block into `out`, writing its scale to `scales`."""
-        # Chunks keep every pass after the first read in cache and the temporary out of fresh pages.
-        step = max(1, _CHUNK // rows.shape[1])
-        tmp = torch.empty(min(step, rows.shape[0]), rows.shape[1])
-        for start in range(0, rows.shape[0], step):
-            part, scale = rows[start : start + step], scales[start : start + step]
-            absmax = torch.maximum(part.amax(1), part.amin(1).neg_())
-            torch.div(absmax.clamp_(min=self.qmax * _MIN_SCALE), self.qmax, out=scale)
+        chunks = _row_chunks(rows.shape[0], rows.shape[1])
+        tmp = torch.empty(chunks[0].stop, rows.shape[1])
+        for chunk in chunks:
+            part, scale = rows[chunk], scales[chunk]
             codes = tmp[: part.shape[0]]
+            # Floats with the sign bit cleared order as int32 like their magnitudes, NaN above Inf: one elementwise
+            # pass and one reduction instead of the two reductions amax and amin.
+            bits = torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=codes.view(torch.int32))
+            absmax = bits.amax(1).view(torch.float32)
+            torch.div(absmax.clamp_(min=self.qmax * _MIN_SCALE), self.qmax, out=scale)
             torch.mul(part, scale.reciprocal().unsqueeze(1), out=codes).add_(_ROUND_MAGIC + self.code_offset)
-            self._pack(codes.view(torch.int32), out[start : start + step])
+            self._pack(codes.view(torch.int32), out[chunk])
         # NaN and Inf propagate into the scale of their block and from there into the largest scale.
         if not math.isfinite(scales.amax()):
             raise CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
@@ -235,18 +243,21 @@ class _BlockQuantCodec(Codec):
         if blocks and not (scales.amin() > 0 and scales.amax() < math.inf):
             raise CodecError(f"{self.name} payload has non-finite or non-positive block scales")
         out = torch.empty(n, dtype=torch.float32)
-        offset = 4 * blocks
+        main_bytes = self._packed(full * block)
+        packed = read_body(view, 4 * blocks, main_bytes + self._packed(tail), torch.uint8)
         if full:
-            self._unpack(view, offset, out[: full * block].view(full, block), scales[:full])
+            rows, main = out[: full * block].view(full, block), packed[:main_bytes].view(full, -1)
+            for chunk in _row_chunks(full, block):
+                self._unpack(main[chunk], rows[chunk], scales[chunk])
         if tail:
             rest = torch.empty(1, self._packed(tail) * self.per_byte)
-            self._unpack(view, offset + self._packed(full * block), rest, scales[full:])
+            self._unpack(packed[main_bytes:].view(1, -1), rest, scales[full:])
             out[full * block :] = rest[0, :tail]
         return out.to(dtype).view(shape)
 
     @abc.abstractmethod
-    def _unpack(self, view: memoryview, offset: int, out: torch.Tensor, scales: torch.Tensor) -> None:
-        """Dequantise the packed rows at body `offset` into the float32 rows `out`."""
+    def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+        """Dequantise packed payload bytes, one block per row, into the float32 rows `out`."""
 
 
 @register
@@ -262,8 +273,8 @@ class Int8Codec(_BlockQuantCodec):
     def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
         out.view(torch.int8).copy_(codes)
 
-    def _unpack(self, view: memoryview, offset: int, out: torch.Tensor, scales: torch.Tensor) -> None:
-        out.copy_(read_body(view, offset, out.numel(), torch.int8).view(out.shape)).mul_(scales.unsqueeze(1))
+    def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+        out.copy_(packed.view(torch.int8)).mul_(scales.unsqueeze(1))
 
 
 @register
@@ -279,8 +290,7 @@ class Int4Codec(_BlockQuantCodec):
     def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
         torch.bitwise_or(codes[:, 0::2], codes[:, 1::2].bitwise_left_shift(4), out=out)
 
-    def _unpack(self, view: memoryview, offset: int, out: torch.Tensor, scales: torch.Tensor) -> None:
-        packed = read_body(view, offset, out.numel() // 2, torch.uint8).view(out.shape[0], -1)
+    def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
         out[:, 0::2] = packed & 15
         out[:, 1::2] = packed >> 4
         out.sub_(self.code_offset).mul_(scales.unsqueeze(1))
@@ -335,20 +345,20 @@ class TopKCodec(_FeedbackCodec):
             raise CodecError(f"{self.name} payload keeps {header.count} of {header.numel} elements, above its budget")
         return HEADER.size + 6 * header.count
 
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         n = flat.numel()
         if n > _MAX_INDEXED:
             raise CodecError(f"topk indexes with int32; a tensor of {n} elements is too large")
         acc = _accumulate(flat, shape, state)
         idx = torch.from_numpy(self._select(acc.abs().numpy(), self.max_count(n)))
         k = idx.numel()
-        buf = new_payload(self.codec_id, self.param, k, n, 6 * k)
+        payload, buf = new_payload(self.codec_id, self.param, k, n, 6 * k)
         body(buf, 0, k, torch.int32).copy_(idx)
         values = body(buf, 4 * k, k, torch.float16)
         values.copy_(acc[idx].clamp_(-_F16_MAX, _F16_MAX))
         if state is not None:
             state.residual = acc.index_add_(0, idx, values.float(), alpha=-1).view(shape)
-        return _finish(buf)
+        return payload
 
     @staticmethod
     def _select(magnitude: np.ndarray, k: int) -> np.ndarray:
@@ -416,15 +426,15 @@ class PowerSgdCodec(_FeedbackCodec):
         rows, cols, rank = form
         return HEADER.size + 4 * rank * (rows + cols)
 
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         acc = _accumulate(flat, shape, state)
         form = self.matrix(shape)
         if form is None:
-            buf = new_payload(self.codec_id, self.param, 0, acc.numel(), 4 * acc.numel())
+            payload, buf = new_payload(self.codec_id, self.param, 0, acc.numel(), 4 * acc.numel())
             body(buf, 0, acc.numel(), torch.float32).copy_(acc)
             if state is not None:
                 state.residual = None
-            return _finish(buf)
+            return payload
         rows, cols, rank = form
         m = acc.view(rows, cols)
         qt = state.q if state is not None and state.q is not None and state.q.shape == (rank, cols) else None
@@ -439,14 +449,14 @@ class PowerSgdCodec(_FeedbackCodec):
         qt = p.T @ m
         if not _all_finite(qt):
             raise CodecError(f"{self.name} factors overflow float32; the input is too close to its range")
-        buf = new_payload(self.codec_id, self.param, 0, acc.numel(), 4 * rank * (rows + cols))
+        payload, buf = new_payload(self.codec_id, self.param, 0, acc.numel(), 4 * rank * (rows + cols))
         body(buf, 0, rows * rank, torch.float32).view(rows, rank).copy_(p)
         body(buf, 4 * rows * rank, rank * cols, torch.float32).view(rank, cols).copy_(qt)
         if state is not None:
             state.residual = m.addmm_(p, qt, alpha=-1).view(shape)
             # A zero row (m had lower rank) would stay zero forever; re-seed at the next step instead.
             state.q = qt if bool((qt.abs().amax(1) > 0).all()) else None
-        return _finish(buf)
+        return payload
 
     def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         form = self.matrix(shape)
