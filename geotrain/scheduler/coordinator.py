@@ -42,6 +42,9 @@ from geotrain.scheduler.state import RunStore, StepRecord
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, dict[str, Any]], None]
+# A re-plan keeps the current layers unless moving them is estimated this much faster: profiles measured at
+# different times differ by several percent, and a smaller margin moves layers back and forth on that noise.
+_REPLAN_TOLERANCE = 0.1
 StateFetcher = Callable[[str, int], dict[str, Any]]
 
 
@@ -470,7 +473,7 @@ class Coordinator:
                     microbatches=self.cfg.train.microbatches,
                     microbatch_size=self.cfg.train.microbatch_size,
                     inflight=self.cfg.train.inflight,
-                    config=PlannerConfig(stages=self.cfg.scheduler.stages or None),
+                    config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
                     previous=previous,
                 )
                 break
