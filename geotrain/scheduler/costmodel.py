@@ -345,6 +345,8 @@ class CostModel:
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
         self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._stage_memo: dict[tuple, tuple] = {}
+        self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
         self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
 
@@ -405,8 +407,10 @@ class CostModel:
     ) -> tuple[float, float]:
         """Seconds per raw bit (codec applied) and latency between disjoint node sets a and b, expected over
         routing weights wa and wb (each summing to 1)."""
-        ca, va = self._class_weights(a, wa)
-        cb, vb = self._class_weights(b, wb)
+        return self._class_link(*self._class_weights(a, wa), *self._class_weights(b, wb))
+
+    def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
+        """mean_link over link classes ca, cb with summed weights va, vb."""
         sub = np.ix_(ca, cb)
         return float(va @ self.class_seconds_per_bit[sub] @ vb), float(va @ self.class_lat[sub] @ vb)
 
@@ -453,30 +457,34 @@ class CostModel:
 
     # --- plan terms ------------------------------------------------------------------------------------
 
-    def _terms(self, stages: Stages) -> _Terms:
-        n_stages = len(stages)
-        occ = np.empty(n_stages)
-        lat = np.empty(n_stages)
-        allreduce = np.zeros(n_stages)
-        weights = []
-        idxs = []
-        for s, (start, end, nodes) in enumerate(stages):
+    def _stage_terms(self, start: int, end: int, nodes: Sequence[int]) -> tuple:
+        """c_s, h_s, g_s, the link classes of the replicas with their routing weights, and the replica count.
+        Memoised: local searches score many plans that differ in one or two stages."""
+        key = (start, end, tuple(nodes))
+        if key not in self._stage_memo:
             idx = np.asarray(nodes, dtype=np.int64)
             inv = 1.0 / self.node_seconds(idx, start, end)
-            occ[s] = 1.0 / inv.sum()
-            lat[s] = len(idx) * occ[s]
-            weights.append(inv * occ[s])
-            idxs.append(idx)
-            allreduce[s] = self.allreduce_seconds(idx, (self.param_prefix[end] - self.param_prefix[start]) * 8)
+            occ = 1.0 / inv.sum()
+            allreduce = self.allreduce_seconds(idx, (self.param_prefix[end] - self.param_prefix[start]) * 8)
+            self._stage_memo[key] = (occ, len(idx) * occ, allreduce, *self._class_weights(idx, inv * occ), len(idx))
+        return self._stage_memo[key]
+
+    def _terms(self, stages: Stages) -> _Terms:
+        n_stages = len(stages)
+        terms = [self._stage_terms(start, end, nodes) for start, end, nodes in stages]
+        occ = np.array([t[0] for t in terms])
+        lat = np.array([t[1] for t in terms])
+        allreduce = np.array([t[2] for t in terms])
         transfer = np.empty(max(n_stages - 1, 0))
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
-            seconds_per_bit, latency = self.mean_link(idxs[s], weights[s], idxs[s + 1], weights[s + 1])
+            (*_, ca, va, na), (*_, cb, vb, nb) = terms[s], terms[s + 1]
+            seconds_per_bit, latency = self._class_link(ca, va, cb, vb)
             serialise = self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
             transfer[s] = 2 * (serialise + latency)
-            link_occ[s] = serialise / min(len(idxs[s]), len(idxs[s + 1]))
+            link_occ[s] = serialise / min(na, nb)
         round_trip = lat.sum() + transfer.sum()
-        window = round_trip / (self.inflight * len(idxs[0])) if self.inflight else 0.0
+        window = round_trip / (self.inflight * terms[0][5]) if self.inflight else 0.0
         beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0, window)
         step = (self.microbatches - 1) * beta + round_trip + allreduce.max()
         return _Terms(
@@ -494,10 +502,13 @@ class CostModel:
         if not stages or stages[0][0] != 0 or stages[-1][1] != self.model.n_layers:
             return False
         for s, (start, end, nodes) in enumerate(stages):
-            if end <= start or not nodes or (s and stages[s - 1][1] != start):
+            if end <= start or not len(nodes) or (s and stages[s - 1][1] != start):
                 return False
-            need = self.stage_memory_bytes(start, end, len(stages))
-            if np.any(self.memory[np.asarray(nodes, dtype=np.int64)] < need):
+            key = (start, end, tuple(nodes), len(stages))
+            if key not in self._fits_memo:
+                need = self.stage_memory_bytes(start, end, len(stages))
+                self._fits_memo[key] = bool(np.all(self.memory[np.asarray(nodes, dtype=np.int64)] >= need))
+            if not self._fits_memo[key]:
                 return False
         return True
 
