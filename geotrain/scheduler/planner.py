@@ -110,6 +110,7 @@ class Planner:
         self._params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8  # [a, b]: bits of [a, b)
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
+        self._best_split = math.inf  # the DP's best step time over every group list split so far
         self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
         self.region_cost = self._region_costs()
         self.region_index = {r: k for k, r in enumerate(cm.regions)}
@@ -137,20 +138,22 @@ class Planner:
         ranked = sorted((c for c in scored if math.isfinite(scored[c])), key=lambda c: (scored[c], c))
         if not ranked:
             raise ValueError("no feasible plan: the nodes lack memory for every layer split tried")
-        starts = []
         for cand in ranked[: self.config.refine_candidates]:
-            # Replica counts re-dealt by load and resized by local search, each also a start of the local search.
-            others = {*self._redealt(cand), self._resized(cand)} - {cand}
+            refined = self._refine(cand)
+            scored.setdefault(refined, cm.step_seconds(refined))
+            # Replica counts re-dealt by load and resized by a local search; the best of them gets the local search
+            # too (it may start behind the candidate's refinement and end ahead).
+            others = {*self._redealt(cand), self._resized(cand)} - {cand, refined}
             for other in others:
                 scored.setdefault(other, cm.step_seconds(other))
-            starts += [(c, False) for c in [cand, *sorted(others, key=lambda c: (scored[c], c))[:1]]]
+            if others:
+                refined = self._refine(min(others, key=lambda c: (scored[c], c)))
+                scored.setdefault(refined, cm.step_seconds(refined))
         prev_ranges = self._previous_ranges(previous)
         adapted = self._adapt(prev_ranges) if prev_ranges else None
         if adapted is not None:
             scored.setdefault(adapted, cm.step_seconds(adapted))
-            starts.append((adapted, True))
-        for cand, nodes_first in starts:
-            refined = self._refine(cand, nodes_first=nodes_first)
+            refined = self._refine(adapted, nodes_first=True)
             scored.setdefault(refined, cm.step_seconds(refined))
         best_cost = min(scored[c] for c in scored)
         if prev_ranges:
@@ -346,14 +349,16 @@ class Planner:
             # The DP's own terms add up to the cost model's step time; score the winner alone with the cost model.
             if pace + fill + slowest_sync < best_cost:
                 best, best_cost = bounds, pace + fill + slowest_sync
-            # A lower cap cannot lower the pace, so once the pace alone reaches the best step, nothing beats it.
-            if pace >= best_cost or slowest_sync <= 0:
+            # A lower cap cannot lower the pace, so once the pace alone reaches the best step of these groups, or
+            # of any groups split so far, nothing lower beats it.
+            if pace >= min(best_cost, self._best_split) or slowest_sync <= 0:
                 break
             cap = slowest_sync * (1 - 1e-9)
         if best is None:
             return None
+        self._best_split = min(self._best_split, best_cost)
         return tuple(
-            (a, b, tuple(sorted(i for k, i in enumerate(g) if tables[s][3][k, a, b])))
+            (a, b, tuple(sorted(np.asarray(g, dtype=np.int64)[tables[s][3][:, a, b]].tolist())))
             for s, (g, a, b) in enumerate(zip(groups, best[:-1], best[1:]))
         )
 
@@ -495,7 +500,9 @@ class Planner:
         layer DP alone cannot trade a stage's replicas for a neighbour's, e.g. more parallel pairs on a slow link."""
         cm = self.cm
         best, best_cost = stages, cm.step_seconds(stages)
-        chunk = max(1, min(len(nodes) for _, _, nodes in stages) // 4)
+        # From a quarter of the smallest stage down to a sixteenth: single nodes matter only in small stages.
+        smallest = min(len(nodes) for _, _, nodes in stages)
+        chunk, finest = max(1, smallest // 4), max(1, smallest // 16)
         while True:
             improved = False
             for s, (src, dst) in itertools.product(range(len(best) - 1), ((0, 1), (1, 0))):
@@ -511,7 +518,7 @@ class Planner:
                 if cost < best_cost * (1 - 1e-9):
                     best, best_cost, improved = trial, cost, True
             if not improved:
-                if chunk == 1:
+                if chunk <= finest:
                     return best
                 chunk //= 2
 
