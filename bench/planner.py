@@ -20,6 +20,19 @@ Strategies, all scored by the same CostModel:
 Both simple strategies get every stage count from 1 to the layer count and keep the one the cost model likes best,
 and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
 
+Ceilings under this cost model (M = 16 x nodes, so the bound's step is 2.775 s at every size; V100: a block 6.70 ms,
+the head 12.65 ms per microbatch; 16-bit gradients: a block 0.806 Gbit, the head 1.647 Gbit; the fill is at least
+one node's whole-model time, 0.173 s; 0.8 of the bound needs T <= 3.469 s):
+- dtfm_datacenter, 256 and 1,024 nodes: a stage holding the head needs c <= 3.3 s / (M-1) <= 0.81 ms, so >= 16
+  replicas, more than an 8-GPU instance: its all-reduce crosses 3.125 Gbit/s, >= 2 (15/16) 1.647 / 3.125 = 0.99 s,
+  so T >= 2.77 + 0.17 + 0.99 and at most 0.70 of the bound. 64 nodes with every stage inside one instance: a stage
+  of k blocks faster than 3.35 ms per microbatch needs 2k+1 GPUs, so an instance holds at most 3 blocks and the
+  head's instance 2: 23 < 24 blocks, the pace is >= 1023 x 3.35 ms and the ratio at most 0.77.
+- dtfm_spot, every size: a standalone GPU alone in its stage puts 26.8 ms per microbatch on a single pair (33.6
+  Mbit at 1.25 Gbit/s), a pace of >= (M-1) x 26.8 ms; sharing a stage puts that stage's all-reduce on 1.25 Gbit/s,
+  >= 0.806 / 1.25 = 0.64 s; leaving all of them out forgoes half the compute. So at most 2.77 / (2.77 + 0.17 +
+  0.64) = 0.77 of the bound.
+
 Network figures of the DT-FM scenarios (datacenter, spot, two universities, regional, worldwide) are DT-FM's
 (Yuan et al., "Decentralized Training of Foundation Models in Heterogeneous Environments", NeurIPS 2022), copied
 into bench/scenarios/dtfm.json; they are run on V100-32G nodes, scaled to each size keeping the group shapes.
