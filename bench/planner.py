@@ -25,7 +25,7 @@ the head 12.65 ms per microbatch; 16-bit gradients: a block 0.806 Gbit, the head
 one node's whole-model time, 0.173 s; 0.8 of the bound needs T <= 3.469 s):
 - dtfm_datacenter, 256 and 1,024 nodes: a stage holding the head needs c <= 3.3 s / (M-1) <= 0.81 ms, so >= 16
   replicas, more than an 8-GPU instance: its all-reduce crosses 3.125 Gbit/s, >= 2 (15/16) 1.647 / 3.125 = 0.99 s,
-  so T >= 2.77 + 0.17 + 0.99 and at most 0.70 of the bound. 64 nodes with every stage inside one instance: a stage
+  so T >= 2.77 + 0.17 + 0.99 and at most 0.71 of the bound. 64 nodes with every stage inside one instance: a stage
   of k blocks faster than 3.35 ms per microbatch needs 2k+1 GPUs, so an instance holds at most 3 blocks and the
   head's instance 2: 23 < 24 blocks, the pace is >= 1023 x 3.35 ms and the ratio at most 0.77.
 - dtfm_spot, every size: a standalone GPU alone in its stage puts 26.8 ms per microbatch on a single pair (33.6
