@@ -7,7 +7,7 @@ import random
 import pytest
 
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
-from geotrain.scheduler.planner import PlannerConfig, plan
+from geotrain.scheduler.planner import Planner, PlannerConfig, plan
 
 MODEL = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=2)
 NET = Network(
@@ -86,6 +86,27 @@ def test_data_heads_window_is_planned_for():
     assert windowed.step_seconds == pytest.approx(cm.step_seconds(stages))
     assert windowed.step_seconds >= plan(**kwargs).step_seconds
     assert windowed.step_seconds <= brute_force(cm) * 1.05
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_layer_split_is_the_best_for_fixed_groups(seed):
+    # The step pays the pace and the slowest all-reduce; for given replica groups the DP's split must match every
+    # split tried by brute force (members without memory for their range drop out, as the planner drops them).
+    nodes = random_nodes(seed, 8)
+    cm = CostModel(nodes=nodes, model=MODEL, network=NET, microbatches=16, microbatch_size=2)
+    rng = random.Random(seed)
+    n_stages, order = rng.choice([2, 3, 4]), rng.sample(range(8), 8)
+    bounds = [0, *sorted(rng.sample(range(1, 8), n_stages - 1)), 8]
+    groups = [order[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, MODEL.n_layers), n_stages - 1):
+        layers = (0, *cuts, MODEL.n_layers)
+        stages = [(layers[s], layers[s + 1], [i for i in g if cm.memory[i] >= cm.stage_memory_bytes(
+            layers[s], layers[s + 1], n_stages)]) for s, g in enumerate(groups)]
+        if all(members for _, _, members in stages):
+            best = min(best, cm.step_seconds(stages))
+    split = Planner(cm, PlannerConfig())._split_layers(groups)
+    assert (cm.step_seconds(split) if split else math.inf) == pytest.approx(best)
 
 
 def test_too_small_node_is_excluded_with_reason():
