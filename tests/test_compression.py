@@ -269,6 +269,35 @@ def test_topk_sends_rounded_values_within_budget(x: torch.Tensor, spec: str) -> 
 @pytest.mark.timeout(60)
 @FAST
 @given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 50),
+    fraction=st.sampled_from([0.01, 0.1, 0.26, 0.5, 1.0]),
+    seed=st.integers(0, 2**31),
+    zeros=st.booleans(),
+)
+def test_topk_keeps_its_share_in_every_row(rows: int, cols: int, fraction: float, seed: int, zeros: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of very different norms: a budget over the whole tensor would go to the largest rows alone.
+    x = torch.randn(rows, cols, generator=g) * 10.0 ** torch.arange(rows).remainder(7).unsqueeze(1)
+    if zeros:
+        x[::3, ::2] = 0
+    codec = get_codec(f"topk:{fraction}")
+    assert isinstance(codec, TopKCodec)
+    y = _roundtrip(codec, x)
+    budget = codec.max_count(x.numel())
+    assert int((y != 0).sum()) <= budget
+    share = budget // rows
+    for row, sent in zip(x, y):
+        kept = sent != 0
+        assert int(kept.sum()) >= min(share, int((row != 0).sum()))
+        # Within a row, what is kept is a top set of that row.
+        if kept.any() and not kept.all():
+            assert float(row[kept].abs().min()) >= float(row[~kept].abs().max())
+
+
+@pytest.mark.timeout(60)
+@FAST
+@given(
     magnitude=st.lists(st.floats(0, 1e6, width=32), min_size=1, max_size=300).map(
         lambda v: np.array(v, dtype=np.float32)
     ),
@@ -439,6 +468,25 @@ def test_error_feedback_stays_bounded(spec: str, shape: tuple[int, ...], steps: 
     assert worst <= bound * (3 if heavy else 1)
     # What was sent plus what is still owed is exactly what came in: nothing is lost for good.
     assert (total - sent - state.residual.double()).norm() <= 1e-5 * total.norm()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("spec", ["topk:0.1", "powersgd:rank=2"])
+def test_state_without_error_feedback_sends_each_message_on_its_own(spec: str) -> None:
+    codec = get_codec(spec)
+    state = codec.new_state(error_feedback=False)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(30, 20, generator=g)
+        kept = x.clone()
+        alone = codec.decode(codec.encode(x, codec.new_state()), x.shape, x.dtype)
+        y = _roundtrip(codec, x, state)
+        assert state.residual is None
+        assert torch.equal(x, kept)  # the input is not used as scratch space
+        if spec.startswith("topk"):
+            assert torch.equal(y, alone)
+    if spec.startswith("powersgd"):
+        assert state.q is not None and state.q.shape == (2, 20)  # the warm start still carries over
 
 
 @pytest.mark.timeout(30)

@@ -82,8 +82,12 @@ class Header(NamedTuple):
 
 @dataclasses.dataclass
 class FeedbackState:
-    """Per-link error-feedback state; one per (link, direction), used by one thread at a time."""
+    """Per-link state of a stateful codec; one per (link, direction), used by one thread at a time."""
 
+    error_feedback: bool = True
+    """Keep the residual and add it to the next input. Right for a stream whose messages are summed (a parameter's
+    gradients: what one step did not send, a later one does); a bias for a stream of different samples' tensors
+    (activations and their gradients), where a residual lands on another sample."""
     residual: torch.Tensor | None = None
     """What earlier encodes did not send, float32 and shaped like the tensor; added to the next input."""
     q: torch.Tensor | None = None
@@ -194,8 +198,8 @@ class Codec(abc.ABC):
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
-    def new_state(self) -> FeedbackState | None:
-        """Fresh per-link error-feedback state, or None for stateless codecs."""
+    def new_state(self, error_feedback: bool = True) -> FeedbackState | None:
+        """Fresh per-link state (see FeedbackState.error_feedback), or None for stateless codecs."""
         return None
 
     def expected_ratio(self, shape: Sequence[int], dtype: torch.dtype) -> float:

@@ -32,7 +32,13 @@ word alone, which is the receiver's own expectation.
 
 Error feedback (topk, powersgd): the state keeps the residual, input + residual - decoded, and adds it to
 the next input of the same shape. A tensor of another shape than the residual starts afresh (the old
-residual is dropped), so one state must serve one stream of like tensors.
+residual is dropped), so one state must serve one stream of like tensors. A state made with
+error_feedback=False keeps no residual (each message is compressed on its own) but still carries powersgd's
+warm start, which only picks the subspace the next message is projected on and adds nothing of this one to it.
+
+topk keeps its budget per row, the last dimension (for activations, one token's features): each row its
+k // rows largest entries, the remainder of the budget the largest of the rest; one-dimensional tensors are
+one row. The payload does not depend on it.
 """
 
 from __future__ import annotations
@@ -89,10 +95,14 @@ def _row_chunks(rows: int, width: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _feeds_back(state: FeedbackState | None) -> bool:
+    return state is not None and state.error_feedback
+
+
 def _accumulate(flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> torch.Tensor:
-    """Input plus residual as float32, a tensor of its own whenever there is state; raises on non-finite."""
+    """Input plus residual as float32, a tensor of its own under error feedback; raises on non-finite."""
     x = flat.float()
-    if state is not None:
+    if _feeds_back(state):
         residual = state.residual
         x = x + residual.view(-1) if residual is not None and residual.shape == shape else x.clone()
     if not _all_finite(x):
@@ -299,14 +309,14 @@ class Int4Codec(_BlockQuantCodec):
 class _FeedbackCodec(Codec):
     """A codec that keeps error feedback per link."""
 
-    def new_state(self) -> FeedbackState:
-        """Fresh error-feedback state."""
-        return FeedbackState()
+    def new_state(self, error_feedback: bool = True) -> FeedbackState:
+        """Fresh per-link state, keeping the residual or not."""
+        return FeedbackState(error_feedback=error_feedback)
 
 
 @register
 class TopKCodec(_FeedbackCodec):
-    """Top-k sparsification with error feedback; the threshold is estimated from a random sample."""
+    """Top-k sparsification per row with error feedback; a large selection estimates its threshold from a sample."""
 
     codec_id = CodecId.TOPK
     base_name = "topk"
@@ -350,15 +360,45 @@ class TopKCodec(_FeedbackCodec):
         if n > _MAX_INDEXED:
             raise CodecError(f"topk indexes with int32; a tensor of {n} elements is too large")
         acc = _accumulate(flat, shape, state)
-        idx = torch.from_numpy(self._select(acc.abs().numpy(), self.max_count(n)))
+        magnitude = acc.abs().numpy()
+        if len(shape) > 1 and n:
+            magnitude = magnitude.reshape(-1, shape[-1])
+        idx = torch.from_numpy(self._select_rows(magnitude, self.max_count(n)))
         k = idx.numel()
         payload, buf = new_payload(self.codec_id, self.param, k, n, 6 * k)
         body(buf, 0, k, torch.int32).copy_(idx)
         values = body(buf, 4 * k, k, torch.float16)
         values.copy_(acc[idx].clamp_(-_F16_MAX, _F16_MAX))
-        if state is not None:
+        if _feeds_back(state):
             state.residual = acc.index_add_(0, idx, values.float(), alpha=-1).view(shape)
         return payload
+
+    @classmethod
+    def _select_rows(cls, magnitude: np.ndarray, k: int) -> np.ndarray:
+        """Increasing flat indices of at most k non-zero entries of `magnitude`, one row or rows x cols.
+
+        Every row keeps its k // rows largest; the rest of the budget goes to the largest of what is left, wherever
+        it is. A row of an activation is one token's features: a budget over the whole tensor would leave the
+        tokens of small norm with nothing, and bench/convergence.py trains better per row.
+        """
+        if magnitude.ndim == 1:
+            return cls._select(magnitude, k)
+        rows, cols = magnitude.shape
+        per_row, extra = divmod(k, rows)
+        flat = magnitude.reshape(-1)
+        if per_row == 0:
+            return cls._select(flat, k)
+        if per_row >= cols:
+            return np.flatnonzero(flat)
+        part = np.argpartition(magnitude, cols - per_row, axis=1)
+        part += np.arange(0, rows * cols, cols)[:, None]
+        idx = part[:, cols - per_row :].reshape(-1)
+        if extra:
+            rest = part[:, : cols - per_row].reshape(-1)
+            idx = np.concatenate([idx, rest[cls._select(flat[rest], extra)]])
+        idx.sort()
+        # Never send zeros: a row may have fewer non-zero entries than its share.
+        return idx[flat[idx] > 0]
 
     @staticmethod
     def _select(magnitude: np.ndarray, k: int) -> np.ndarray:
@@ -452,8 +492,9 @@ class PowerSgdCodec(_FeedbackCodec):
         payload, buf = new_payload(self.codec_id, self.param, 0, acc.numel(), 4 * rank * (rows + cols))
         body(buf, 0, rows * rank, torch.float32).view(rows, rank).copy_(p)
         body(buf, 4 * rows * rank, rank * cols, torch.float32).view(rank, cols).copy_(qt)
-        if state is not None:
+        if _feeds_back(state):
             state.residual = m.addmm_(p, qt, alpha=-1).view(shape)
+        if state is not None:
             # A zero row (m had lower rank) would stay zero forever; re-seed at the next step instead.
             state.q = qt if bool((qt.abs().amax(1) > 0).all()) else None
         return payload

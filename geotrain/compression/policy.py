@@ -9,10 +9,12 @@ Latency does not count against a codec: microbatches in flight overlap it, and n
 out of the measured call times (LinkEstimator) so that a long but fast link is not mistaken for a narrow one.
 
 The ladder, least lossy first, for activations and activation gradients alike: none, fp16, int8. Top-k is
-left out: its error feedback carries one microbatch's residual into the next microbatch's tensor, a bias every
-later stage (forward) or earlier stage (backward) builds on. bench/convergence.py measured topk:0.1 on both at
-+8.8% validation loss over none after 40 steps, int8 at -0.1% with 3.8x fewer bytes. Replica gradients take a
-fixed codec only (the config allows none: see CompressionSection).
+left out: keeping a tenth of each token's features costs too much. bench/convergence.py measured topk:0.1 on
+both at +6.6..6.9% validation loss over none after 40 steps, int8 at -0.1% with 3.8x fewer bytes. That is with
+no error feedback on these links (the data plane's choice: a residual would land on another microbatch's sample;
+with it on the activation gradients, +8.3%) and a top-k budget per token (+7.3% with one budget per tensor).
+Compressing either direction alone costs as much (+6.9%), so no other placement of top-k fits the ladder either.
+Replica gradients take a fixed codec only (the config allows none: see CompressionSection).
 """
 
 from __future__ import annotations
