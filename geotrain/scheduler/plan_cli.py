@@ -26,11 +26,13 @@ def run_plan(
     out: TextIO = sys.stdout,
     *,
     stages: int | None = None,
+    inflight: int | None = None,
     codec_ratio: float | CodecRatio = 1.0,
     err: TextIO = sys.stderr,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
-    vocab (and optionally bytes_per_value); returns 0, or 2 after printing the error for a bad cluster or model."""
+    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); returns 0, or 2
+    after printing the error for a bad cluster or model."""
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
         cluster = load_cluster(cluster_path, profile)
@@ -40,6 +42,7 @@ def run_plan(
             network=cluster.network,
             microbatches=microbatches,
             microbatch_size=microbatch_size,
+            inflight=inflight,
             codec_ratio=codec_ratio,
             config=PlannerConfig(stages=stages),
         )
