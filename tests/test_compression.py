@@ -636,7 +636,7 @@ def test_topk_rejects_bad_indices() -> None:
         return head + np.array(indices, dtype="<i4").tobytes() + vals.tobytes()
 
     assert codec.decode(payload([1, 4, 9]), (n,), torch.float32).tolist() == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
-    for indices in ([4, 1], [1, 1], [-1, 3], [3, 10], [0, 2**31 - 1], [0, 1, 2, 3, 4, 5]):
+    for indices in ([4, 1], [1, 1], [-1, 3], [3, 10], [0, 2**31 - 1], [0, 1, 2, 3, 4, 5], [2**24, -(2**31)]):
         with pytest.raises(CodecError):
             codec.decode(payload(indices), (n,), torch.float32)
     for value in (math.nan, math.inf):

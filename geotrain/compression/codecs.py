@@ -426,14 +426,15 @@ class TopKCodec(_FeedbackCodec):
 
     def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         k, n = header.count, header.numel
-        idx = np.frombuffer(view, "<i4", k, HEADER.size)
+        # In int64: differences of int32 indices wrap around (2**24 then -2**31 would pass as increasing).
+        idx = np.frombuffer(view, "<i4", k, HEADER.size).astype(np.int64)
         if k and (idx[0] < 0 or idx[-1] >= n or not bool((np.diff(idx) > 0).all())):
             raise CodecError(f"{self.name} payload indices must be strictly increasing and within [0, {n})")
         values = read_body(view, 4 * k, k, torch.float16).float()
         if not _all_finite(values):
             raise CodecError(f"{self.name} payload has non-finite values")
         out = torch.zeros(n, dtype=dtype)
-        out[torch.from_numpy(idx.astype(np.int64))] = values.to(dtype)
+        out[torch.from_numpy(idx)] = values.to(dtype)
         return out.view(shape)
 
 
