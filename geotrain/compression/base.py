@@ -24,6 +24,7 @@ import functools
 import math
 import struct
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
@@ -126,6 +127,16 @@ def body(buf: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torc
     """View `count` elements of `dtype` at byte `offset` past the header of a payload being built."""
     start = HEADER.size + offset
     return buf[start : start + count * dtype.itemsize].view(dtype)
+
+
+# torch warns (once per process) that a tensor over read-only bytes could write to them; peek_body's never does.
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, __name__)
+
+
+def peek_body(view: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `count` (> 0) elements of `dtype` at byte `offset` past the header, sharing the payload's
+    memory instead of copying it: only to be read, and not kept past the payload."""
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=HEADER.size + offset)
 
 
 def read_body(view: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:

@@ -60,6 +60,7 @@ from geotrain.compression.base import (
     Header,
     body,
     new_payload,
+    peek_body,
     read_body,
     register,
 )
@@ -254,8 +255,10 @@ class _BlockQuantCodec(Codec):
         if blocks and not (scales.amin() > 0 and scales.amax() < math.inf):
             raise CodecError(f"{self.name} payload has non-finite or non-positive block scales")
         out = torch.empty(n, dtype=torch.float32)
+        if not n:
+            return out.to(dtype).view(shape)
         main_bytes = self._packed(full * block)
-        packed = read_body(view, 4 * blocks, main_bytes + self._packed(tail), torch.uint8)
+        packed = peek_body(view, 4 * blocks, main_bytes + self._packed(tail), torch.uint8)
         if full:
             rows, main = out[: full * block].view(full, block), packed[:main_bytes].view(full, -1)
             for chunk in _row_chunks(full, block):
