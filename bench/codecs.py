@@ -6,7 +6,8 @@ feedback codecs carry their state across repetitions). memcpy_gbps is the physic
 tensor into a preallocated tensor of its size (dst.copy_(x)), which reads and writes every byte once and, unlike
 clone, neither allocates nor faults in fresh pages, so it does not swing with the allocator's behaviour; a tensor
 that fits in the caches is copied at cache speed. Everything runs with torch's threads set to the CPU count.
-Each time is the fastest of a few repetitions after a warm-up: on a shared machine other processes only ever add
+Each time is the fastest of a few repetitions after WARMUP_S of warm-up runs (one warm-up run measured the
+activation's copy at 28 GB/s where it settles at 45-65 GB/s). On a shared machine other processes only ever add
 time, and with torch's threads on every core one descheduled thread stalls a whole parallel pass, so a median
 measures the neighbours; the fastest run is the closest to what the code costs, for the reference and the codecs
 alike. Run: python bench/codecs.py [--codecs int8,none]
@@ -26,11 +27,15 @@ from geotrain.compression import get_codec
 
 SPECS = ["none", "fp16", "bf16", "int8", "int8:block=128", "int4", "topk:0.1", "topk:0.01", "powersgd:rank=4"]
 REPEATS = 7
+WARMUP_S = 0.2
 
 
 def _fastest_seconds(fn: Callable[[], object]) -> float:
-    """Fastest wall time of `fn` over REPEATS runs after one warm-up run."""
+    """Fastest wall time of `fn` over REPEATS runs, after running it for WARMUP_S (at least once)."""
+    warm_until = time.perf_counter() + WARMUP_S
     fn()
+    while time.perf_counter() < warm_until:
+        fn()
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
