@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from geotrain.compression import CodecError
+from geotrain.compression import CodecError, get_codec
 from geotrain.compression.policy import check_spec
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.probe import MAX_PROBE_BYTES
@@ -164,7 +164,10 @@ class CompressionSection:
     activation_grads: str = field(
         default="none", metadata={"doc": "codec for gradients sent backward, or auto (per link, from measurements)"}
     )
-    replica_grads: str = field(default="none", metadata={"doc": "codec for gradients replicas average: none only"})
+    replica_grads: str = field(
+        default="none",
+        metadata={"doc": "how replicas average gradients: none (exact) or powersgd[:rank=R] (low-rank factors)"},
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -174,12 +177,13 @@ class CompressionSection:
                 check_spec(f.name, getattr(self, f.name))
             except CodecError as e:
                 raise ConfigError(f"compression.{f.name}: {e}") from None
-        if self.replica_grads.strip() != "none":
-            # hivemind compresses the averaged deltas it sends back, so each replica would add a differently
-            # rounded delta to its own gradients and the replicas' parameters would drift apart.
+        if get_codec(self.replica_grads).base_name not in ("none", "powersgd"):
+            # A codec applied to the all-reduce's messages rounds each replica's result differently (hivemind
+            # compresses the averaged parts it sends back, not the sender's own), and the replicas' parameters
+            # would drift apart; PowerSGD instead averages factors exactly (node.averaging.LowRankAveraging).
             raise ConfigError(
-                f"compression.replica_grads must be 'none', got {self.replica_grads!r}: a lossy all-reduce "
-                "leaves stage replicas with different parameters"
+                f"compression.replica_grads must be 'none' or 'powersgd[:rank=R]', got {self.replica_grads!r}: "
+                "a lossy all-reduce leaves stage replicas with different parameters"
             )
 
 

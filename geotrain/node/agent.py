@@ -24,9 +24,10 @@ import grpc
 import torch
 
 from geotrain import __version__
-from geotrain.compression import Codec
+from geotrain.compression import Codec, PowerSgdCodec, get_codec
 from geotrain.compression.policy import CodecPolicy, StageTimer
 from geotrain.config import RunConfig, from_proto
+from geotrain.node.averaging import LowRankAveraging, group_id
 from geotrain.node.data import Corpus
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
 from geotrain.node.model import loss_fn
@@ -168,6 +169,7 @@ class Agent:
         self.throughput = RateMeter()
         self.compute = StageTimer()
         self._policies: dict[str, CodecPolicy] = {}  # traffic kind -> its codec policy, from the run config
+        self._low_rank: LowRankAveraging | None = None  # replicas average PowerSGD factors (replica_grads)
         self._orders: grpc.Future | None = None  # the open order stream, cancelled by stop()
         self._peer_regions: dict[str, str] = {}  # from plans and probe orders: what the link emulator shapes by
         self._must_register = threading.Event()
@@ -235,6 +237,8 @@ class Agent:
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
         self._policies = {kind: CodecPolicy(kind, getattr(self.cfg.compression, kind)) for kind in _TRAFFIC}
+        replica_codec = get_codec(self.cfg.compression.replica_grads)
+        self._low_rank = LowRankAveraging(replica_codec) if isinstance(replica_codec, PowerSgdCodec) else None
         self.run_id = reply.run_id
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
@@ -684,17 +688,24 @@ class Agent:
         count = runtime.mean_gradients(order.step)
         stage = plan.stages[self.stage_index]
         if len(stage.node_ids) > 1:
-            from geotrain.node.averaging import group_id
 
             if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
                 raise NodeError("replica averaging is not available on this node")
-            # float64 copies: hivemind reduces in float32 and returns deltas, and x64 + delta rounds back to the
-            # reducer's float32 average on every replica alike, so replicas stay bit-identical.
-            grads = [g.double() for g in runtime.gradients()]
-            gid = group_id(self.run_id, stage.index, order.step, plan.epoch)
-            self.averager.average(gid, list(stage.peer_ids), grads, weight=float(count))
-            for g, averaged in zip(runtime.gradients(), grads):
-                g.copy_(averaged)
+            averager = self.averager
+
+            def all_reduce(round_: int, tensors: list[torch.Tensor]) -> None:
+                gid = group_id(self.run_id, stage.index, order.step, plan.epoch, round_)
+                averager.average(gid, list(stage.peer_ids), tensors, weight=float(count))
+
+            if self._low_rank is not None:
+                self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
+            else:
+                # float64 copies: hivemind reduces in float32 and returns deltas, and x64 + delta rounds back to
+                # the reducer's float32 average on every replica alike, so replicas stay bit-identical.
+                grads = [g.double() for g in runtime.gradients()]
+                all_reduce(0, grads)
+                for g, averaged in zip(runtime.gradients(), grads):
+                    g.copy_(averaged)
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=runtime.grad_sq_norm(), plan_epoch=plan.epoch
         )
