@@ -10,7 +10,7 @@ import torch
 
 from geotrain.compression import get_codec
 from geotrain.config import ConfigError, load_config
-from geotrain.node.averaging import LowRankAveraging, orthonormal_columns
+from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
 from geotrain.node.local import train_local
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import local_cluster

@@ -27,9 +27,9 @@ from geotrain import __version__
 from geotrain.compression import Codec, PowerSgdCodec, get_codec
 from geotrain.compression.policy import CodecPolicy, StageTimer
 from geotrain.config import RunConfig, from_proto
-from geotrain.node.averaging import LowRankAveraging, group_id
 from geotrain.node.data import Corpus
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
+from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import loss_fn
 from geotrain.node.profiler import NodeProfiler, stretch
 from geotrain.node.routing import ReplicaRouter
@@ -688,6 +688,7 @@ class Agent:
         count = runtime.mean_gradients(order.step)
         stage = plan.stages[self.stage_index]
         if len(stage.node_ids) > 1:
+            from geotrain.node.averaging import group_id
 
             if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
                 raise NodeError("replica averaging is not available on this node")

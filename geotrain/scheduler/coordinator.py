@@ -481,9 +481,8 @@ class Coordinator:
                 timeout = self.cfg.scheduler.rejoin_timeout_s
                 log.warning("no plan from %d node(s): %s; waiting up to %.0fs for others", len(candidates), e, timeout)
                 ids = {m.node_id for m in candidates}
-                self._wait(
-                    lambda: {m.node_id for m in self._alive() if m.profile is not None} != ids, "a node to plan with", timeout
-                )
+                profiled = lambda: {m.node_id for m in self._alive() if m.profile is not None}  # noqa: E731
+                self._wait(lambda: profiled() != ids, "a node to plan with", timeout)
         for node_id, why in planned.excluded.items():
             if node_id not in self._excluded:
                 log.info("%s serves no stage: %s", node_id, why)
@@ -633,9 +632,10 @@ class Coordinator:
             if not holders:
                 reshaped.append(i)
                 continue
+            checksum = recorded.get(current.index(rng), "") if rng in current else ""
             for m in group:
                 if m not in holders:
-                    sources[m.node_id] = (holders[0].address, recorded.get(current.index(rng), "") if rng in current else "")
+                    sources[m.node_id] = (holders[0].address, checksum)
         if not reshaped:
             return sources
         manifest = self._snapshot()
