@@ -242,14 +242,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`join` flags of each local node from --regions and --slowdowns, given to the nodes in turn: regions let
-    [emulation] links shape the hops between local nodes, slowdowns make them as unequal as real machines."""
+    [emulation] links shape the hops between local nodes, slowdowns make them as unequal as real machines; and
+    --uplink, given to every node: one emulated uplink that all of a node's traffic shares, as a home or VM link."""
     flags: dict[str, list[str]] = {f"node-{i + 1}": [] for i in range(args.nodes)}
     for option, values in (("--region", args.regions), ("--slowdown", args.slowdowns)):
         listed = [v for v in (values or "").split(",") if v]
         for i, node_id in enumerate(flags):
             if listed:
                 flags[node_id] += [option, listed[i % len(listed)]]
+    if args.uplink:
+        mbps, _, ms = args.uplink.partition("/")
+        for node_flags in flags.values():
+            node_flags += ["--bandwidth-mbps", mbps, "--latency-ms", ms or "0"]
     return flags
+
+
+def _uplink(value: str) -> str:
+    """Check an --uplink value: Mbit/s, optionally /one-way ms, both positive numbers (the latency may be 0)."""
+    mbps, _, ms = value.partition("/")
+    try:
+        ok = float(mbps) > 0 and (not ms or float(ms) >= 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"--uplink takes MBPS or MBPS/MS, e.g. 20/50, got {value!r}")
+    return value
 
 
 def torch_threads() -> None:
@@ -380,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--slowdowns", metavar="1,3", help="give the local nodes these --slowdown factors in turn (unequal machines)"
+    )
+    p.add_argument(
+        "--uplink", metavar="MBPS[/MS]", type=_uplink,
+        help="give every local node an emulated uplink of this bandwidth (and one-way latency) for all its traffic",
     )
     p.add_argument(
         "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",

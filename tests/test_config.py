@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from geotrain.cli import _per_node_flags, build_parser
 from geotrain.config import ConfigError, RunConfig, build_config, from_proto, load_config, to_proto
 from tests.conftest import run_cli
 
@@ -76,3 +77,12 @@ def test_demo_refuses_more_stages_than_nodes():
     result = run_cli("demo", "--nodes", "2", "--stages", "3")
     assert result.returncode == 2
     assert "--stages 3 needs at least 3 nodes" in result.stderr
+
+
+def test_demo_node_flags_from_regions_and_uplink():
+    args = build_parser().parse_args(["demo", "--nodes", "3", "--regions", "eu,us", "--uplink", "20/50"])
+    flags = _per_node_flags(args)
+    assert flags["node-1"] == ["--region", "eu", "--bandwidth-mbps", "20", "--latency-ms", "50"]
+    assert flags["node-3"][:2] == ["--region", "eu"] and flags["node-2"][:2] == ["--region", "us"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--uplink", "fast"])
