@@ -470,9 +470,7 @@ class Coordinator:
                     nodes=nodes,
                     model=model,
                     network=network,
-                    microbatches=self.cfg.train.microbatches,
-                    microbatch_size=self.cfg.train.microbatch_size,
-                    inflight=self.cfg.train.inflight,
+                    **self._step_shape(),
                     config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
                     previous=previous,
                 )
@@ -532,16 +530,14 @@ class Coordinator:
             return None
         nodes, model, network = planner_inputs(members, self.cfg)
         index = {n.node_id: i for i, n in enumerate(nodes)}
-        cm = costmodel.CostModel(
-            nodes=nodes,
-            model=model,
-            network=network,
-            microbatches=self.cfg.train.microbatches,
-            microbatch_size=self.cfg.train.microbatch_size,
-            inflight=self.cfg.train.inflight,
-        )
+        cm = costmodel.CostModel(nodes=nodes, model=model, network=network, **self._step_shape())
         stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
         return cm.plan(stages, {}) if cm.feasible(stages) else None
+
+    def _step_shape(self) -> dict[str, int]:
+        """A step as the planner and the cost model see it: microbatches, their size, the data heads' window."""
+        train = self.cfg.train
+        return {"microbatches": train.microbatches, "microbatch_size": train.microbatch_size, "inflight": train.inflight}
 
     def _profiles_changed(self) -> bool:
         """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
