@@ -252,6 +252,9 @@ class StagePlan:
     """Busy seconds per step of the link to the next stage: M * o_s (0 for the last stage)."""
     allreduce_s: float
     """Seconds of the replicas' gradient averaging at the end of the step."""
+    hierarchical_allreduce: bool = False
+    """Replicas average inside each region first, then across regions shard by shard, then share the shards
+    inside each region again (set where the estimate says it beats one flat all-reduce)."""
     memory_bytes: int
     """Memory each replica needs."""
 
