@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
@@ -129,3 +130,43 @@ def test_network_overrides_caps_and_missing_pair():
         net.bandwidth_bps(a, c)
     with pytest.raises(ValueError):
         Link(bandwidth_bps=0, latency_s=0)
+
+
+def test_hierarchical_allreduce_by_hand():
+    # Two regions of two replicas each (plus a third region with one), 800 bits per 100 parameter bytes.
+    net = Network(
+        intra_region=Link(bandwidth_bps=8000, latency_s=0.01),
+        default_inter_region=Link(bandwidth_bps=800, latency_s=0.1),
+    )
+    nodes = [node("a1", [1, 1], region="a"), node("a2", [1, 1], region="a"),
+             node("b1", [1, 1], region="b"), node("b2", [1, 1], region="b")]
+    idx = np.arange(4)
+    bits = 1600.0
+    flat = 2 * 3 / 4 * bits / 800 + 2 * 0.1  # every replica sends 3/2 of the parameters over the slow link: 3.2 s
+    # In-region all-reduce 2 * 1/2 * 1600 / 8000 + 2 * 0.01 = 0.22 s, twice (average, then share the shards); the
+    # two shards of 800 bits cross in a pair each: 2 * 1/2 * 800 / 800 + 2 * 0.1 = 1.2 s.
+    hierarchical = 2 * 0.22 + 1.2
+    auto = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1)
+    assert auto.allreduce_seconds(idx, bits) == pytest.approx(hierarchical)
+    assert auto.hierarchical_allreduce(idx, bits)
+    assert auto.allreduce_seconds(idx, np.array([bits, 0.0])) == pytest.approx([hierarchical, 0.2])
+    plan = auto.plan([(0, 2, list(idx))], {})
+    assert plan.stages[0].hierarchical_allreduce and plan.stages[0].allreduce_s == pytest.approx(1.64)
+    forced_flat = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1, allreduce="flat")
+    assert forced_flat.allreduce_seconds(idx, bits) == pytest.approx(flat)
+    assert not forced_flat.hierarchical_allreduce(idx, bits)
+    # A region of one replica handles both shards: its link carries twice the share.
+    uneven = [*nodes[:3], node("c1", [1, 1], region="c")]
+    cm = CostModel(nodes=uneven, model=TINY, network=net, microbatches=4, microbatch_size=1)
+    across = 2 * 2 / 3 * 1600 / 800 + 2 * 0.1
+    assert cm.allreduce_seconds(idx, bits) == pytest.approx(min(2 * 0.22 + across, flat))
+    # Tiny tensors: the extra rounds' latency makes the flat all-reduce cheaper, and auto keeps it.
+    assert auto.allreduce_seconds(idx, 8.0) == pytest.approx(2 * 3 / 4 * 8 / 800 + 0.2)
+    assert not auto.hierarchical_allreduce(idx, 8.0)
+    # One region, or one replica per region: nothing to do hierarchically, even when asked.
+    forced = CostModel(nodes=uneven, model=TINY, network=net, microbatches=4, microbatch_size=1,
+                       allreduce="hierarchical")
+    assert forced.allreduce_seconds(np.array([0, 2, 3]), bits) == pytest.approx(2 * 2 / 3 * bits / 800 + 0.2)
+    assert forced.allreduce_seconds(idx, 8.0) > auto.allreduce_seconds(idx, 8.0)
+    with pytest.raises(ValueError, match="allreduce"):
+        CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1, allreduce="ring")

@@ -17,7 +17,14 @@ For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, c
                                                                 latency does not occupy a link (microbatches in
                                                                 flight overlap it), it counts once in the fill
 For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n = |R_s| >= 2):
-    g_s = 2 (n-1)/n * P_s / min_{i!=j} bw_ij + 2 * max_{i!=j} lat_ij      P_s = parameter bytes of the stage
+    flat(G, P) = 2 (n-1)/n * P / min_{i!=j in G} bw_ij + 2 * max_{i!=j in G} lat_ij     n = |G|
+    g_s = flat(R_s, P_s)                                        P_s = parameter bytes of the stage
+  or, hierarchically, where the replicas sit in m >= 2 regions with k_r of them in region r and some k_r >= 2
+  (node.averaging: average inside each region, all-reduce L = max k_r shards across regions, each by one replica
+  per region, then share the shards inside each region again):
+    h_s = 2 max_r flat(R_s in r, P_s) + max_r ceil(L/k_r)/L * 2 (m-1)/m * P_s / min bw_x + 2 max lat_x
+  where bw_x and lat_x range over pairs of replicas in different regions; g_s = min(flat, h_s) with
+  allreduce="auto", either one alone with "flat" or "hierarchical".
 The data heads' window (train.inflight = W; None: unbounded): each replica of stage 0 keeps at most W microbatches
 in flight and launches the next only when one has come back, so by Little's law
     w = (sum_s h_s + sum_s x_s) / (W * |R_0|)                   one microbatch's round trip over all windows
@@ -42,6 +49,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
+"""How replicas average (scheduler.allreduce): the faster estimate per stage, or one way wherever it applies."""
 
 FP32_BYTES = 4
 ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, kept in fp32 whatever the training dtype
@@ -317,9 +327,12 @@ class CostModel:
         microbatch_size: int,
         codec_ratio: float | CodecRatio = 1.0,
         inflight: int | None = None,
+        allreduce: str = "auto",
     ) -> None:
         if microbatches <= 0 or microbatch_size <= 0:
             raise ValueError("microbatches and microbatch_size must be > 0")
+        if allreduce not in ALLREDUCE_MODES:
+            raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {allreduce!r}")
         if inflight is not None and inflight <= 0:
             raise ValueError(f"inflight must be > 0 or None, got {inflight}")
         ids = [n.node_id for n in nodes]
@@ -337,6 +350,7 @@ class CostModel:
         self.microbatch_size = microbatch_size
         self.codec = CodecRatio.of(codec_ratio)
         self.inflight = inflight
+        self.allreduce = allreduce
         self.index = {nid: i for i, nid in enumerate(ids)}
         n_layers = model.n_layers
         self.prefix_seconds = np.zeros((len(nodes), n_layers + 1))
@@ -347,7 +361,7 @@ class CostModel:
         self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
-        self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._allreduce_terms: dict[tuple[int, ...], tuple] = {}
         self._stage_memo: dict[tuple, tuple] = {}
         self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
@@ -363,8 +377,8 @@ class CostModel:
         r_of = np.array([pos[n.region] for n in self.nodes], dtype=np.int64)
         # Region matrices filled from the few listed pairs: standalone machines make hundreds of regions.
         default = self.network.default_inter_region
-        r_bw = np.full((len(regions), len(regions)), default.bandwidth_bps if default else math.nan)
-        r_lat = np.full_like(r_bw, default.latency_s if default else math.nan)
+        r_bw = np.full((len(regions), len(regions)), float(default.bandwidth_bps) if default else math.nan)
+        r_lat = np.full_like(r_bw, float(default.latency_s) if default else math.nan)
         for (ra, rb), link in self.network.inter_region.items():
             if ra in pos and rb in pos:
                 r_bw[pos[ra], pos[rb]] = r_bw[pos[rb], pos[ra]] = link.bandwidth_bps
@@ -388,6 +402,7 @@ class CostModel:
         self.n_link_classes = len(first)
         reps = np.array([keys.index(k) for k in first], dtype=np.int64)
         rc = r_of[reps]
+        self.class_region = rc
         bw = np.minimum(r_bw[np.ix_(rc, rc)], np.minimum.outer(caps[reps], caps[reps]))
         lat = r_lat[np.ix_(rc, rc)]
         for (i, j), link in overrides.items():
@@ -417,24 +432,66 @@ class CostModel:
         sub = np.ix_(ca, cb)
         return float(va @ self.class_seconds_per_bit[sub] @ vb), float(va @ self.class_lat[sub] @ vb)
 
-    def allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray | float) -> np.ndarray | float:
-        """Butterfly all-reduce of params_bits (a number or an array of sizes) among the replicas idx: every
-        replica sends and receives 2 (n-1)/n of the parameters over the group's slowest link, in two rounds
-        that each wait for the group's longest latency."""
-        n = len(idx)
-        if n < 2:
-            return 0.0
+    def _links_within(self, idx: np.ndarray) -> tuple[float, float]:
+        """Slowest bandwidth and longest latency between two different nodes of idx (at least two)."""
+        classes, counts = self._class_weights(idx, np.ones(len(idx)))
+        sub = np.ix_(classes, classes)
+        bw, lat = self.class_bw[sub], self.class_lat[sub]
+        # Two different nodes of one class meet over the class's own link only when the class has two of them.
+        alone = np.flatnonzero(counts < 2)
+        bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
+        return float(bw.min()), float(lat.max())
+
+    def _group_terms(self, idx: np.ndarray) -> tuple:
+        """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
+        (seconds per bit, seconds): a list of them per region for the in-region rounds, one for the shards."""
         key = tuple(idx.tolist())
-        if key not in self._group_links:  # planners score the same replica group many times
-            classes, counts = self._class_weights(idx, np.ones(n))
-            sub = np.ix_(classes, classes)
-            bw, lat = self.class_bw[sub], self.class_lat[sub]
-            # Two different nodes of one class meet over the class's own link only when the class has two of them.
-            alone = np.flatnonzero(counts < 2)
-            bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
-            self._group_links[key] = (float(bw.min()), float(lat.max()))
-        slowest, longest = self._group_links[key]
-        return 2 * (n - 1) / n * params_bits / slowest + 2 * longest
+        if key not in self._allreduce_terms:  # planners score the same replica group many times
+            n = len(idx)
+            slowest, longest = self._links_within(idx)
+            flat = (2 * (n - 1) / n / slowest, 2 * longest)
+            regions, k = np.unique(self.region_of[idx], return_counts=True)
+            hierarchical = None
+            if len(regions) > 1 and k.max() > 1:
+                inside = [
+                    (2 * (len(g) - 1) / len(g) / bw, 2 * lat)
+                    for g in (idx[self.region_of[idx] == r] for r in regions[k > 1])
+                    for bw, lat in [self._links_within(g)]
+                ]
+                classes = np.unique(self.link_class[idx])
+                across = self.class_region[classes][:, None] != self.class_region[classes][None, :]
+                sub = np.ix_(classes, classes)
+                m, shards = len(regions), int(k.max())
+                share = max(math.ceil(shards / kr) for kr in k) / shards
+                hierarchical = (
+                    inside,
+                    (share * 2 * (m - 1) / m / self.class_bw[sub][across].min(), 2 * self.class_lat[sub][across].max()),
+                )
+            self._allreduce_terms[key] = (flat, hierarchical)
+        return self._allreduce_terms[key]
+
+    def _allreduce_both(self, idx: np.ndarray, params_bits: np.ndarray | float) -> tuple:
+        """Seconds of the flat and of the hierarchical all-reduce (inf where it does not apply or is not allowed)."""
+        if len(idx) < 2:
+            return 0.0, math.inf
+        (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)
+        if hierarchical is None or self.allreduce == "flat":
+            return flat_per_bit * params_bits + flat_s, math.inf
+        flat = flat_per_bit * params_bits + flat_s if self.allreduce == "auto" else math.inf
+        inside, (shard_per_bit, shard_s) = hierarchical
+        region_rounds = np.max([per_bit * np.asarray(params_bits) + s for per_bit, s in inside], axis=0)
+        return flat, 2 * region_rounds + shard_per_bit * params_bits + shard_s
+
+    def allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray | float) -> np.ndarray | float:
+        """All-reduce of params_bits (a number or an array of sizes) among the replicas idx, the faster of the flat
+        butterfly and the hierarchical one where both are allowed (see the module docstring)."""
+        flat, hierarchical = self._allreduce_both(idx, params_bits)
+        return np.minimum(flat, hierarchical) if isinstance(params_bits, np.ndarray) else min(flat, hierarchical)
+
+    def hierarchical_allreduce(self, idx: np.ndarray, params_bits: float) -> bool:
+        """Whether the replicas idx average params_bits hierarchically (region by region) in this model."""
+        flat, hierarchical = self._allreduce_both(idx, params_bits)
+        return bool(hierarchical < flat)
 
     # --- per-node and per-range quantities -------------------------------------------------------------
 
@@ -537,6 +594,9 @@ class CostModel:
                     compute_s=float(m * t.occupancy[s]),
                     transfer_s=float(m * t.link_occupancy[s]) if s < len(stages) - 1 else 0.0,
                     allreduce_s=float(t.allreduce[s]),
+                    hierarchical_allreduce=self.hierarchical_allreduce(
+                        np.asarray(nodes, dtype=np.int64), (self.param_prefix[end] - self.param_prefix[start]) * 8
+                    ),
                     memory_bytes=int(self.stage_memory_bytes(start, end, len(stages))),
                 )
             )

@@ -78,11 +78,13 @@ def plan(
     microbatch_size: int,
     codec_ratio: float | CodecRatio = 1.0,
     inflight: int | None = None,
+    allreduce: str = "auto",
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
 ) -> Plan:
     """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it);
-    inflight is the data heads' window (train.inflight), None for unbounded."""
+    inflight is the data heads' window (train.inflight), None for unbounded; allreduce how replicas average
+    (scheduler.allreduce)."""
     cm = CostModel(
         nodes=nodes,
         model=model,
@@ -91,6 +93,7 @@ def plan(
         microbatch_size=microbatch_size,
         codec_ratio=codec_ratio,
         inflight=inflight,
+        allreduce=allreduce,
     )
     return Planner(cm, config or PlannerConfig()).plan(previous)
 
