@@ -40,6 +40,7 @@ into bench/scenarios/dtfm.json; they are run on V100-32G nodes, scaled to each s
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
@@ -207,13 +208,17 @@ def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
     return best
 
 
-def run() -> None:
-    """Run every scenario, size and strategy; one JSON line each."""
+def run(replica_rank: int | None) -> None:
+    """Run every scenario, size and strategy; one JSON line each. replica_rank: replicas average PowerSGD factors of
+    that rank (compression.replica_grads = "powersgd:rank=R"), None: raw gradients."""
+    replica_grads = "none" if replica_rank is None else f"powersgd:rank={replica_rank}"
     for name, (build, multi_region) in SCENARIOS.items():
         for n in SIZES:
             model = ModelProfile.gpt(**MODEL)
             nodes, network = build(n, model)
-            common = dict(model=model, network=network, microbatches=MICROBATCHES_PER_NODE * n)
+            common = dict(
+                model=model, network=network, microbatches=MICROBATCHES_PER_NODE * n, replica_rank=replica_rank
+            )
             cm = CostModel(nodes=nodes, microbatch_size=MODEL["microbatch_size"], **common)
             bound = cm.compute_bound(cm.usable)
             samples_per_step = cm.microbatches * cm.microbatch_size
@@ -234,6 +239,7 @@ def run() -> None:
                     samples_per_s=round(samples_per_s, 3),
                     ratio_to_bound=round(samples_per_s / bound, 4),
                     plan_seconds=round(seconds, 3),
+                    replica_grads=replica_grads,
                 )
                 sys.stdout.write(json.dumps(line) + "\n")
                 sys.stdout.flush()
@@ -241,4 +247,16 @@ def run() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    run()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--replica-rank", type=int, default=None, help="replicas average PowerSGD factors of this rank (default: raw)"
+    )
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenario names")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated node counts")
+    args = parser.parse_args()
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    SCENARIOS = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
+    SIZES = tuple(int(x) for x in args.sizes.split(","))
+    run(args.replica_rank)

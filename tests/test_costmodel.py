@@ -114,6 +114,7 @@ def test_gpt_profile_shape_and_size():
     assert m.n_layers == 26
     assert 1.3e9 < sum(m.layer_param_bytes) / 4 < 1.5e9
     assert m.boundary_bytes[0] == 1024 * 2048 * 4 and m.boundary_bytes[-1] == 0
+    assert [4 * sum(math.prod(shape) for shape in layer) for layer in m.layer_param_shapes] == m.layer_param_bytes
 
 
 def test_network_overrides_caps_and_missing_pair():
@@ -133,40 +134,66 @@ def test_network_overrides_caps_and_missing_pair():
 
 
 def test_hierarchical_allreduce_by_hand():
-    # Two regions of two replicas each (plus a third region with one), 800 bits per 100 parameter bytes.
+    # Two regions of two replicas each; layer 0 holds 1600 bits of parameters, layer 1 8 bits.
     net = Network(
         intra_region=Link(bandwidth_bps=8000, latency_s=0.01),
         default_inter_region=Link(bandwidth_bps=800, latency_s=0.1),
     )
+    uneven_layers = ModelProfile(
+        layer_param_bytes=[200, 1], boundary_bytes=[10, 0], layer_activation_bytes=[1, 1], layer_flops=[1.0, 1.0]
+    )
     nodes = [node("a1", [1, 1], region="a"), node("a2", [1, 1], region="a"),
              node("b1", [1, 1], region="b"), node("b2", [1, 1], region="b")]
+
+    def cost_model(members, **kwargs):
+        return CostModel(nodes=members, model=uneven_layers, network=net, microbatches=4, microbatch_size=1, **kwargs)
+
     idx = np.arange(4)
-    bits = 1600.0
-    flat = 2 * 3 / 4 * bits / 800 + 2 * 0.1  # every replica sends 3/2 of the parameters over the slow link: 3.2 s
+    flat = 2 * 3 / 4 * 1600 / 800 + 2 * 0.1  # every replica sends 3/2 of the parameters over the slow link: 3.2 s
     # In-region all-reduce 2 * 1/2 * 1600 / 8000 + 2 * 0.01 = 0.22 s, twice (average, then share the shards); the
     # two shards of 800 bits cross in a pair each: 2 * 1/2 * 800 / 800 + 2 * 0.1 = 1.2 s.
     hierarchical = 2 * 0.22 + 1.2
-    auto = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1)
-    assert auto.allreduce_seconds(idx, bits) == pytest.approx(hierarchical)
-    assert auto.hierarchical_allreduce(idx, bits)
-    assert auto.allreduce_seconds(idx, np.array([bits, 0.0])) == pytest.approx([hierarchical, 0.2])
-    plan = auto.plan([(0, 2, list(idx))], {})
+    auto = cost_model(nodes)
+    assert auto.sync_seconds(idx, 0, 1) == pytest.approx(hierarchical)
+    assert auto.hierarchical_allreduce(idx, 0, 1)
+    plan = auto.plan([(0, 1, list(idx)), (1, 2, [0])], {})
     assert plan.stages[0].hierarchical_allreduce and plan.stages[0].allreduce_s == pytest.approx(1.64)
-    forced_flat = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1, allreduce="flat")
-    assert forced_flat.allreduce_seconds(idx, bits) == pytest.approx(flat)
-    assert not forced_flat.hierarchical_allreduce(idx, bits)
+    forced_flat = cost_model(nodes, allreduce="flat")
+    assert forced_flat.sync_seconds(idx, 0, 1) == pytest.approx(flat)
+    assert not forced_flat.hierarchical_allreduce(idx, 0, 1)
     # A region of one replica handles both shards: its link carries twice the share.
     uneven = [*nodes[:3], node("c1", [1, 1], region="c")]
-    cm = CostModel(nodes=uneven, model=TINY, network=net, microbatches=4, microbatch_size=1)
     across = 2 * 2 / 3 * 1600 / 800 + 2 * 0.1
-    assert cm.allreduce_seconds(idx, bits) == pytest.approx(min(2 * 0.22 + across, flat))
-    # Tiny tensors: the extra rounds' latency makes the flat all-reduce cheaper, and auto keeps it.
-    assert auto.allreduce_seconds(idx, 8.0) == pytest.approx(2 * 3 / 4 * 8 / 800 + 0.2)
-    assert not auto.hierarchical_allreduce(idx, 8.0)
+    assert cost_model(uneven).sync_seconds(idx, 0, 1) == pytest.approx(min(2 * 0.22 + across, flat))
+    # 8 bits: the extra rounds' latency makes the flat all-reduce cheaper, and auto keeps it; arrays of ranges too.
+    small = 2 * 3 / 4 * 8 / 800 + 0.2
+    assert auto.sync_seconds(idx, np.array([0, 1]), np.array([1, 2])) == pytest.approx([hierarchical, small])
+    assert not auto.hierarchical_allreduce(idx, 1, 2)
     # One region, or one replica per region: nothing to do hierarchically, even when asked.
-    forced = CostModel(nodes=uneven, model=TINY, network=net, microbatches=4, microbatch_size=1,
-                       allreduce="hierarchical")
-    assert forced.allreduce_seconds(np.array([0, 2, 3]), bits) == pytest.approx(2 * 2 / 3 * bits / 800 + 0.2)
-    assert forced.allreduce_seconds(idx, 8.0) > auto.allreduce_seconds(idx, 8.0)
+    forced = cost_model(uneven, allreduce="hierarchical")
+    assert forced.sync_seconds(np.array([0, 2, 3]), 0, 1) == pytest.approx(2 * 2 / 3 * 1600 / 800 + 0.2)
+    assert forced.sync_seconds(idx, 1, 2) > auto.sync_seconds(idx, 1, 2)
     with pytest.raises(ValueError, match="allreduce"):
-        CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1, allreduce="ring")
+        cost_model(nodes, allreduce="ring")
+
+
+def test_low_rank_replica_averaging_pays_two_rounds_of_factors():
+    shaped = ModelProfile(
+        layer_param_bytes=[4 * (64 * 32 + 32), 4 * 8],
+        boundary_bytes=[10, 0],
+        layer_activation_bytes=[1, 1],
+        layer_flops=[1.0, 1.0],
+        layer_param_shapes=[[(64, 32), (32,)], [(2, 4)]],
+    )
+    assert shaped.replica_sync_bytes(None) == [shaped.layer_param_bytes]
+    # Rank 2: the 64 x 32 matrix sends 2 x 64 values, then 2 x 32; the bias and the 2 x 4 matrix (2 x 6 >= 8) go raw.
+    assert shaped.replica_sync_bytes(2) == [[4 * (128 + 32), 4 * 8], [4 * 64, 0]]
+    nodes = [node("a", [1, 1]), node("b", [1, 1])]
+    cm = CostModel(nodes=nodes, model=shaped, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=2)
+    # Two all-reduces between two replicas: each 2 * 1/2 * bits / 8000 + 2 * 0.5.
+    both = (4 * (128 + 32 + 8) * 8 + 4 * 64 * 8) / 8000 + 2 * 2 * 0.5
+    assert cm.sync_seconds(np.arange(2), 0, 2) == pytest.approx(both)
+    with pytest.raises(ValueError, match="parameter shapes"):
+        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=2)
+    with pytest.raises(ValueError, match="replica_rank"):
+        CostModel(nodes=nodes, model=shaped, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=0)

@@ -95,6 +95,8 @@ class ModelProfile:
     """Forward + backward FLOPs of layer i per microbatch."""
     bytes_per_value: int = 4
     """Bytes per value of parameters, gradients and activations (4: fp32, 2: fp16/bf16)."""
+    layer_param_shapes: list[list[tuple[int, ...]]] | None = None
+    """Shapes of each layer's parameter tensors, where known: low-rank replica averaging needs them."""
 
     def __post_init__(self) -> None:
         n = len(self.layer_param_bytes)
@@ -110,6 +112,31 @@ class ModelProfile:
             raise ValueError("layer_param_bytes must be >= 0")
         if self.bytes_per_value not in (2, 4):
             raise ValueError(f"bytes_per_value must be 2 or 4, got {self.bytes_per_value}")
+        if self.layer_param_shapes is not None and len(self.layer_param_shapes) != n:
+            raise ValueError(f"layer_param_shapes has {len(self.layer_param_shapes)} entries, the model has {n} layers")
+
+    def replica_sync_bytes(self, rank: int | None) -> list[list[int]]:
+        """Bytes each layer puts into each all-reduce round when replicas average: one round of the raw gradients
+        (rank None), or PowerSGD's two (node.lowrank): the left factors with the tensors too small to gain from a
+        low-rank form, then the right factors. A tensor is a rows x (the rest) matrix and goes low-rank when
+        rank x (rows + cols) < rows x cols (compression.PowerSgdCodec's rule); factors travel as fp32."""
+        if rank is None:
+            return [list(self.layer_param_bytes)]
+        if self.layer_param_shapes is None:
+            raise ValueError("low-rank replica averaging needs the model's parameter shapes")
+        rounds: list[list[int]] = [[], []]
+        for shapes in self.layer_param_shapes:
+            left = right = 0
+            for shape in shapes:
+                rows, cols = shape[0], math.prod(shape[1:])
+                r = min(rank, rows, cols)
+                if r * (rows + cols) < rows * cols:
+                    left, right = left + r * rows * FP32_BYTES, right + r * cols * FP32_BYTES
+                else:
+                    left += rows * cols * self.bytes_per_value
+            rounds[0].append(left)
+            rounds[1].append(right)
+        return rounds
 
     @property
     def n_layers(self) -> int:
@@ -152,6 +179,9 @@ class ModelProfile:
             layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * bpv],
             layer_flops=[3.0 * b * s * d] + [block_flops] * n_layers + [3.0 * 2 * b * s * d * v],
             bytes_per_value=bpv,
+            layer_param_shapes=[[(v, d), (s, d)]]
+            + [[(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)] + [(d,)] * 4] * n_layers
+            + [[(v, d), (d,), (d,)]],
         )
 
 
@@ -328,9 +358,12 @@ class CostModel:
         codec_ratio: float | CodecRatio = 1.0,
         inflight: int | None = None,
         allreduce: str = "auto",
+        replica_rank: int | None = None,
     ) -> None:
         if microbatches <= 0 or microbatch_size <= 0:
             raise ValueError("microbatches and microbatch_size must be > 0")
+        if replica_rank is not None and replica_rank <= 0:
+            raise ValueError(f"replica_rank must be > 0 or None, got {replica_rank}")
         if allreduce not in ALLREDUCE_MODES:
             raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {allreduce!r}")
         if inflight is not None and inflight <= 0:
@@ -358,6 +391,11 @@ class CostModel:
             self.prefix_seconds[:, 1:] = np.cumsum([n.layer_seconds for n in nodes], axis=1)
         self.memory = np.array([n.memory_bytes for n in nodes], dtype=np.float64)
         self.param_prefix = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes, dtype=np.float64)])
+        # Bits of each all-reduce round of replica averaging, summed over layers: [round][b] = bits of layers [0, b).
+        self.sync_prefix = [
+            np.concatenate([[0.0], np.cumsum(round_, dtype=np.float64) * 8])
+            for round_ in model.replica_sync_bytes(replica_rank)
+        ]
         self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
@@ -470,27 +508,34 @@ class CostModel:
             self._allreduce_terms[key] = (flat, hierarchical)
         return self._allreduce_terms[key]
 
-    def _allreduce_both(self, idx: np.ndarray, params_bits: np.ndarray | float) -> tuple:
-        """Seconds of the flat and of the hierarchical all-reduce (inf where it does not apply or is not allowed)."""
-        if len(idx) < 2:
-            return 0.0, math.inf
+    def _allreduce_both(self, idx: np.ndarray, bits: np.ndarray | float) -> tuple:
+        """Seconds of one flat and one hierarchical all-reduce of bits (a number or an array of sizes) among the
+        replicas idx; inf where that way does not apply or is not allowed."""
         (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)
         if hierarchical is None or self.allreduce == "flat":
-            return flat_per_bit * params_bits + flat_s, math.inf
-        flat = flat_per_bit * params_bits + flat_s if self.allreduce == "auto" else math.inf
+            return flat_per_bit * bits + flat_s, math.inf
+        flat = flat_per_bit * bits + flat_s if self.allreduce == "auto" else math.inf
         inside, (shard_per_bit, shard_s) = hierarchical
-        region_rounds = np.max([per_bit * np.asarray(params_bits) + s for per_bit, s in inside], axis=0)
-        return flat, 2 * region_rounds + shard_per_bit * params_bits + shard_s
+        region_rounds = np.max([per_bit * np.asarray(bits) + s for per_bit, s in inside], axis=0)
+        return flat, 2 * region_rounds + shard_per_bit * bits + shard_s
 
-    def allreduce_seconds(self, idx: np.ndarray, params_bits: np.ndarray | float) -> np.ndarray | float:
-        """All-reduce of params_bits (a number or an array of sizes) among the replicas idx, the faster of the flat
-        butterfly and the hierarchical one where both are allowed (see the module docstring)."""
-        flat, hierarchical = self._allreduce_both(idx, params_bits)
-        return np.minimum(flat, hierarchical) if isinstance(params_bits, np.ndarray) else min(flat, hierarchical)
+    def _sync_both(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> tuple:
+        """Seconds of the replicas idx averaging the gradients of layers [start, end) (numbers or arrays), every
+        round flat and every round hierarchical: a stage averages one way throughout."""
+        if len(idx) < 2:
+            return 0.0, math.inf
+        both = [self._allreduce_both(idx, p[end] - p[start]) for p in self.sync_prefix]
+        return sum(flat for flat, _ in both), sum(hierarchical for _, hierarchical in both)
 
-    def hierarchical_allreduce(self, idx: np.ndarray, params_bits: float) -> bool:
-        """Whether the replicas idx average params_bits hierarchically (region by region) in this model."""
-        flat, hierarchical = self._allreduce_both(idx, params_bits)
+    def sync_seconds(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
+        """Replica averaging of layers [start, end) (numbers or arrays of bounds) among the replicas idx, the
+        faster of the flat and the hierarchical way where both are allowed (see the module docstring)."""
+        flat, hierarchical = self._sync_both(idx, start, end)
+        return np.minimum(flat, hierarchical) if isinstance(flat, np.ndarray) else min(flat, hierarchical)
+
+    def hierarchical_allreduce(self, idx: np.ndarray, start: int, end: int) -> bool:
+        """Whether the replicas idx average layers [start, end) hierarchically (region by region)."""
+        flat, hierarchical = self._sync_both(idx, start, end)
         return bool(hierarchical < flat)
 
     # --- per-node and per-range quantities -------------------------------------------------------------
@@ -525,7 +570,7 @@ class CostModel:
             idx = np.asarray(nodes, dtype=np.int64)
             inv = 1.0 / self.node_seconds(idx, start, end)
             occ = 1.0 / inv.sum()
-            allreduce = self.allreduce_seconds(idx, (self.param_prefix[end] - self.param_prefix[start]) * 8)
+            allreduce = self.sync_seconds(idx, start, end)
             self._stage_memo[key] = (occ, len(idx) * occ, allreduce, *self._class_weights(idx, inv * occ), len(idx))
         return self._stage_memo[key]
 
@@ -594,9 +639,7 @@ class CostModel:
                     compute_s=float(m * t.occupancy[s]),
                     transfer_s=float(m * t.link_occupancy[s]) if s < len(stages) - 1 else 0.0,
                     allreduce_s=float(t.allreduce[s]),
-                    hierarchical_allreduce=self.hierarchical_allreduce(
-                        np.asarray(nodes, dtype=np.int64), (self.param_prefix[end] - self.param_prefix[start]) * 8
-                    ),
+                    hierarchical_allreduce=self.hierarchical_allreduce(np.asarray(nodes, dtype=np.int64), start, end),
                     memory_bytes=int(self.stage_memory_bytes(start, end, len(stages))),
                 )
             )

@@ -79,12 +79,13 @@ def plan(
     codec_ratio: float | CodecRatio = 1.0,
     inflight: int | None = None,
     allreduce: str = "auto",
+    replica_rank: int | None = None,
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
 ) -> Plan:
     """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it);
     inflight is the data heads' window (train.inflight), None for unbounded; allreduce how replicas average
-    (scheduler.allreduce)."""
+    (scheduler.allreduce), replica_rank PowerSGD's rank when replicas average low-rank factors (None: raw)."""
     cm = CostModel(
         nodes=nodes,
         model=model,
@@ -94,6 +95,7 @@ def plan(
         codec_ratio=codec_ratio,
         inflight=inflight,
         allreduce=allreduce,
+        replica_rank=replica_rank,
     )
     return Planner(cm, config or PlannerConfig()).plan(previous)
 
@@ -110,7 +112,7 @@ class Planner:
         self.uplink = np.array([min(intra, cm.network.node_bandwidth_bps.get(n.node_id, intra)) for n in cm.nodes])
         self._need_cache: dict[int, np.ndarray] = {}
         self._stage_tables: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, ...]] = {}
-        self._params_bits = (cm.param_prefix[None, :] - cm.param_prefix[:, None]) * 8  # [a, b]: bits of [a, b)
+        self._starts, self._ends = np.ogrid[: cm.model.n_layers + 1, : cm.model.n_layers + 1]  # [a, b] grids
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
         self._best_split = math.inf  # the DP's best step time over every group list split so far
@@ -423,7 +425,7 @@ class Planner:
             with np.errstate(divide="ignore"):
                 inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
                 c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
-            sync = np.broadcast_to(cm.allreduce_seconds(idx, self._params_bits), c.shape)
+            sync = np.broadcast_to(cm.sync_seconds(idx, self._starts, self._ends), c.shape)
             fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
             self._stage_tables[key] = ((cm.microbatches - 1) * c, c * len(idx), sync, fits)
         return self._stage_tables[key]
