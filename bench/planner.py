@@ -1,7 +1,8 @@
 """Planner benchmark: geotrain's planner against two simple strategies and the compute bound.
 
 Prints one JSON line per (scenario, nodes, strategy): scenario, nodes, multi_region, strategy, samples_per_s,
-ratio_to_bound, plan_seconds. Nothing else goes to stdout.
+ratio_to_bound, plan_seconds, replica_grads. Nothing else goes to stdout. Run: python bench/planner.py
+[--replica-rank R] [--scenarios a,b] [--sizes 16,64].
 
 Model: GPT with 24 blocks, d_model 2048, 16 heads, seq 1024, vocab 50257 (1.42B parameters, head untied),
 microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster).
@@ -20,18 +21,25 @@ Strategies, all scored by the same CostModel:
 Both simple strategies get every stage count from 1 to the layer count and keep the one the cost model likes best,
 and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
 
-Ceilings under this cost model (M = 16 x nodes, so the bound's step is 2.775 s at every size; V100: a block 6.70 ms,
-the head 12.65 ms per microbatch; 16-bit gradients: a block 0.806 Gbit, the head 1.647 Gbit; the fill is at least
-one node's whole-model time, 0.173 s; 0.8 of the bound needs T <= 3.469 s):
-- dtfm_datacenter, 256 and 1,024 nodes: a stage holding the head needs c <= 3.3 s / (M-1) <= 0.81 ms, so >= 16
-  replicas, more than an 8-GPU instance: its all-reduce crosses 3.125 Gbit/s, >= 2 (15/16) 1.647 / 3.125 = 0.99 s,
-  so T >= 2.77 + 0.17 + 0.99 and at most 0.71 of the bound. 64 nodes with every stage inside one instance: a stage
-  of k blocks faster than 3.35 ms per microbatch needs 2k+1 GPUs, so an instance holds at most 3 blocks and the
-  head's instance 2: 23 < 24 blocks, the pace is >= 1023 x 3.35 ms and the ratio at most 0.77.
-- dtfm_spot, every size: a standalone GPU alone in its stage puts 26.8 ms per microbatch on a single pair (33.6
-  Mbit at 1.25 Gbit/s), a pace of >= (M-1) x 26.8 ms; sharing a stage puts that stage's all-reduce on 1.25 Gbit/s,
-  >= 0.806 / 1.25 = 0.64 s; leaving all of them out forgoes half the compute. So at most 2.77 / (2.77 + 0.17 +
-  0.64) = 0.77 of the bound.
+Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
+(hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the
+shards again; node.averaging). --replica-rank R prices PowerSGD factors of rank R instead
+(compression.replica_grads = "powersgd:rank=R"); every line names its replica_grads. PowerSGD's local work (two
+thin matmuls per matrix, the Gram-Schmidt of P) is not in the cost model.
+
+Where raw averaging caps dtfm_datacenter and dtfm_spot (M = 16 x nodes, so the bound's step is 2.775 s at every
+size; V100: a block 6.70 ms, the head 12.65 ms per microbatch; 16-bit gradients: a block 0.806 Gbit, the head
+1.647 Gbit; the fill is at least one node's whole-model time, 0.173 s; 0.8 of the bound needs T <= 3.469 s):
+- dtfm_datacenter: stages of whole 8-GPU instances cannot balance 24 blocks and the head (an instance holds at most
+  3 blocks faster than 3.35 ms per microbatch), so the pace is about 3.0 s, and a stage spanning 2 or more instances
+  all-reduces hierarchically: at least 2 x 2 (7/8) P / 100 Gbit/s in the instances and 2 (m-1)/m P/8 / 3.125 Gbit/s
+  across, 0.43 s for 7 blocks over 2 instances, 0.59 s over 8.
+- dtfm_spot: a standalone GPU alone in its stage puts 26.8 ms per microbatch on a single pair (33.6 Mbit at 1.25
+  Gbit/s), a pace of >= (M-1) x 26.8 ms; sharing a stage puts that stage's all-reduce on 1.25 Gbit/s, >= 0.806 / 1.25
+  = 0.64 s, with no instance to share it; leaving all of them out forgoes half the compute. So at most 2.77 / (2.77 +
+  0.17 + 0.64) = 0.77 of the bound.
+PowerSGD at rank 4 shrinks a block's averaging from 0.806 Gbit to about 1/300 of it, and plain data parallelism
+over every node becomes the best plan in both.
 
 Network figures of the DT-FM scenarios (datacenter, spot, two universities, regional, worldwide) are DT-FM's
 (Yuan et al., "Decentralized Training of Foundation Models in Heterogeneous Environments", NeurIPS 2022), copied

@@ -467,18 +467,7 @@ class CostModel:
 
     def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
         """mean_link over link classes ca, cb with summed weights va, vb."""
-        sub = np.ix_(ca, cb)
-        return float(va @ self.class_seconds_per_bit[sub] @ vb), float(va @ self.class_lat[sub] @ vb)
-
-    def _links_within(self, idx: np.ndarray) -> tuple[float, float]:
-        """Slowest bandwidth and longest latency between two different nodes of idx (at least two)."""
-        classes, counts = self._class_weights(idx, np.ones(len(idx)))
-        sub = np.ix_(classes, classes)
-        bw, lat = self.class_bw[sub], self.class_lat[sub]
-        # Two different nodes of one class meet over the class's own link only when the class has two of them.
-        alone = np.flatnonzero(counts < 2)
-        bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
-        return float(bw.min()), float(lat.max())
+        return float(va @ self.class_seconds_per_bit[ca][:, cb] @ vb), float(va @ self.class_lat[ca][:, cb] @ vb)
 
     def _group_terms(self, idx: np.ndarray) -> tuple:
         """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
@@ -486,25 +475,24 @@ class CostModel:
         key = tuple(idx.tolist())
         if key not in self._allreduce_terms:  # planners score the same replica group many times
             n = len(idx)
-            slowest, longest = self._links_within(idx)
-            flat = (2 * (n - 1) / n / slowest, 2 * longest)
-            regions, k = np.unique(self.region_of[idx], return_counts=True)
+            classes, counts = self._class_weights(idx, np.ones(n))
+            bw, lat = self.class_bw[classes][:, classes], self.class_lat[classes][:, classes]
+            # Two different nodes of one class meet over the class's own link only when the class has two of them.
+            alone = np.flatnonzero(counts < 2)
+            bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
+            flat = (2 * (n - 1) / n / bw.min(), 2 * lat.max())
             hierarchical = None
-            if len(regions) > 1 and k.max() > 1:
-                inside = [
-                    (2 * (len(g) - 1) / len(g) / bw, 2 * lat)
-                    for g in (idx[self.region_of[idx] == r] for r in regions[k > 1])
-                    for bw, lat in [self._links_within(g)]
-                ]
-                classes = np.unique(self.link_class[idx])
-                across = self.class_region[classes][:, None] != self.class_region[classes][None, :]
-                sub = np.ix_(classes, classes)
-                m, shards = len(regions), int(k.max())
+            region = np.unique(self.class_region[classes], return_inverse=True)[1]  # of each class, from 0
+            k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
+            if self.allreduce != "flat" and len(k) > 1 and k.max() > 1:
+                inside = []
+                for r in np.flatnonzero(k > 1):
+                    mine = region == r
+                    inside.append((2 * (k[r] - 1) / k[r] / bw[mine][:, mine].min(), 2 * lat[mine][:, mine].max()))
+                across = region[:, None] != region[None, :]
+                m, shards = len(k), int(k.max())
                 share = max(math.ceil(shards / kr) for kr in k) / shards
-                hierarchical = (
-                    inside,
-                    (share * 2 * (m - 1) / m / self.class_bw[sub][across].min(), 2 * self.class_lat[sub][across].max()),
-                )
+                hierarchical = (inside, (share * 2 * (m - 1) / m / bw[across].min(), 2 * lat[across].max()))
             self._allreduce_terms[key] = (flat, hierarchical)
         return self._allreduce_terms[key]
 
