@@ -255,15 +255,24 @@ def test_blockwise_chunking(monkeypatch: pytest.MonkeyPatch, spec: str, numel: i
 @pytest.mark.timeout(60)
 @FAST
 @given(x=float_tensors(), spec=st.sampled_from(["topk:0.1", "topk:0.5", "topk:1"]))
-def test_topk_sends_rounded_values_within_budget(x: torch.Tensor, spec: str) -> None:
+def test_topk_sends_rounded_deviations_from_its_base_within_budget(x: torch.Tensor, spec: str) -> None:
     codec = get_codec(spec)
     assert isinstance(codec, TopKCodec)
+    payload = codec.encode(x)
+    base, idx, values = codec.parts(payload, x.shape)
     y = _roundtrip(codec, x).reshape(-1)
-    sent = x.reshape(-1).double().clamp(-F16_MAX, F16_MAX).to(torch.float16).to(x.dtype)
-    assert bool(((y == 0) | (y == sent)).all())
-    assert int((y != 0).sum()) <= codec.max_count(x.numel())
+    assert idx.numel() <= codec.max_count(x.numel())
+    if codec.base_dims(tuple(x.shape)) is None:
+        assert not bool(base.any())
+    # Kept entries carry their deviation from the base rounded to float16 (saturating), the rest decode to the base.
+    deviation = x.reshape(-1).float() - base
+    expected = base.clone()
+    expected[idx] += deviation[idx].clamp(-F16_MAX, F16_MAX).half().float()
+    if x.dtype == torch.float16:
+        expected.clamp_(-F16_MAX, F16_MAX)
+    assert torch.equal(y, expected.to(x.dtype))
     if spec == "topk:1":
-        assert torch.equal(y, sent)
+        assert torch.equal(y, x.reshape(-1).double().clamp(-F16_MAX, F16_MAX).to(torch.float16).to(x.dtype))
 
 
 @pytest.mark.timeout(60)
@@ -283,16 +292,106 @@ def test_topk_keeps_its_share_in_every_row(rows: int, cols: int, fraction: float
         x[::3, ::2] = 0
     codec = get_codec(f"topk:{fraction}")
     assert isinstance(codec, TopKCodec)
-    y = _roundtrip(codec, x)
+    base, idx, _ = codec.parts(codec.encode(x), x.shape)
     budget = codec.max_count(x.numel())
-    assert int((y != 0).sum()) <= budget
+    assert idx.numel() <= budget
+    deviation = (x.reshape(-1) - base).abs().view(rows, cols)
+    kept = torch.zeros(rows * cols, dtype=torch.bool)
+    kept[idx] = True
     share = budget // rows
-    for row, sent in zip(x, y):
-        kept = sent != 0
-        assert int(kept.sum()) >= min(share, int((row != 0).sum()))
-        # Within a row, what is kept is a top set of that row.
-        if kept.any() and not kept.all():
-            assert float(row[kept].abs().min()) >= float(row[~kept].abs().max())
+    for row, sent in zip(deviation, kept.view(rows, cols)):
+        assert int(sent.sum()) >= min(share, int((row != 0).sum()))
+        # Within a row, what is kept is a top set of that row's deviations from the base.
+        if sent.any() and not sent.all():
+            assert float(row[sent].min()) >= float(row[~sent].max())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("spec", "shape", "dims"),
+    [
+        ("topk:0.1", (8, 64, 128), (512, 128)),
+        ("topk:0.1", (64, 64), (64, 64)),
+        ("topk:0.1", (5, 13), None),  # the base would cost more than the 7 entries kept
+        ("topk:0.01", (8, 64, 128), None),
+        ("topk:0.1", (4096,), None),
+        ("topk:0.1", (4096, 1), None),
+        ("topk:1", (64, 64), None),  # nothing is dropped
+    ],
+)
+def test_topk_base_follows_the_shape(spec: str, shape: tuple[int, ...], dims: tuple[int, int] | None) -> None:
+    codec = get_codec(spec)
+    assert isinstance(codec, TopKCodec)
+    assert codec.base_dims(shape) == dims
+    payload = codec.encode(torch.randn(shape))
+    base_bytes = 4 * sum(dims) if dims else 0
+    assert len(payload) == HEADER.size + base_bytes + 6 * codec.max_count(math.prod(shape))
+    if dims:
+        assert base_bytes * 4 <= 6 * codec.max_count(math.prod(shape))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("structure", ["channel_offsets", "rank_one"])
+def test_topk_base_carries_rank_one_structure(structure: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    codec = get_codec("topk:0.1")
+    # Residual-stream-like per-channel offsets (the same vector in every token), or any rank-1 part, plus noise.
+    rows = torch.ones(512, 1) if structure == "channel_offsets" else torch.randn(512, 1, generator=g)
+    x = rows * torch.randn(128, generator=g) * 50 + torch.randn(512, 128, generator=g)
+    y = _roundtrip(codec, x)
+    assert float((y - x).norm() / x.norm()) < 0.03
+    # Without a base, with the 12 largest of each row's 128 entries, most of it would be lost.
+    plain = x.clone()
+    plain[x.abs() < x.abs().kthvalue(128 - 12, dim=1, keepdim=True).values] = 0
+    assert float((plain - x).norm() / x.norm()) > 0.5
+
+
+@pytest.mark.timeout(30)
+def test_topk_base_near_float32_limits() -> None:
+    codec = get_codec("topk:0.1")
+    big = torch.finfo(torch.float32).max
+    x = torch.full((64, 64), big)
+    x[::2] = -big  # rows of alternating sign: v overflows, the base falls back to zeros
+    y = _roundtrip(codec, x)
+    assert bool(torch.isfinite(y).all())
+    base, _, _ = codec.parts(codec.encode(x), x.shape)
+    assert not bool(base.any())
+    # float16 output: a base beyond fp16's range saturates instead of turning into Inf.
+    x16 = (torch.randn(64, 1) * torch.randn(64) * 3e4).clamp(-6e4, 6e4).half()
+    assert bool(torch.isfinite(_roundtrip(codec, x16)).all())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e30])
+def test_topk_rejects_bad_bases(value: float) -> None:
+    codec, payload = _valid("topk:0.1", (64, 64))
+    assert isinstance(codec, TopKCodec) and codec.base_dims((64, 64)) == (64, 64)
+    corrupted = bytearray(payload)
+    # u_0 and v_0: 1e30 each is finite, but their product is not.
+    corrupted[HEADER.size : HEADER.size + 4] = np.float32(value).tobytes()
+    corrupted[HEADER.size + 4 * 64 : HEADER.size + 4 * 65] = np.float32(value).tobytes()
+    with pytest.raises(CodecError, match="base"):
+        codec.decode(bytes(corrupted), (64, 64), torch.float32)
+    for cut in (1, 4 * 64, len(payload) - HEADER.size - 1):
+        with pytest.raises(CodecError):
+            codec.decode(payload[:-cut], (64, 64), torch.float32)
+    with pytest.raises(CodecError):
+        codec.decode(_header(payload, version=1), (64, 64), torch.float32)
+
+
+@pytest.mark.timeout(60)
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**31), keep=st.integers(0, 4 * 128))
+def test_topk_garbage_with_a_base_raises_codec_error_or_decodes(seed: int, keep: int) -> None:
+    codec, payload = _valid("topk:0.1", (64, 64))
+    noise = np.random.default_rng(seed).integers(0, 256, len(payload) - HEADER.size, dtype=np.uint8).tobytes()
+    # A genuine header and the first `keep` bytes of the base, the rest random.
+    garbage = payload[: HEADER.size + keep] + noise[keep:]
+    try:
+        y = codec.decode(garbage, (64, 64), torch.float32)
+    except CodecError:
+        return
+    assert y.shape == (64, 64) and bool(torch.isfinite(y).all())
 
 
 @pytest.mark.timeout(60)

@@ -3,9 +3,9 @@
 Every payload but none's (raw bytes, see NoneCodec) starts with a 24-byte little-endian header (struct format ``<BBBBIQQ``):
 
     magic    u8   0x67 ("g")
-    version  u8   1
+    version  u8   2 (version 1 had top-k bodies without their rank-1 base)
     codec id u8   the codec's wire id (same numbers as the geotrain.v1.Codec proto enum)
-    flags    u8   0 in version 1; anything else is rejected
+    flags    u8   0; anything else is rejected
     param    u32  the codec's one parameter: block size (int8/int4), kept fraction in parts per
                   million (topk), rank (powersgd); 0 for the others
     count    u64  per-payload count: number of kept entries (topk); 0 for the others
@@ -36,7 +36,7 @@ if sys.byteorder != "little":
     raise ImportError("geotrain.compression needs a little-endian host")
 
 MAGIC = 0x67
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<BBBBIQQ")
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -243,6 +243,10 @@ class Codec(abc.ABC):
             if view.nbytes != expected:
                 raise CodecError(f"{self.name} payload for shape {shape} must be {expected} bytes, got {view.nbytes}")
             return self._decode(view, None, shape, dtype)
+        return self._decode(*self._checked(payload, shape, dtype), shape, dtype)
+
+    def _checked(self, payload: Buffer, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[memoryview, Header]:
+        """The payload's bytes and header, once header and length agree with this codec, `shape` and `dtype`."""
         view, header = read_header(payload)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload is for codec id {header.codec_id}, this is {self.name} ({self.codec_id})")
@@ -254,7 +258,7 @@ class Codec(abc.ABC):
         expected = self._payload_nbytes(header, shape, dtype)
         if view.nbytes != expected:
             raise CodecError(f"{self.name} payload for shape {shape} must be {expected} bytes, got {view.nbytes}")
-        return self._decode(view, header, shape, dtype)
+        return view, header
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
         if not isinstance(dtype, torch.dtype):
