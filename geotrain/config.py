@@ -142,11 +142,21 @@ class SchedulerSection:
         default="measured",
         metadata={"doc": "measured: the planner places stages by the nodes' profiles; uniform: equal layer counts"},
     )
+    allreduce: str = field(
+        default="auto",
+        metadata={
+            "doc": "how a stage's replicas average gradients: flat (one group), hierarchical (region by region "
+            "wherever replicas span regions and some region has several), auto (the planner's choice under "
+            "measured placement, else flat)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "scheduler")
         if self.placement not in ("measured", "uniform"):
             raise ConfigError(f"scheduler.placement must be measured or uniform, got {self.placement!r}")
+        if self.allreduce not in ("auto", "flat", "hierarchical"):
+            raise ConfigError(f"scheduler.allreduce must be auto, flat or hierarchical, got {self.allreduce!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"scheduler.heartbeat_timeout_s must exceed scheduler.heartbeat_interval_s "

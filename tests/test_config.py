@@ -37,6 +37,7 @@ def test_toml_and_overrides(tmp_path):
         ({"train": {"nope": 1}}, "unknown key train.nope"),
         ({"bogus": {}}, "unknown section [bogus]"),
         ({"scheduler": {"heartbeat_interval_s": 2, "heartbeat_timeout_s": 1}}, "heartbeat_timeout_s must exceed"),
+        ({"scheduler": {"allreduce": "ring"}}, "scheduler.allreduce must be auto, flat or hierarchical, got 'ring'"),
     ],
 )
 def test_bad_values_name_the_key(raw, message):

@@ -263,7 +263,7 @@ class OrdersRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids")
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids", "hierarchical_allreduce")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class StageAssignment(_message.Message):
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     PEER_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIERARCHICAL_ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer_start: int
     layer_end: int
@@ -278,7 +279,8 @@ class StageAssignment(_message.Message):
     addresses: _containers.RepeatedScalarFieldContainer[str]
     regions: _containers.RepeatedScalarFieldContainer[str]
     peer_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    hierarchical_allreduce: bool
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "stages", "total_layers", "steps_done")

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -578,6 +579,7 @@ class Coordinator:
                 addresses=[m.address for m in group],
                 regions=[m.region for m in group],
                 peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
+                hierarchical_allreduce=self._hierarchical_allreduce(i, group),
             )
         with self._cond:
             self.plan = plan
@@ -605,10 +607,24 @@ class Coordinator:
             for n in stage.node_ids:
                 self.members[n].held = (stage.layer_start, stage.layer_end)
         self._plan_dirty = False
-        detail = "; ".join(f"stage {s.index} layers {s.layer_start}-{s.layer_end - 1}: {', '.join(s.node_ids)}"
-                           for s in plan.stages)
+        detail = "; ".join(
+            f"stage {s.index} layers {s.layer_start}-{s.layer_end - 1}: {', '.join(s.node_ids)}"
+            + (" (averaging region by region)" if s.hierarchical_allreduce else "")
+            for s in plan.stages
+        )
         self.store.event("plan", detail=f"epoch {epoch}: {detail}")
         self._on_event("plan", {"plan": plan})
+
+    def _hierarchical_allreduce(self, index: int, group: list[Member]) -> bool:
+        """Whether stage `index`'s replicas average region by region (scheduler.allreduce): where the planner's
+        estimate says so under auto, wherever it differs from a flat all-reduce under hierarchical."""
+        mode = self.cfg.scheduler.allreduce
+        if mode == "hierarchical":
+            per_region = Counter(m.region for m in group)
+            return len(per_region) > 1 and max(per_region.values()) > 1
+        if mode == "auto" and self.cfg.scheduler.placement == "measured" and self.estimate is not None:
+            return self.estimate.stages[index].hierarchical_allreduce
+        return False
 
     def _state_sources(
         self, ranges: list[tuple[int, int]], groups: list[list[Member]]
