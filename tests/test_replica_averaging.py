@@ -1,17 +1,22 @@
-"""Replicas averaging PowerSGD factors: every replica ends with the same bits, the result is the projection PowerSGD
-defines, error feedback keeps the accumulated error bounded, and a live 2x2 run with it trains."""
+"""Replica averaging. PowerSGD factors: every replica ends with the same bits, the result is the projection PowerSGD
+defines, error feedback keeps the accumulated error bounded, and a live 2x2 run with it trains. Region by region
+(HierarchicalAllReduce, over real in-process hivemind peers): every replica ends with the same bits, the weighted
+mean over all replicas, and a live run of four replicas in two regions equals train-local."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from geotrain.compression import get_codec
 from geotrain.config import ConfigError, load_config
-from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
 from geotrain.node.local import train_local
+from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
+from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import local_cluster
 
@@ -105,22 +110,230 @@ def test_config_accepts_powersgd_and_rejects_lossy_replica_codecs():
         load_config(None, ["compression.replica_grads=int8"])
 
 
-@pytest.mark.timeout(150)
-def test_two_by_two_run_with_powersgd_replica_averaging(tmp_path):
+def _live_and_local(tmp_path, settings, averaging, wait_s, node_args=None):
+    """Train on four local nodes with settings and the averaging settings, and in one process with settings alone;
+    returns the nodes' final plan, step records, maximum parameter difference from the one process, and summary."""
     # The coordinator stops a run whose replicas' parameter checksums differ, so finishing is the identity check.
     settings = [
-        "run.steps=6", "run.eval_every=0", "train.microbatches=4", "scheduler.stages=2", "scheduler.placement=uniform",
-        "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5",
+        "run.eval_every=0", "train.microbatches=4", "scheduler.placement=uniform",
+        "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", *settings,
     ]
-    cfg = load_config(None, [*settings, "compression.replica_grads=powersgd:rank=2"])
-    with local_cluster(cfg, 4, tmp_path) as cluster:
-        summary = cluster.wait(120)
+    cfg = load_config(None, [*settings, *averaging])
+    with local_cluster(cfg, 4, tmp_path, node_args=node_args) as cluster:
+        summary = cluster.wait(wait_s)
         plan = cluster.coordinator.plan
         state = fetch_model_state(plan, cluster.token, summary.steps)
         steps = cluster.coordinator.store.steps()
-    assert all(len(stage.node_ids) == 2 for stage in plan.stages)
-    assert summary.steps == 6 and steps[-1].loss < steps[0].loss
     runtime, _ = train_local(load_config(None, settings))
     exact = {name: t.detach() for name, t in runtime.named_state()}
-    # The low-rank averages changed the training: it is not the exact run.
-    assert max(float((state[k] - exact[k]).abs().max()) for k in state) > 1e-4
+    return plan, steps, max(float((state[k] - exact[k]).abs().max()) for k in state), summary
+
+
+@pytest.mark.timeout(150)
+def test_two_by_two_run_with_powersgd_replica_averaging(tmp_path):
+    plan, steps, diff, summary = _live_and_local(
+        tmp_path, ["run.steps=6", "scheduler.stages=2"], ["compression.replica_grads=powersgd:rank=2"], 120
+    )
+    assert all(len(stage.node_ids) == 2 for stage in plan.stages)
+    assert summary.steps == 6 and steps[-1].loss < steps[0].loss
+    assert diff > 1e-4  # the low-rank averages changed the training: it is not the exact run
+
+
+# -- region by region -------------------------------------------------------------------------------------------
+
+_PEERS = 6
+
+
+@pytest.fixture(scope="module")
+def averagers():
+    """Six ReplicaAveragers on their own hivemind DHTs in this process (each DHT runs its p2p daemon); always shut
+    down. Constructing them returns once their DHT and handlers are up, so they are ready when yielded."""
+    from hivemind import DHT
+
+    from geotrain.node.averaging import ReplicaAverager
+
+    dhts, started = [], []
+    try:
+        for _ in range(_PEERS):
+            initial = [str(a) for d in dhts for a in d.get_visible_maddrs()]
+            dhts.append(DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
+            started.append(ReplicaAverager(dhts[-1], timeout_s=10.0))
+        yield started
+    finally:
+        for averager in started:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _together(calls: list[Callable[[], None]]) -> None:
+    """Run the calls on threads at once (one per replica); re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as e:  # handed to the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert not any(t.is_alive() for t in threads), "an all-reduce did not finish"
+    if errors:
+        raise errors[0]
+
+
+def _all_reduces(averagers, regions, weights, name, hierarchical=True):
+    from geotrain.node.averaging import group_id, replica_all_reduce
+
+    peers = [a.peer_id for a in averagers[: len(regions)]]
+    return [
+        replica_all_reduce(
+            a, peers, regions, w, lambda r, part: group_id(name, 0, 0, 1, r, part), hierarchical=hierarchical
+        )
+        for a, w in zip(averagers, weights)
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("regions", "weights"),
+    [
+        (["eu", "eu", "us", "us"], [1.0, 2.0, 3.0, 4.0]),
+        (["eu", "us", "eu", "us"], [3.0, 0.0, 1.0, 0.0]),  # a site without microbatches counts for nothing
+        (["a", "b", "c", "a", "c", "c"], [3.0, 1.0, 2.0, 5.0, 1.0, 4.0]),  # sites of 2, 1 and 3 replicas
+    ],
+    ids=["2+2", "2+2-idle-site", "2+1+3"],
+)
+def test_hierarchical_all_reduce_gives_every_replica_the_same_weighted_mean(averagers, regions, weights, request):
+    from geotrain.node.averaging import HierarchicalAllReduce
+
+    g = torch.Generator().manual_seed(len(regions))
+    # 49 values in 3 tensors: shards of unequal length, and shard boundaries inside tensors.
+    tensors = [[torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(13, generator=g, dtype=torch.float64),
+                torch.randn(1, generator=g, dtype=torch.float64)] for _ in regions]
+    expected = [sum(w * t[k] for t, w in zip(tensors, weights)) / sum(weights) for k in range(3)]
+    reduces = _all_reduces(averagers, regions, weights, request.node.name)
+    assert all(isinstance(r, HierarchicalAllReduce) for r in reduces)
+    _together([lambda r=r, t=t: r(0, t) for r, t in zip(reduces, tensors)])
+    for replica in tensors[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(replica, tensors[0]))
+    for got, want in zip(tensors[0], expected):
+        assert torch.equal(got, got.float().double())  # float32 values, as the flat all-reduce leaves them
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_a_weight_one_sender_among_weight_zero_zeros_is_reproduced_exactly(averagers):
+    # Phase C of the hierarchical all-reduce: one member sends its values with weight 1, the others zeros with
+    # weight 0; hivemind's reducer computes (1 * v + 0 * 0) / (1 + 0) in float32.
+    from geotrain.node.averaging import group_id
+
+    g = torch.Generator().manual_seed(7)
+    representable = torch.randn(3000, generator=g).double()  # float32 values, as phase B leaves them
+    wide = torch.randn(3000, generator=g, dtype=torch.float64)
+    peers = [a.peer_id for a in averagers[:3]]
+    for i, values in enumerate((representable, wide)):
+        tensors = [values.clone(), torch.zeros_like(values), torch.zeros_like(values)]
+        gid = group_id("phase-c", 0, 0, 1, i)
+        _together([lambda a=a, t=t, w=w: a.average(gid, peers, [t], w)
+                   for a, t, w in zip(averagers, tensors, (1.0, 0.0, 0.0))])
+        for t in tensors:  # every peer, the sender included, ends with the float32 rounding of its values
+            assert torch.equal(t, values.float().double())
+    assert torch.equal(representable.float().double(), representable)
+
+
+@pytest.mark.timeout(60)
+def test_powersgd_over_the_hierarchical_all_reduce_stays_bit_identical(averagers, request):
+    codec = get_codec("powersgd:rank=2")
+    g = torch.Generator().manual_seed(3)
+    regions, weights = ["eu", "eu", "us"], [2.0, 1.0, 3.0]
+    grads = [[torch.randn(40, 24, generator=g), torch.randn(24, generator=g)] for _ in regions]
+    reduces = _all_reduces(averagers, regions, weights, request.node.name)
+    low_rank = [LowRankAveraging(codec) for _ in regions]
+    _together([lambda lr=lr, gr=gr, r=r: lr.average(1, gr, r) for lr, gr, r in zip(low_rank, grads, reduces)])
+    for replica in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(replica, grads[0]))
+
+
+@pytest.mark.timeout(60)
+def test_the_flat_all_reduce_leaves_the_same_float64_bits_on_every_replica(averagers, request):
+    # Each replica's own value plus the reducer's delta differs in the last float64 bits for about a tenth of these
+    # values, differently on each replica; PowerSGD computes on from them.
+    g = torch.Generator().manual_seed(11)
+    tensors = [[torch.randn(5000, generator=g, dtype=torch.float64)] for _ in range(2)]
+    expected = (tensors[0][0] + 3 * tensors[1][0]) / 4
+    reduces = _all_reduces(averagers, ["eu", "us"], [1.0, 3.0], request.node.name, hierarchical=False)
+    _together([lambda r=r, t=t: r(0, t) for r, t in zip(reduces, tensors)])
+    assert torch.equal(tensors[0][0], tensors[1][0])
+    assert torch.allclose(tensors[0][0], expected, rtol=1e-6, atol=1e-6)
+
+
+class _Recorder:
+    """An averager that only records the groups it is asked to all-reduce in."""
+
+    peer_id = "p0"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bytes, list[str]]] = []
+
+    def average(self, gid, peers, tensors, weight) -> None:
+        self.calls.append((gid, list(peers)))
+
+
+@pytest.mark.parametrize(
+    ("regions", "hierarchical"),
+    [(["eu", "eu", "eu"], True), (["eu", "us", "asia"], True), (["eu", "eu", "us"], False)],
+    ids=["one-site", "one-replica-per-site", "not-asked"],
+)
+def test_degenerate_sites_average_in_one_flat_group(regions, hierarchical):
+    from geotrain.node.averaging import replica_all_reduce
+
+    averager = _Recorder()
+    peers = ["p0", "p1", "p2"]
+    all_reduce = replica_all_reduce(averager, peers, regions, 1.0, lambda r, part: f"{r}/{part}".encode(), hierarchical)
+    all_reduce(1, [torch.zeros(4, dtype=torch.float64)])
+    assert averager.calls == [(b"1/", peers)]
+
+
+def test_sites_keep_first_appearance_and_member_order():
+    from geotrain.node.averaging import sites_of
+
+    assert sites_of(["a", "b", "c", "d", "e"], ["us", "eu", "us", "asia", "eu"]) == [["a", "c"], ["b", "e"], ["d"]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "placement", "planned", "regions", "expected"),
+    [
+        ("hierarchical", "uniform", False, ["eu", "eu", "us"], True),
+        ("hierarchical", "uniform", False, ["eu", "us"], False),  # one replica per region: nothing to gain
+        ("flat", "measured", True, ["eu", "eu", "us"], False),
+        ("auto", "measured", True, ["eu", "eu", "us"], True),
+        ("auto", "measured", False, ["eu", "eu", "us"], False),
+        ("auto", "uniform", True, ["eu", "eu", "us"], False),
+    ],
+)
+def test_coordinator_chooses_the_all_reduce_by_scheduler_allreduce(mode, placement, planned, regions, expected):
+    cfg = load_config(None, [f"scheduler.allreduce={mode}", f"scheduler.placement={placement}"])
+    coordinator = Coordinator(cfg)
+    coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=planned)])
+    group = [Member(node_id=f"n{i}", address="x:1", region=r, joined_at=0.0, last_seen=0.0) for i, r in enumerate(regions)]
+    assert coordinator._hierarchical_allreduce(0, group) is expected
+    coordinator.store.close()
+
+
+@pytest.mark.timeout(90)
+def test_four_replicas_in_two_regions_average_region_by_region_and_equal_train_local(tmp_path):
+    regions = {"node-1": "eu", "node-2": "us", "node-3": "eu", "node-4": "us"}
+    plan, _, diff, summary = _live_and_local(
+        tmp_path, ["run.steps=4", "scheduler.stages=1"], ["scheduler.allreduce=hierarchical"], 75,
+        node_args={n: ["--region", r] for n, r in regions.items()},
+    )
+    (stage,) = plan.stages
+    assert summary.steps == 4 and len(stage.node_ids) == 4 and stage.hierarchical_allreduce
+    assert sorted(stage.regions) == ["eu", "eu", "us", "us"]
+    assert all("averaging region by region" in (tmp_path / f"{n}.log").read_text() for n in regions)
+    assert diff <= 1e-4

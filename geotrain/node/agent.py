@@ -436,6 +436,8 @@ class Agent:
             after = plan.stages[index + 1]
             self.profiler.neighbours(dict(zip(after.node_ids, after.addresses)))
         where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
+        if stage is not None and stage.hierarchical_allreduce:
+            where += ", replicas averaging region by region"
         log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
 
@@ -688,16 +690,18 @@ class Agent:
         count = runtime.mean_gradients(order.step)
         stage = plan.stages[self.stage_index]
         if len(stage.node_ids) > 1:
-            from geotrain.node.averaging import group_id
+            from geotrain.node.averaging import group_id, replica_all_reduce
 
             if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
                 raise NodeError("replica averaging is not available on this node")
-            averager = self.averager
-
-            def all_reduce(round_: int, tensors: list[torch.Tensor]) -> None:
-                gid = group_id(self.run_id, stage.index, order.step, plan.epoch, round_)
-                averager.average(gid, list(stage.peer_ids), tensors, weight=float(count))
-
+            all_reduce = replica_all_reduce(
+                self.averager,
+                list(stage.peer_ids),
+                list(stage.regions),
+                float(count),
+                lambda round_, part: group_id(self.run_id, stage.index, order.step, plan.epoch, round_, part),
+                hierarchical=stage.hierarchical_allreduce,
+            )
             if self._low_rank is not None:
                 self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
             else:

@@ -7,6 +7,9 @@ incoming parts to the runner of their group, waiting briefly for a peer that sta
 
 With compression.replica_grads = "powersgd[:rank=R]", node.lowrank.LowRankAveraging runs on top of it and
 all-reduces PowerSGD's two thin factors per matrix instead of the gradients.
+
+A stage whose plan says hierarchical_allreduce averages region by region instead (HierarchicalAllReduce): fast
+links inside a region carry most of the traffic, and each replica sends only its shard across the slow ones.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import concurrent.futures
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
-from typing import AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from collections.abc import Callable, Sequence
+from typing import AsyncIterator, NamedTuple  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import torch
 from hivemind import DHT
@@ -26,14 +29,27 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter
 
+from geotrain.node.lowrank import AllReduce
+
 log = logging.getLogger(__name__)
 
 _NAMESPACE = "geotrain"
 
 
-def group_id(run: str, stage: int, step: int, epoch: int, round_: int = 0) -> bytes:
-    """The all-reduce group of one stage's replicas for one round of one step of one plan epoch."""
-    return hashlib.sha256(f"{run}/{epoch}/{stage}/{step}/{round_}".encode()).digest()[:16]
+def group_id(run: str, stage: int, step: int, epoch: int, round_: int = 0, part: str = "") -> bytes:
+    """The all-reduce group of one stage's replicas for one round of one step of one plan epoch; `part` names one
+    of the several all-reduces a hierarchical round runs (its phase, site, shard)."""
+    name = f"{run}/{epoch}/{stage}/{step}/{round_}" + (f"/{part}" if part else "")
+    return hashlib.sha256(name.encode()).digest()[:16]
+
+
+class Job(NamedTuple):
+    """One weighted all-reduce: its group id, its peers (base58) in the order every member uses, the tensors."""
+
+    gid: bytes
+    peers: Sequence[str]
+    tensors: Sequence[torch.Tensor]
+    weight: float
 
 
 class ReplicaAverager(ServicerBase):
@@ -61,14 +77,27 @@ class ReplicaAverager(ServicerBase):
 
     def average(self, gid: bytes, peers: Sequence[str], tensors: Sequence[torch.Tensor], weight: float) -> None:
         """Replace `tensors` in place by the weight-averaged tensors of the group `peers` (base58 peer ids)."""
-        future = asyncio.run_coroutine_threadsafe(
-            self._average(gid, [PeerID.from_base58(p) for p in peers], tensors, weight), self._loop
-        )
+        self.average_all([Job(gid, peers, tensors, weight)])
+
+    def average_all(self, jobs: Sequence[Job]) -> None:
+        """Run several all-reduces at once, each in its own group, and wait for all of them."""
+        future = asyncio.run_coroutine_threadsafe(self._average_all(jobs), self._loop)
         self._running.add(future)
         try:
             future.result(self.timeout_s * 2)
         finally:
             self._running.discard(future)
+
+    async def _average_all(self, jobs: Sequence[Job]) -> None:
+        tasks = [
+            asyncio.ensure_future(self._average(j.gid, [PeerID.from_base58(p) for p in j.peers], j.tensors, j.weight))
+            for j in jobs
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one failed or the caller gave up: the round fails as a whole
+                task.cancel()
 
     def cancel_all(self) -> None:
         """Abandon every all-reduce in progress (its group changed); their average() calls raise CancelledError."""
@@ -114,6 +143,133 @@ class ReplicaAverager(ServicerBase):
             yield message
 
     def shutdown(self) -> None:
-        """Stop the event loop thread (the DHT is the caller's)."""
+        """Close this averager's connection to the p2p daemon and stop the event loop thread (the DHT is the
+        caller's)."""
+        try:
+            self._call(self._close(), timeout=2)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+            log.debug("averager tasks still running at shutdown")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(2)
+
+    async def _close(self) -> None:
+        await self._p2p.shutdown()  # removes its socket file and cancels its reader and writer
+        # Tasks left pending when the loop stops would be destroyed mid-await and complain about a closed loop.
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sites_of(peers: Sequence[str], regions: Sequence[str]) -> list[list[str]]:
+    """Replicas grouped by region: sites in order of first appearance, members in the order given."""
+    sites: dict[str, list[str]] = {}
+    for peer, region in zip(peers, regions, strict=True):
+        sites.setdefault(region, []).append(peer)
+    return list(sites.values())
+
+
+def replica_all_reduce(
+    averager: ReplicaAverager,
+    peers: Sequence[str],
+    regions: Sequence[str],
+    weight: float,
+    gid: Callable[[int, str], bytes],
+    hierarchical: bool,
+) -> AllReduce:
+    """The stage's all_reduce(round, tensors) for this replica: region by region when asked and the sites make it
+    differ from one flat group (several sites, one of them with several replicas), else one flat group.
+    gid(round, part) names each all-reduce's group."""
+    sites = sites_of(peers, regions)
+    if hierarchical and len(sites) > 1 and max(map(len, sites)) > 1:
+        return HierarchicalAllReduce(averager, sites, weight, gid)
+
+    def flat(round_: int, tensors: list[torch.Tensor]) -> None:
+        averager.average(gid(round_, ""), peers, tensors, weight)
+        for t in tensors:
+            _round_to_float32(t)
+
+    return flat
+
+
+def _round_to_float32(t: torch.Tensor) -> None:
+    """Round an all-reduced float64 tensor to the float32 average the reducer computed, the same bits on every
+    replica. A replica holds its own value plus the reducer's delta (average - own value, rounded in float64), which
+    differs from the average in the last float64 bits wherever the two differ in sign or scale (a tenth of the values
+    of independent normal tensors), differently on each replica: harmless for gradients copied into float32, but
+    PowerSGD computes on from the float64 values."""
+    t.copy_(t.float())
+
+
+class HierarchicalAllReduce:
+    """Weighted all-reduce of a stage's replicas site by site (a site: the replicas in one region).
+
+    With k_r replicas in site r and L = max k_r, the tensors are flattened into one vector cut into L contiguous
+    shards, and member j of site r handles the shards p with p % k_r == j.
+    A: each site averages the whole vector inside itself, weighted by the members' weights, and the members'
+       weights unweighted, which gives the site's total weight W_r: k_r times their mean, to float32 precision
+       like every average here.
+    B: for each shard, its handlers (one per site) average it across sites, weighted by W_r: the weighted mean
+       over all replicas. Only this phase crosses regions, with 1/k_r of the vector per replica.
+    C: each site shares its handlers' shards: one all-reduce per member j in which j sends its shards with weight
+       1 and the others zeros with weight 0. hivemind's reducer sums weight x part into a float32 accumulator and
+       divides by the summed weight, 1.0, so every member gets the float32 rounding of j's values, j included:
+       B's float32 average.
+    Every replica then rounds the vector to float32 (_round_to_float32), which changes nothing after C and gives
+    a one-member site's replica B's float32 average too."""
+
+    def __init__(
+        self, averager: ReplicaAverager, sites: list[list[str]], weight: float, gid: Callable[[int, str], bytes]
+    ) -> None:
+        self.averager, self.sites, self.weight, self.gid = averager, sites, weight, gid
+        self.site = next(r for r, members in enumerate(sites) if averager.peer_id in members)
+        self.member = sites[self.site].index(averager.peer_id)
+        self.n_shards = max(map(len, sites))
+
+    def __call__(self, round_: int, tensors: list[torch.Tensor]) -> None:
+        """Replace float64 `tensors` in place by their weighted mean over every replica of the stage."""
+        if not any(t.numel() for t in tensors):
+            return  # e.g. PowerSGD's second round on a stage without matrices; every replica returns alike
+        members = self.sites[self.site]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        shards = torch.tensor_split(flat, self.n_shards)  # views: all-reducing a shard writes into flat
+        # An empty shard (fewer values than shards) needs no all-reduce; every replica skips the same ones.
+        held_by = [[p for p in range(len(shards)) if p % len(members) == j and shards[p].numel()]
+                   for j in range(len(members))]
+        site_weight = self._average_in_site(round_, flat)
+        self.averager.average_all([
+            Job(self.gid(round_, f"B/{p}"), [site[p % len(site)] for site in self.sites], [shards[p]], site_weight)
+            for p in held_by[self.member]
+        ])
+        if len(members) > 1:
+            jobs = []
+            for j, held in enumerate(held_by):
+                if not held:
+                    continue
+                if j != self.member:
+                    for p in held:
+                        shards[p].zero_()
+                jobs.append(Job(self.gid(round_, f"C/{self.site}/{j}"), members, [shards[p] for p in held],
+                                1.0 if j == self.member else 0.0))
+            self.averager.average_all(jobs)
+        _round_to_float32(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+    def _average_in_site(self, round_: int, flat: torch.Tensor) -> float:
+        """Phase A: replace `flat` by the site's weighted mean; returns the site's total weight."""
+        members = self.sites[self.site]
+        if len(members) == 1:
+            return self.weight
+        weights = torch.tensor([self.weight], dtype=torch.float64)
+        self.averager.average_all([
+            Job(self.gid(round_, f"A/{self.site}"), members, [flat], self.weight),
+            Job(self.gid(round_, f"A/{self.site}/weight"), members, [weights], 1.0),
+        ])
+        # The reducer's float32 mean, the same on every member (the float64 copy may differ in its last bits).
+        total = len(members) * float(weights.float())
+        if total == 0:
+            flat.zero_()  # no microbatch in this site: its mean is 0/0, and with weight 0 in B it counts for nothing
+        return total
