@@ -705,8 +705,9 @@ class Agent:
             if self._low_rank is not None:
                 self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
             else:
-                # float64 copies: hivemind reduces in float32 and returns deltas, and x64 + delta rounds back to
-                # the reducer's float32 average on every replica alike, so replicas stay bit-identical.
+                # float64 copies: hivemind reduces in float32 and returns deltas; x64 + delta lies close enough to
+                # the reducer's float32 average that all_reduce rounds it back to exactly that on every replica
+                # (in float32, x32 + delta would round differently on each), so replicas stay bit-identical.
                 grads = [g.double() for g in runtime.gradients()]
                 all_reduce(0, grads)
                 for g, averaged in zip(runtime.gradients(), grads):
