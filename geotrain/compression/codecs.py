@@ -79,8 +79,8 @@ from geotrain.compression.base import (
 
 _F16_MAX = torch.finfo(torch.float16).max
 # Adding 1.5 * 2**23 to a float32 of magnitude below 2**22 rounds it to the nearest integer, which then
-# sits in the low mantissa bits; narrowing those bits (as int32) to a byte keeps exactly the code. Two cheap
-# vectorised passes where torch.round plus a float-to-int8 cast costs several times more.
+# sits in the low mantissa bits, where int4 packs them with integer ops. (int8 rounds with an in-place
+# torch.round and casts to int8, with torch 2.13 as fast as the add and the int32-to-int8 cast, or a little faster.)
 _ROUND_MAGIC = 1.5 * 2**23
 # Floor of a block scale so that 1 / scale stays finite for all-zero and subnormal blocks.
 _MIN_SCALE = 2.0**-120
@@ -282,15 +282,15 @@ class _BlockQuantCodec(Codec):
             # The block absmax straight into the payload's scales, which then become the scales in place.
             torch.amax(bits, 1, out=scale.view(torch.int32))
             scale.clamp_(min=self.qmax * _MIN_SCALE).div_(self.qmax)
-            torch.mul(part, scale.reciprocal().unsqueeze(1), out=codes).add_(_ROUND_MAGIC + self.code_offset)
-            self._pack(codes.view(torch.int32), out[chunk])
+            self._pack(torch.mul(part, scale.reciprocal().unsqueeze(1), out=codes), out[chunk])
         # NaN and Inf propagate into the scale of their block and from there into the largest scale.
         if not math.isfinite(scales.amax()):
             raise CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
 
     @abc.abstractmethod
-    def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
-        """Store codes, one block per row, into the payload bytes `out`; a code's low byte is q + code_offset."""
+    def _pack(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        """Round the scaled float32 values (in [-qmax, qmax], one block per row, scratch space) to the nearest
+        integer q, ties to even, and store them into the payload bytes `out`."""
 
     def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n, block = header.numel, self.param
@@ -331,8 +331,9 @@ class Int8Codec(_BlockQuantCodec):
     per_byte = 1
     code_offset = 0
 
-    def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
-        out.view(torch.int8).copy_(codes)
+    def _pack(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        # round_ then the float-to-int8 cast: on 8x128x1024 faster than the add of _ROUND_MAGIC and an int32 cast.
+        out.view(torch.int8).copy_(scaled.round_())
 
     def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
         out.copy_(packed.view(torch.int8)).mul_(scales.unsqueeze(1))
@@ -348,7 +349,9 @@ class Int4Codec(_BlockQuantCodec):
     per_byte = 2
     code_offset = 8
 
-    def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
+    def _pack(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        # The low byte of the rounded-by-magic bits is q + code_offset.
+        codes = scaled.add_(_ROUND_MAGIC + self.code_offset).view(torch.int32)
         torch.bitwise_or(codes[:, 0::2], codes[:, 1::2].bitwise_left_shift(4), out=out)
 
     def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
