@@ -196,6 +196,12 @@ class CompressionSection:
                 "a lossy all-reduce leaves stage replicas with different parameters"
             )
 
+    @property
+    def replica_rank(self) -> int | None:
+        """PowerSGD's rank when replicas average low-rank factors, None when they average raw gradients."""
+        codec = get_codec(self.replica_grads)
+        return codec.param if codec.base_name == "powersgd" else None
+
 
 @dataclass(kw_only=True)
 class EmulationSection:

@@ -101,3 +101,32 @@ def test_run_plan_reports_bad_cluster(tmp_path):
     err = io.StringIO()
     assert run_plan(str(bad), SMALL, microbatches=4, microbatch_size=1, as_json=False, out=io.StringIO(), err=err) == 2
     assert "missing key 'nodes'" in err.getvalue()
+
+
+def test_run_plan_prices_how_replicas_average(tmp_path):
+    path = tmp_path / "two.yaml"
+    cluster = {
+        "intra_region": {"bandwidth_gbps": 100, "latency_ms": 0.1},
+        "inter_region": [{"regions": ["a", "b"], "bandwidth_gbps": 1, "latency_ms": 40}],
+        "nodes": [{"name": r, "region": r, "device": "T4", "count": 2} for r in "ab"],
+    }
+    path.write_text(yaml.safe_dump(cluster))
+
+    def planned(**kwargs):
+        out = io.StringIO()
+        assert run_plan(str(path), SMALL, microbatches=65536, microbatch_size=1, as_json=True, out=out, stages=1,
+                        **kwargs) == 0
+        (stage,) = json.loads(out.getvalue())["stages"]
+        assert len(stage["node_ids"]) == 4
+        return stage
+
+    flat = planned(allreduce="flat")
+    auto = planned()
+    assert not flat["hierarchical_allreduce"] and auto["hierarchical_allreduce"]
+    assert auto["allreduce_s"] < flat["allreduce_s"]
+    low_rank = planned(allreduce="flat", replica_rank=2)
+    assert 0 < low_rank["allreduce_s"] < flat["allreduce_s"]
+    table = io.StringIO()
+    assert run_plan(str(path), SMALL, microbatches=65536, microbatch_size=1, as_json=False, out=table, stages=1,
+                    allreduce="hierarchical") == 0
+    assert "(by region)" in table.getvalue()

@@ -87,3 +87,9 @@ def test_demo_node_flags_from_regions_and_uplink():
     assert flags["node-3"][:2] == ["--region", "eu"] and flags["node-2"][:2] == ["--region", "us"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--uplink", "fast"])
+
+
+def test_replica_rank_follows_replica_grads():
+    assert load_config().compression.replica_rank is None
+    assert load_config(None, ["compression.replica_grads=powersgd"]).compression.replica_rank == 4
+    assert load_config(None, ["compression.replica_grads=powersgd:rank=8"]).compression.replica_rank == 8

@@ -173,6 +173,8 @@ def test_hierarchical_allreduce_by_hand():
     forced = cost_model(uneven, allreduce="hierarchical")
     assert forced.sync_seconds(np.array([0, 2, 3]), 0, 1) == pytest.approx(2 * 2 / 3 * 1600 / 800 + 0.2)
     assert forced.sync_seconds(idx, 1, 2) > auto.sync_seconds(idx, 1, 2)
+    ranges = forced.sync_seconds(idx, np.array([0, 1]), np.array([1, 2]))
+    assert ranges[1] == pytest.approx(forced.sync_seconds(idx, 1, 2)) and ranges[1] > small
     with pytest.raises(ValueError, match="allreduce"):
         cost_model(nodes, allreduce="ring")
 

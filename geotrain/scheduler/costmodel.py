@@ -518,8 +518,8 @@ class CostModel:
     def sync_seconds(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
         """Replica averaging of layers [start, end) (numbers or arrays of bounds) among the replicas idx, the
         faster of the flat and the hierarchical way where both are allowed (see the module docstring)."""
-        flat, hierarchical = self._sync_both(idx, start, end)
-        return np.minimum(flat, hierarchical) if isinstance(flat, np.ndarray) else min(flat, hierarchical)
+        faster = np.minimum(*self._sync_both(idx, start, end))
+        return faster if np.ndim(faster) else float(faster)
 
     def hierarchical_allreduce(self, idx: np.ndarray, start: int, end: int) -> bool:
         """Whether the replicas idx average layers [start, end) hierarchically (region by region)."""

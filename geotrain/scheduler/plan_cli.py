@@ -28,11 +28,14 @@ def run_plan(
     stages: int | None = None,
     inflight: int | None = None,
     codec_ratio: float | CodecRatio = 1.0,
+    allreduce: str = "auto",
+    replica_rank: int | None = None,
     err: TextIO = sys.stderr,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
-    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); returns 0, or 2
-    after printing the error for a bad cluster or model."""
+    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); allreduce and
+    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); returns 0, or 2 after
+    printing the error for a bad cluster or model."""
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
         cluster = load_cluster(cluster_path, profile)
@@ -44,6 +47,8 @@ def run_plan(
             microbatch_size=microbatch_size,
             inflight=inflight,
             codec_ratio=codec_ratio,
+            allreduce=allreduce,
+            replica_rank=replica_rank,
             config=PlannerConfig(stages=stages),
         )
     except (OSError, ValueError, TypeError) as exc:
@@ -68,7 +73,7 @@ def write_plan(result: Plan, *, as_json: bool, out: TextIO) -> None:
                 str(len(st.node_ids)),
                 f"{st.compute_s:.3f}",
                 f"{st.transfer_s:.3f}" if k < len(result.stages) - 1 else "-",
-                f"{st.allreduce_s:.3f}",
+                f"{st.allreduce_s:.3f}" + (" (by region)" if st.hierarchical_allreduce else ""),
                 f"{st.memory_bytes / _GIB:.1f}",
                 shown,
             )
