@@ -441,7 +441,8 @@ class TopKCodec(_FeedbackCodec):
         deviation, factors = acc, []
         if dims is not None:
             factors = list(_rank1(acc.view(dims)))
-            deviation = acc - torch.outer(*factors).view(-1)
+            base = torch.outer(*factors).view(-1)
+            deviation = torch.sub(acc, base, out=base)
             if not _all_finite(deviation):
                 # The input near float32's limits with a base of the other sign: send the input itself.
                 factors, deviation = [f.zero_() for f in factors], acc.clone()
