@@ -535,10 +535,16 @@ class Coordinator:
         stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
         return cm.plan(stages, {}) if cm.feasible(stages) else None
 
-    def _step_shape(self) -> dict[str, int]:
-        """A step as the planner and the cost model see it: microbatches, their size, the data heads' window."""
+    def _step_shape(self) -> dict[str, Any]:
+        """A step as the planner and the cost model see it: microbatches, their size, the data heads' window, and
+        how replicas may average (scheduler.allreduce)."""
         train = self.cfg.train
-        return {"microbatches": train.microbatches, "microbatch_size": train.microbatch_size, "inflight": train.inflight}
+        return {
+            "microbatches": train.microbatches,
+            "microbatch_size": train.microbatch_size,
+            "inflight": train.inflight,
+            "allreduce": self.cfg.scheduler.allreduce,
+        }
 
     def _profiles_changed(self) -> bool:
         """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
