@@ -27,6 +27,7 @@ def _report(node_id: str, seconds: float = 0.01, links: dict[str, tuple[float, f
         param_bytes=[1000 * (i + 1) for i in range(LAYERS)],
         activation_bytes=[5 * HIDDEN] * LAYERS,
         memory_bytes=8 << 30,
+        param_shapes=[pb.LayerShapes(tensors=[pb.TensorShape(dims=[10, 25 * (i + 1)])]) for i in range(LAYERS)],
         links=[pb.LinkProbe(peer=p, bandwidth_bps=mbps * 1e6, rtt_s=ms / 1e3) for p, (mbps, ms) in (links or {}).items()],
     )
 
@@ -49,6 +50,7 @@ def test_reports_become_planner_inputs():
     assert nodes[1].layer_seconds == [0.02] * LAYERS and nodes[1].region == "eu" and nodes[1].memory_bytes == 8 << 30
     assert model.boundary_bytes == [HIDDEN] * (LAYERS - 1) + [0]
     assert model.layer_param_bytes == [1000 * (i + 1) for i in range(LAYERS)]
+    assert model.layer_param_shapes == [[(10, 25 * (i + 1))] for i in range(LAYERS)]
     assert model.layer_activation_bytes == [5 * HIDDEN] * LAYERS
     # Both directions fold into one link: a step pays 1/bw of each way; the latency is half the mean round trip.
     ab = network.pair_overrides[("a", "b")]
@@ -90,6 +92,8 @@ def test_no_profile_yet_is_an_error():
         (lambda r: r.links.add(peer="b", bandwidth_bps=1e6, rtt_s=-1), "round trip to b"),
         (lambda r: r.links.add(peer="", bandwidth_bps=1e6, rtt_s=0.1), "no peer"),
         (lambda r: setattr(r, "node_id", ""), "node_id"),
+        (lambda r: r.param_shapes.add(tensors=[pb.TensorShape(dims=[2, 3])]), "param_shapes has"),
+        (lambda r: r.param_shapes[0].tensors.add(dims=[4, 0]), "layer 0 has a parameter shape"),
     ],
 )
 def test_malformed_reports_are_rejected(change, message):

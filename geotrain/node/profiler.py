@@ -53,6 +53,8 @@ class LayerProfile:
     """Parameter bytes of each layer."""
     activation_bytes: list[int]
     """Bytes each layer keeps for its backward (its saved tensors, parameters excluded)."""
+    param_shapes: list[list[tuple[int, ...]]]
+    """Shapes of each layer's parameter tensors."""
 
 
 def stretch(started: float, slowdown: float) -> None:
@@ -91,7 +93,7 @@ def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: st
     gen = torch.Generator().manual_seed(cfg.run.seed)
     tokens = torch.randint(0, VOCAB, (b, t), generator=gen).to(dev)
     hidden = torch.randn(b, t, m.d_model, generator=gen).to(dev)
-    profile = LayerProfile([], [], [], [])
+    profile = LayerProfile([], [], [], [], [])
     for index in range(m.total_layers):
         layer = build_layer(m, index, cfg.run.seed).to(dev)
         x = tokens if index == 0 else hidden.clone().requires_grad_(True)
@@ -120,6 +122,7 @@ def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: st
         profile.layer_seconds.append(statistics.median(times))
         profile.boundary_bytes.append(0 if index == last else out.numel() * out.element_size())
         profile.param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+        profile.param_shapes.append([tuple(p.shape) for p in layer.parameters()])
         profile.activation_bytes.append(_saved_bytes(lambda: layer(x), params))
     return profile
 
@@ -276,6 +279,10 @@ class NodeProfiler:
                 boundary_bytes=layers.boundary_bytes,
                 param_bytes=layers.param_bytes,
                 activation_bytes=layers.activation_bytes,
+                param_shapes=[
+                    pb.LayerShapes(tensors=[pb.TensorShape(dims=shape) for shape in layer])
+                    for layer in layers.param_shapes
+                ],
                 memory_bytes=self._memory,
                 links=list(self._links.values()),
             )

@@ -471,7 +471,7 @@ class LinkProbe(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class NodeProfileReport(_message.Message):
-    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes")
+    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +479,7 @@ class NodeProfileReport(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SHAPES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     boundary_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -486,7 +487,20 @@ class NodeProfileReport(_message.Message):
     memory_bytes: int
     links: _containers.RepeatedCompositeFieldContainer[LinkProbe]
     activation_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    param_shapes: _containers.RepeatedCompositeFieldContainer[LayerShapes]
+    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ...) -> None: ...
+
+class LayerShapes(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
     __slots__ = ("total_bytes", "data")

@@ -471,7 +471,7 @@ class Coordinator:
                     nodes=nodes,
                     model=model,
                     network=network,
-                    **self._step_shape(),
+                    **self._step_shape(model),
                     config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
                     previous=previous,
                 )
@@ -531,19 +531,22 @@ class Coordinator:
             return None
         nodes, model, network = planner_inputs(members, self.cfg)
         index = {n.node_id: i for i, n in enumerate(nodes)}
-        cm = costmodel.CostModel(nodes=nodes, model=model, network=network, **self._step_shape())
+        cm = costmodel.CostModel(nodes=nodes, model=model, network=network, **self._step_shape(model))
         stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
         return cm.plan(stages, {}) if cm.feasible(stages) else None
 
-    def _step_shape(self) -> dict[str, Any]:
+    def _step_shape(self, model: costmodel.ModelProfile) -> dict[str, Any]:
         """A step as the planner and the cost model see it: microbatches, their size, the data heads' window, and
-        how replicas may average (scheduler.allreduce)."""
+        how replicas may average (scheduler.allreduce, and PowerSGD's rank where the nodes reported the parameter
+        shapes that size its factors)."""
         train = self.cfg.train
+        low_rank = model.layer_param_shapes is not None
         return {
             "microbatches": train.microbatches,
             "microbatch_size": train.microbatch_size,
             "inflight": train.inflight,
             "allreduce": self.cfg.scheduler.allreduce,
+            "replica_rank": self.cfg.compression.replica_rank if low_rank else None,
         }
 
     def _profiles_changed(self) -> bool:

@@ -44,6 +44,11 @@ def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
             raise ValueError(f"{name} has {len(getattr(report, name))} entries, the model has {total_layers} layers")
     if not all(math.isfinite(t) and t > 0 for t in report.layer_seconds):
         raise ValueError("layer_seconds must be finite and > 0")
+    if report.param_shapes and len(report.param_shapes) != total_layers:
+        raise ValueError(f"param_shapes has {len(report.param_shapes)} entries, the model has {total_layers} layers")
+    for layer, shapes in enumerate(report.param_shapes):
+        if any(not shape.dims or 0 in shape.dims for shape in shapes.tensors):
+            raise ValueError(f"layer {layer} has a parameter shape without dimensions or with a zero one")
     if report.memory_bytes <= 0:
         raise ValueError("memory_bytes must be > 0")
     for link in report.links:
@@ -72,6 +77,7 @@ def model_profile(report: pb.NodeProfileReport, cfg: RunConfig) -> ModelProfile:
         # Not measured, and planning from measured times never reads it: the 6 x parameters x tokens rule.
         layer_flops=[6.0 * p / _FP32_BYTES * tokens for p in report.param_bytes],
         bytes_per_value=_FP32_BYTES,
+        layer_param_shapes=[[tuple(s.dims) for s in layer.tensors] for layer in report.param_shapes] or None,
     )
 
 
