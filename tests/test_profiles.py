@@ -124,4 +124,12 @@ def test_coordinator_keeps_the_latest_profile_and_shows_measured_links():
     nodes = {n.node_id: n for n in status.nodes}
     assert nodes["a"].profiled_microbatch_s == pytest.approx(0.01 * LAYERS) and nodes["a"].memory_bytes == 8 << 30
     assert nodes["b"].profiled_microbatch_s == 0
+    # Restarted (a new address) in the same region, a node is planned with its last profile until it sends a new
+    # one; in another region, it is a different machine.
+    coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="a", address="x:2"))
+    assert coordinator.members["a"].profile.links[-1].peer == "b"
+    coordinator.register(
+        pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="a", address="x:3", region="elsewhere")
+    )
+    assert coordinator.members["a"].profile is None
     coordinator.store.close()

@@ -214,6 +214,10 @@ class Coordinator:
                 member.held = (request.layer_start, request.layer_end)
                 member.applied_steps = request.applied_steps
             member.restarted = existing is not None and node_id in self._plan_nodes() and not request.layer_end
+            if existing is not None and existing.region == member.region:
+                # The node measures itself again, which takes a while; until its report arrives, what it measured
+                # before lets the re-plan on its return count it in.
+                member.profile = existing.profile
             self.members[node_id] = member
             self._cond.notify_all()
         kind = "rejoin" if existing is not None else "join"
