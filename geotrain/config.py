@@ -245,6 +245,7 @@ class ProfileSection:
         "bytes of each link's bandwidth probe; several MiB on a WAN, so TCP's ramp-up and a shaper's burst do not count",
     )
     layer_repeats: int = _bounded(5, 1, 100, "timed fwd+bwd runs of each layer after a warm-up; the median counts")
+    reprobe_s: float = _bounded(300.0, 0.0, 86400.0, "seconds between re-measurements of a node's links; 0: never")
 
     def __post_init__(self) -> None:
         _check_bounds(self, "profile")

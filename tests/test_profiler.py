@@ -176,6 +176,8 @@ def test_bad_probes_and_reports_are_rejected_by_the_coordinator(coordinator_addr
 def test_live_run_ends_with_every_profile_on_the_coordinator(small_config, tmp_path):
     cfg = small_config
     cfg.profile.layer_repeats = 1  # timing quality is another test's business; keep this run short
+    cfg.profile.reprobe_s = 0.5
+    cfg.run.steps = 6
     with local_cluster(cfg, 2, tmp_path) as cluster:
         coordinator = cluster.coordinator
         while coordinator.plan is None and cluster.thread.is_alive():
@@ -196,6 +198,15 @@ def test_live_run_ends_with_every_profile_on_the_coordinator(small_config, tmp_p
         while not profiled() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert profiled(), f"profiles: { {n: m.profile for n, m in coordinator.members.items()} }"
+        # Every node measures its links again every profile.reprobe_s and sends the coordinator a new report.
+        reported = {n: coordinator.members[n].profile for n in wanted}
+        deadline = time.monotonic() + 20
+        while any(coordinator.members[n].profile is reported[n] for n in wanted) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for n, peers in wanted.items():
+            again = coordinator.members[n].profile
+            assert again is not reported[n], f"{n} sent no profile after its links were first measured"
+            assert peers <= {p.peer for p in again.links}
         cluster.wait(40)
         for node_id in wanted:
             assert len(coordinator.members[node_id].profile.layer_seconds) == cfg.model.total_layers

@@ -9,6 +9,7 @@ import pytest
 from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.planner import plan
 from geotrain.scheduler.profiles import DEFAULT_INTRA_REGION, check_report, planner_inputs
@@ -132,4 +133,26 @@ def test_coordinator_keeps_the_latest_profile_and_shows_measured_links():
         pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="a", address="x:3", region="elsewhere")
     )
     assert coordinator.members["a"].profile is None
+    coordinator.store.close()
+
+
+def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
+    coordinator = Coordinator(CFG, checkpoints=CheckpointStore(tmp_path, keep=1))  # measured placement re-plans
+    for node_id, region in (("a", "eu"), ("b", "us")):
+        coordinator.register(
+            pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1", region=region)
+        )
+        coordinator.report_profile(_report(node_id, links={"b" if node_id == "a" else "a": (100, 20)}))
+    groups = [[coordinator.members["a"]], [coordinator.members["b"]]]
+    ranges = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
+    coordinator._update_estimate(ranges, groups)
+    assert not coordinator._drifted()  # the estimate when the plan was made
+    coordinator.report_profile(_report("a", links={"b": (90, 22)}))
+    coordinator._update_estimate(ranges, groups)
+    assert not coordinator._drifted(), "a few percent of measurement noise does not move layers"
+    coordinator.report_profile(_report("a", links={"b": (0.5, 300)}))
+    coordinator.report_profile(_report("b", links={"a": (0.5, 300)}))
+    coordinator._update_estimate(ranges, groups)
+    assert coordinator._drifted()
+    assert any(kind == "drift" for _, kind, _, _ in coordinator.store.events())
     coordinator.store.close()

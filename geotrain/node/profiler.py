@@ -191,7 +191,8 @@ def probe_link(
 
 class NodeProfiler:
     """Profiles a node for its run and reports to the coordinator: its layers and coordinator link once, then
-    each new peer it is given once, re-sending the whole profile each time (the coordinator keeps the latest)."""
+    each new peer it is given once, and every link it measured again every profile.reprobe_s (WAN links change
+    over a run), re-sending the whole profile each time (the coordinator keeps the latest)."""
 
     def __init__(
         self, coordinator: rpc.CoordinatorStub, dataplane: DataPlane, node_id: Callable[[], str], slowdown: float
@@ -203,6 +204,7 @@ class NodeProfiler:
         self._layers: LayerProfile | None = None
         self._memory = 0
         self._links: dict[str, pb.LinkProbe] = {}
+        self._addresses: dict[str, str] = {}  # peer -> address ("" for the coordinator) of every link measured
         self._peers: queue.Queue[dict[str, str] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._layers_done = threading.Event()  # set even when timing failed, so the profiler thread never hangs
@@ -227,8 +229,16 @@ class NodeProfiler:
             if stopped.is_set():
                 return
         self.report()
+        interval = cfg.profile.reprobe_s or None
         while not stopped.is_set():
-            peers = self._peers.get()
+            try:
+                peers = self._peers.get(timeout=interval)
+            except queue.Empty:  # time to measure every link again
+                with self._lock:
+                    again = dict(self._addresses)
+                if self._probe(again, cfg.profile.probe_bytes, again=True):
+                    self.report()
+                continue
             if peers is None:
                 return
             while not self._peers.empty():  # only the latest plan's neighbours matter
@@ -249,11 +259,12 @@ class NodeProfiler:
         """End the profiler thread."""
         self._peers.put(None)
 
-    def _probe(self, peers: dict[str, str], nbytes: int) -> bool:
-        """Measure the links to peers ("" address: the coordinator); True if any was measured."""
+    def _probe(self, peers: dict[str, str], nbytes: int, again: bool = False) -> bool:
+        """Measure the links to peers ("" address: the coordinator), those measured before only when again;
+        True if any was measured."""
         measured = False
         for peer, address in peers.items():
-            if peer in self._links:
+            if peer in self._links and not again:
                 continue
             target = self._coordinator if peer == COORDINATOR_PEER else self._dataplane.stub(address)
             try:
@@ -264,6 +275,7 @@ class NodeProfiler:
             log.info("link to %s: %.1f Mbit/s, %.1f ms round trip", peer, probe.bandwidth_bps / 1e6, probe.rtt_s * 1e3)
             with self._lock:
                 self._links[peer] = probe
+                self._addresses[peer] = address
             measured = True
         return measured
 

@@ -151,12 +151,14 @@ class EmulationSettings(_message.Message):
     def __init__(self, links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProfileSettings(_message.Message):
-    __slots__ = ("probe_bytes", "layer_repeats")
+    __slots__ = ("probe_bytes", "layer_repeats", "reprobe_s")
     PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_REPEATS_FIELD_NUMBER: _ClassVar[int]
+    REPROBE_S_FIELD_NUMBER: _ClassVar[int]
     probe_bytes: int
     layer_repeats: int
-    def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ...) -> None: ...
+    reprobe_s: float
+    def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ...) -> None: ...
 
 class RunConfig(_message.Message):
     __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile")

@@ -46,6 +46,8 @@ EventSink = Callable[[str, dict[str, Any]], None]
 # A re-plan keeps the current layers unless moving them is estimated this much faster: profiles measured at
 # different times differ by several percent, and a smaller margin moves layers back and forth on that noise.
 _REPLAN_TOLERANCE = 0.1
+# Re-measured links that make the current plan's estimate this much slower than when it was made start a re-plan.
+_DRIFT_REPLAN = 0.25
 StateFetcher = Callable[[str, int], dict[str, Any]]
 
 
@@ -179,6 +181,7 @@ class Coordinator:
         self._suspects: set[str] = set()
         self._plan_dirty = True
         self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
+        self._planned_step_s: float | None = None  # its estimated step time when the plan was made
         self._excluded: set[str] = set()  # nodes the planner left out: they stay spares
         self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
 
@@ -553,6 +556,22 @@ class Coordinator:
             "replica_rank": self.cfg.compression.replica_rank if low_rank else None,
         }
 
+    def _drifted(self) -> bool:
+        """Whether re-measured profiles put the current plan's estimate so far above what it was when the plan was
+        made that the planner should look again (it moves layers only where that pays: _REPLAN_TOLERANCE)."""
+        if not self._replans_measured() or self.estimate is None:
+            return False
+        if self._planned_step_s is None:  # the plan's profiles came in after it was made
+            self._planned_step_s = self.estimate.step_seconds
+            return False
+        slower = self.estimate.step_seconds / self._planned_step_s - 1
+        if slower <= _DRIFT_REPLAN:
+            return False
+        why = f"re-measured profiles put the plan {100 * slower:.0f}% slower than estimated when it was made"
+        log.info("re-planning: %s", why)
+        self.store.event("drift", detail=why)
+        return True
+
     def _profiles_changed(self) -> bool:
         """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
         return any(self.members[n].profile is not self._estimated_from.get(n) for n in self._plan_nodes())
@@ -572,6 +591,7 @@ class Coordinator:
             self._wait(lambda: all(self._assign(ranges)), "a node for every stage", self.cfg.scheduler.rejoin_timeout_s)
             groups = self._assign(ranges)
         self._update_estimate(ranges, groups)
+        self._planned_step_s = self.estimate.step_seconds if self.estimate is not None else None
         loads = self._state_sources(ranges, groups)
         epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
         multi = [m.node_id for g in groups if len(g) > 1 for m in g]
@@ -761,6 +781,7 @@ class Coordinator:
             self._update_estimate(
                 self._stage_ranges(), [[self.members[n] for n in s.node_ids] for s in self.plan.stages]
             )
+            self._plan_dirty |= self._drifted()
         step = record.step
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
