@@ -92,13 +92,13 @@ def test_auto_compresses_a_slow_link_and_relaxes_on_a_fast_one():
     assert _drive(policy, 2.5e6, 0.06) == "int8:block=64"  # fp16 (52 ms) would fit, not with 25% to spare
     assert _drive(policy, 2.5e6, 0.08) == "fp16"  # 52 ms fits with room
     assert _drive(policy, 1e9, 0.03) == "none"  # a fast link sends raw
-    assert policy.accepted_ids == {get_codec(s).codec_id for s in ("none", "fp16", "int8")}
+    assert policy.accepted_ids == {get_codec(s).codec_id for s in ("none", "fp16", "int8", "topk:0.1")}
 
 
 def test_auto_takes_the_last_rung_when_nothing_fits():
     policy = CodecPolicy("activation_grads", "auto", dwell=1)
-    assert _drive(policy, 1e3, 0.01) == "int8:block=64"
-    assert get_codec("topk:0.1").codec_id not in policy.accepted_ids
+    assert _drive(policy, 1e3, 0.01) == "topk:0.1"
+    assert get_codec("int4").codec_id not in policy.accepted_ids
 
 
 def test_auto_waits_for_the_new_codec_to_be_measured():
@@ -142,12 +142,12 @@ def _header(codec: str) -> pb.TensorHeader:
 
 def test_receiver_accepts_any_codec_of_the_ladder_and_nothing_else():
     policy = CodecPolicy("activations", "auto")
-    for codec in ("none", "fp16", "int8"):
+    for codec in ("none", "fp16", "int8", "topk:0.1"):
         check_activation_header(_header(codec), list(SHAPE), policy.accepted_ids, 1 << 30)
     with pytest.raises(FrameError) as err:
-        check_activation_header(_header("topk:0.1"), list(SHAPE), policy.accepted_ids, 1 << 30)
+        check_activation_header(_header("int4"), list(SHAPE), policy.accepted_ids, 1 << 30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "CODEC_TOPK" in str(err.value)
+    assert "CODEC_INT4" in str(err.value)
 
 
 def test_codec_state_survives_replan_for_links_that_remain():
