@@ -36,7 +36,9 @@ Step (GPipe-style fill and drain; compute and communication overlap, so the slow
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
 copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes per parameter, fp32 too)
 + activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound).
-Not modelled: contention of several pairs on one region's uplink, and the all-reduce overlapping the drain.
+Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and that
+the live all-reduce sends float64 copies of fp32 gradients (node.averaging: replicas end bit-identical), twice the
+bytes P_s counts.
 """
 
 from __future__ import annotations
