@@ -146,8 +146,8 @@ class SchedulerSection:
         default="auto",
         metadata={
             "doc": "how a stage's replicas average gradients: flat (one group), hierarchical (region by region "
-            "wherever replicas span regions and some region has several), auto (the planner's choice under "
-            "measured placement, else flat)"
+            "wherever replicas span regions and some region has several), auto (whichever the cost model's "
+            "estimate of the plan prices faster; flat until the nodes' profiles are in)"
         },
     )
 

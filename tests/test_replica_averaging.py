@@ -16,6 +16,7 @@ from geotrain.compression import get_codec
 from geotrain.config import ConfigError, load_config
 from geotrain.node.local import train_local
 from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
+from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import local_cluster
@@ -313,15 +314,31 @@ def test_sites_keep_first_appearance_and_member_order():
         ("flat", "measured", True, ["eu", "eu", "us"], False),
         ("auto", "measured", True, ["eu", "eu", "us"], True),
         ("auto", "measured", False, ["eu", "eu", "us"], False),
-        ("auto", "uniform", True, ["eu", "eu", "us"], False),
+        ("auto", "uniform", True, ["eu", "eu", "us"], True),  # the estimate prices uniform plans too
+        ("auto", "uniform", None, ["eu", "eu", "us"], False),  # no estimate before the profiles are in
     ],
 )
 def test_coordinator_chooses_the_all_reduce_by_scheduler_allreduce(mode, placement, planned, regions, expected):
     cfg = load_config(None, [f"scheduler.allreduce={mode}", f"scheduler.placement={placement}"])
     coordinator = Coordinator(cfg)
-    coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=planned)])
+    if planned is not None:
+        coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=planned)])
     group = [Member(node_id=f"n{i}", address="x:1", region=r, joined_at=0.0, last_seen=0.0) for i, r in enumerate(regions)]
     assert coordinator._hierarchical_allreduce(0, group) is expected
+    coordinator.store.close()
+
+
+def test_a_plan_made_before_the_profiles_switches_its_averaging_when_they_price_it():
+    coordinator = Coordinator(load_config(None, ["scheduler.placement=uniform"]))
+    regions = ["eu", "eu", "us"]
+    for i, region in enumerate(regions):
+        coordinator.members[f"n{i}"] = Member(f"n{i}", "x:1", region, 0.0, 0.0)
+    coordinator.plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(node_ids=["n0", "n1", "n2"], regions=regions)])
+    assert not coordinator._averaging_changed()  # no estimate yet: flat, as planned
+    coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=True)])
+    assert coordinator._averaging_changed()
+    coordinator.plan.stages[0].hierarchical_allreduce = True
+    assert not coordinator._averaging_changed()
     coordinator.store.close()
 
 

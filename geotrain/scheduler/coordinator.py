@@ -572,6 +572,15 @@ class Coordinator:
         self.store.event("drift", detail=why)
         return True
 
+    def _averaging_changed(self) -> bool:
+        """Whether a stage's replicas now ought to average the other way than the plan has them (the profiles that
+        price it came in after the plan was made): the next plan epoch switches them."""
+        assert self.plan is not None
+        return any(
+            stage.hierarchical_allreduce != self._hierarchical_allreduce(i, [self.members[n] for n in stage.node_ids])
+            for i, stage in enumerate(self.plan.stages)
+        )
+
     def _profiles_changed(self) -> bool:
         """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
         return any(self.members[n].profile is not self._estimated_from.get(n) for n in self._plan_nodes())
@@ -649,13 +658,14 @@ class Coordinator:
         self._on_event("plan", {"plan": plan})
 
     def _hierarchical_allreduce(self, index: int, group: list[Member]) -> bool:
-        """Whether stage `index`'s replicas average region by region (scheduler.allreduce): where the planner's
-        estimate says so under auto, wherever it differs from a flat all-reduce under hierarchical."""
+        """Whether stage `index`'s replicas average region by region (scheduler.allreduce): under auto where the
+        cost model's estimate of the plan (any placement) prices it faster, which it needs the nodes' profiles for;
+        under hierarchical wherever it differs from a flat all-reduce."""
         mode = self.cfg.scheduler.allreduce
         if mode == "hierarchical":
             per_region = Counter(m.region for m in group)
             return len(per_region) > 1 and max(per_region.values()) > 1
-        if mode == "auto" and self.cfg.scheduler.placement == "measured" and self.estimate is not None:
+        if mode == "auto" and self.estimate is not None:
             return self.estimate.stages[index].hierarchical_allreduce
         return False
 
@@ -781,7 +791,7 @@ class Coordinator:
             self._update_estimate(
                 self._stage_ranges(), [[self.members[n] for n in s.node_ids] for s in self.plan.stages]
             )
-            self._plan_dirty |= self._drifted()
+            self._plan_dirty |= self._drifted() or self._averaging_changed()
         step = record.step
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
