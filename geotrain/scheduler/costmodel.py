@@ -501,8 +501,8 @@ class CostModel:
     def _allreduce_both(self, idx: np.ndarray, bits: np.ndarray | float) -> tuple:
         """Seconds of one flat and one hierarchical all-reduce of bits (a number or an array of sizes) among the
         replicas idx; inf where that way does not apply or is not allowed."""
-        (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)
-        if hierarchical is None or self.allreduce == "flat":
+        (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)  # no hierarchical terms under "flat"
+        if hierarchical is None:
             return flat_per_bit * bits + flat_s, math.inf
         flat = flat_per_bit * bits + flat_s if self.allreduce == "auto" else math.inf
         inside, (shard_per_bit, shard_s) = hierarchical
