@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch goes in the same pip command as hivemind: alone, hivemind pulls a multi-GB CUDA torch.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile geotrain/compression/_blockquant.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(PINS)
@@ -34,3 +34,4 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+	find geotrain -name '*.so' -delete

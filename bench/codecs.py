@@ -10,7 +10,8 @@ Each time is the fastest of a few repetitions after WARMUP_S of warm-up runs (on
 activation's copy at 28 GB/s where it settles at 45-65 GB/s). On a shared machine other processes only ever add
 time, and with torch's threads on every core one descheduled thread stalls a whole parallel pass, so a median
 measures the neighbours; the fastest run is the closest to what the code costs, for the reference and the codecs
-alike. Run: python bench/codecs.py [--codecs int8,none]
+alike. implementation says what ran: "c" for int8's C kernel (built by setup.py where a compiler is found), "torch"
+for everything else and for int8 without the kernel. Run: python bench/codecs.py [--codecs int8,none]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from geotrain.compression import get_codec
+from geotrain.compression import codecs, get_codec
 
 SPECS = ["none", "fp16", "bf16", "int8", "int8:block=128", "int4", "topk:0.1", "topk:0.01", "powersgd:rank=4"]
 REPEATS = 7
@@ -73,6 +74,7 @@ def _figures(spec: str, data: str, x: torch.Tensor, memcpy_s: float) -> dict[str
         "encode_gbps": round(gb / encode_s, 3),
         "decode_gbps": round(gb / decode_s, 3),
         "memcpy_gbps": round(gb / memcpy_s, 3),
+        "implementation": "c" if codec.base_name == "int8" and codecs._blockquant is not None else "torch",
     }
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import shutil
+import sysconfig
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -246,13 +249,93 @@ def test_blockwise_error_is_at_most_half_a_step(x: torch.Tensor, spec: str) -> N
 @pytest.mark.parametrize("spec", ["int8", "int4:block=16"])
 @pytest.mark.parametrize("numel", [1, 255, 256, 4097, 5000])
 def test_blockwise_chunking(monkeypatch: pytest.MonkeyPatch, spec: str, numel: int) -> None:
-    # A tiny chunk exercises the loop over chunks (and its last partial chunk) with small tensors.
+    # A tiny chunk exercises the torch path's loop over chunks (and its last partial chunk) with small tensors.
     monkeypatch.setattr(codecs_module, "_CHUNK", 256)
+    monkeypatch.setattr(codecs_module, "_blockquant", None)
     codec = get_codec(spec)
     x = torch.randn(numel) * torch.logspace(-3, 3, numel)
     y = _roundtrip(codec, x)
     qmax = 127 if spec.startswith("int8") else 7
     assert bool(((y - x).abs().double() <= _block_bound(x, codec.param, qmax)).all())
+
+
+# int8's C kernel (geotrain/compression/_blockquant.c) must write what the torch path writes, byte for byte.
+needs_kernel = pytest.mark.skipif(codecs_module._blockquant is None, reason="the int8 C kernel is not built")
+
+
+def _both_paths(spec: str, x: torch.Tensor) -> tuple[tuple[bytes, torch.Tensor], tuple[bytes, torch.Tensor]]:
+    """(payload, decoded) of `x` by the C kernel and by the torch path."""
+    codec = get_codec(spec)
+    kernel = bytes(codec.encode(x))
+    kernel_decoded = codec.decode(kernel, x.shape, x.dtype)
+    with mock.patch.object(codecs_module, "_blockquant", None):
+        torch_path = bytes(codec.encode(x))
+        torch_decoded = codec.decode(torch_path, x.shape, x.dtype)
+    return (kernel, kernel_decoded), (torch_path, torch_decoded)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@FAST
+@given(x=float_tensors(), spec=st.sampled_from(["int8", "int8:block=7", "int8:block=128", "int8:block=2"]))
+def test_int8_kernel_writes_the_torch_paths_bytes(x: torch.Tensor, spec: str) -> None:
+    (kernel, kernel_decoded), (torch_path, torch_decoded) = _both_paths(spec, x)
+    assert kernel == torch_path
+    assert torch.equal(kernel_decoded, torch_decoded)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_int8_kernel_threads_split_blocks_exactly(threads: int) -> None:
+    # Large enough for several threads, with a partial last block; values from subnormal to near float32's max.
+    n = (1 << 19) + 37
+    g = torch.Generator().manual_seed(threads)
+    x = torch.randn(n, generator=g) * torch.logspace(-40, 37, n).float()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (kernel, kernel_decoded), (torch_path, torch_decoded) = _both_paths("int8", x)
+    finally:
+        torch.set_num_threads(previous)
+    assert kernel == torch_path
+    assert torch.equal(kernel_decoded, torch_decoded)
+
+
+@needs_kernel
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("position", [0, (1 << 18) + 1, (1 << 19) - 1])
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_int8_kernel_finds_non_finite_values_in_every_threads_share(position: int, bad: float) -> None:
+    x = np.ones(1 << 19, np.float32)
+    x[position] = bad
+    scales, codes = np.empty(len(x) // 64, np.float32), np.empty(len(x), np.int8)
+    assert codecs_module._blockquant.int8_encode(x, 64, scales, codes, 4) is False
+    x[position] = 1.0
+    assert codecs_module._blockquant.int8_encode(x, 64, scales, codes, 4) is True
+
+
+@needs_kernel
+@pytest.mark.timeout(30)
+def test_int8_kernel_checks_its_buffers() -> None:
+    x = np.ones(100, np.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        codecs_module._blockquant.int8_encode(x, 64, np.empty(1, np.float32), np.empty(100, np.int8), 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        codecs_module._blockquant.int8_decode(np.empty(100, np.int8), np.empty(2, np.float32), 64, x[:99], 1)
+    with pytest.raises(ValueError, match="positive"):
+        codecs_module._blockquant.int8_encode(x, 0, np.empty(2, np.float32), np.empty(100, np.int8), 1)
+    with pytest.raises(TypeError):
+        codecs_module._blockquant.int8_encode(x, 64, b"read-only", np.empty(100, np.int8), 1)
+
+
+@pytest.mark.timeout(30)
+def test_int8_kernel_is_built_where_a_compiler_is() -> None:
+    # setup.py builds it optionally: without this, a broken build would silently leave every node on the slow path.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) on this machine")
+    assert codecs_module._blockquant is not None
 
 
 @pytest.mark.timeout(60)

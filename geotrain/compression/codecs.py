@@ -78,9 +78,15 @@ from geotrain.compression.base import (
     register,
 )
 
+try:
+    # int8's one-pass C kernel (setup.py builds it where a C compiler is found); the torch path writes the same bytes.
+    from geotrain.compression import _blockquant
+except ImportError:
+    _blockquant = None
+
 _F16_MAX = torch.finfo(torch.float16).max
 # Adding 1.5 * 2**23 to a float32 of magnitude below 2**22 rounds it to the nearest integer, which then
-# sits in the low mantissa bits, where int4 packs them with integer ops. (int8 rounds with an in-place
+# sits in the low mantissa bits, where int4 packs them with integer ops. (int8's torch path rounds with an in-place
 # torch.round and casts to int8, with torch 2.13 as fast as the add and the int32-to-int8 cast, or a little faster.)
 _ROUND_MAGIC = 1.5 * 2**23
 # Floor of a block scale so that 1 / scale stays finite for all-zero and subnormal blocks.
@@ -256,20 +262,26 @@ class _BlockQuantCodec(Codec):
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         x = flat.float()
         n, block = x.numel(), self.param
-        full, tail = divmod(n, block)
-        blocks = full + (tail > 0)
-        main_bytes = self._packed(full * block)
-        qbytes = main_bytes + self._packed(tail)
+        blocks = -(-n // block)
+        qbytes = self._packed(n // block * block) + self._packed(n % block)
         payload, buf = new_payload(self.codec_id, block, 0, n, 4 * blocks + qbytes)
-        scales = body(buf, 0, blocks, torch.float32)
-        q = body(buf, 4 * blocks, qbytes, torch.uint8)
+        if not self._quantize_all(x, body(buf, 0, blocks, torch.float32), body(buf, 4 * blocks, qbytes, torch.uint8)):
+            raise CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
+        return payload
+
+    def _quantize_all(self, x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> bool:
+        """Quantise the float32 `x` into its block `scales` and packed values `q`; False if it holds NaN or Inf."""
+        n, block = x.numel(), self.param
+        full, tail = divmod(n, block)
+        main_bytes = self._packed(full * block)
         if full:
             self._quantize(x[: full * block].view(full, block), scales[:full], q[:main_bytes].view(full, -1))
         if tail:
             # The zero pad gives int4 whole bytes and cannot change the block's absmax.
             rest = F.pad(x[full * block :], (0, self._packed(tail) * self.per_byte - tail))
             self._quantize(rest.view(1, -1), scales[full:], q[main_bytes:].view(1, -1))
-        return payload
+        # NaN and Inf propagate into the scale of their block and from there into the largest scale.
+        return n == 0 or math.isfinite(scales.amax())
 
     def _quantize(self, rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Quantise each row of `rows` as one block into `out`, writing its scale to `scales`."""
@@ -286,9 +298,6 @@ class _BlockQuantCodec(Codec):
             absmax = bits.amax(1).view(torch.float32)
             torch.div(absmax.clamp_(min=self.qmax * _MIN_SCALE), self.qmax, out=scale)
             self._pack(torch.mul(part, scale.reciprocal().unsqueeze(1), out=codes), out[chunk])
-        # NaN and Inf propagate into the scale of their block and from there into the largest scale.
-        if not math.isfinite(scales.amax()):
-            raise CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
 
     @abc.abstractmethod
     def _pack(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
@@ -308,17 +317,22 @@ class _BlockQuantCodec(Codec):
         if not (scales.numpy().min() > 0 and scales.numpy().max() < math.inf):
             raise CodecError(f"{self.name} payload has non-finite or non-positive block scales")
         out = torch.empty(n, dtype=torch.float32)
-        main_bytes = self._packed(full * block)
-        packed = peek_body(view, 4 * blocks, main_bytes + self._packed(tail), torch.uint8)
+        packed = peek_body(view, 4 * blocks, self._packed(full * block) + self._packed(tail), torch.uint8)
+        self._dequantize_all(packed, scales, out)
+        return out.to(dtype).view(shape)
+
+    def _dequantize_all(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """Dequantise all packed values with their block scales into the float32 `out`."""
+        full, tail = divmod(out.numel(), self.param)
+        main_bytes = self._packed(full * self.param)
         if full:
-            rows, main = out[: full * block].view(full, block), packed[:main_bytes].view(full, -1)
-            for chunk in _row_chunks(full, block):
+            rows, main = out[: full * self.param].view(full, self.param), packed[:main_bytes].view(full, -1)
+            for chunk in _row_chunks(full, self.param):
                 self._unpack(main[chunk], rows[chunk], scales[chunk])
         if tail:
             rest = torch.empty(1, self._packed(tail) * self.per_byte)
             self._unpack(packed[main_bytes:].view(1, -1), rest, scales[full:])
-            out[full * block :] = rest[0, :tail]
-        return out.to(dtype).view(shape)
+            out[full * self.param :] = rest[0, :tail]
 
     @abc.abstractmethod
     def _unpack(self, packed: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
@@ -334,6 +348,17 @@ class Int8Codec(_BlockQuantCodec):
     qmax = 127
     per_byte = 1
     code_offset = 0
+
+    def _quantize_all(self, x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> bool:
+        if _blockquant is None:
+            return super()._quantize_all(x, scales, q)
+        return _blockquant.int8_encode(x.numpy(), self.param, scales.numpy(), q.numpy(), torch.get_num_threads())
+
+    def _dequantize_all(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        if _blockquant is None:
+            super()._dequantize_all(packed, scales, out)
+        else:
+            _blockquant.int8_decode(packed.numpy(), scales.numpy(), self.param, out.numpy(), torch.get_num_threads())
 
     def _pack(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
         # round_ then the float-to-int8 cast: on 8x128x1024 faster than the add of _ROUND_MAGIC and an int32 cast.
