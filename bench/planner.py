@@ -1,11 +1,12 @@
 """Planner benchmark: geotrain's planner against two simple strategies and the compute bound.
 
 Prints one JSON line per (scenario, nodes, strategy): scenario, nodes, multi_region, strategy, samples_per_s,
-ratio_to_bound, plan_seconds, replica_grads. Nothing else goes to stdout. Run: python bench/planner.py
-[--replica-rank R] [--scenarios a,b] [--sizes 16,64].
+ratio_to_bound, plan_seconds, replica_grads, microbatches. Nothing else goes to stdout. Run: python bench/planner.py
+[--replica-rank R] [--scenarios a,b] [--sizes 16,64] [--microbatches-per-node K].
 
 Model: GPT with 24 blocks, d_model 2048, 16 heads, seq 1024, vocab 50257 (1.42B parameters, head untied),
-microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster).
+microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster;
+--microbatches-per-node sets another).
 Devices sustain 40% of their published peak (geotrain.scheduler.cluster.DEVICES). Those peaks are fp16/bf16 tensor
 core figures, so the nodes that run at them train in mixed precision: activations, their gradients and the
 gradients replicas average are 16-bit on the wire (bytes_per_value=2), and each parameter still costs 16 bytes of
@@ -248,6 +249,7 @@ def run(replica_rank: int | None) -> None:
                     ratio_to_bound=round(samples_per_s / bound, 4),
                     plan_seconds=round(seconds, 3),
                     replica_grads=replica_grads,
+                    microbatches=cm.microbatches,
                 )
                 sys.stdout.write(json.dumps(line) + "\n")
                 sys.stdout.flush()
@@ -261,10 +263,17 @@ if __name__ == "__main__":
     )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenario names")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated node counts")
+    parser.add_argument(
+        "--microbatches-per-node",
+        type=int,
+        default=MICROBATCHES_PER_NODE,
+        help=f"global batch in microbatches per node (default {MICROBATCHES_PER_NODE})",
+    )
     args = parser.parse_args()
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     SCENARIOS = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
     SIZES = tuple(int(x) for x in args.sizes.split(","))
+    MICROBATCHES_PER_NODE = args.microbatches_per_node
     run(args.replica_rank)

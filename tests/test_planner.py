@@ -158,3 +158,18 @@ def test_replan_without_change_moves_nothing():
     kwargs = dict(nodes=nodes, model=MODEL, network=NET, microbatches=40, microbatch_size=2)
     first = plan(**kwargs)
     assert moved_layers(first, plan(previous=first, **kwargs)) == 0
+
+
+def test_dealt_stages_span_every_region_with_even_compute():
+    # The "deal" grouping: where boundaries cost more than averaging, every stage takes its share of every region.
+    nodes = random_nodes(13, 24, ("a", "b", "c", "d"))
+    net = Network(intra_region=NET.intra_region, default_inter_region=Link(bandwidth_bps=2e8, latency_s=0.05))
+    cm = CostModel(nodes=nodes, model=MODEL, network=net, microbatches=48, microbatch_size=2)
+    planner = Planner(cm, PlannerConfig())
+    groups = planner._groups(cm.usable, 3, planner._region_chain(), "deal")
+    assert sorted(i for g in groups for i in g) == sorted(cm.usable)
+    for region in {"a", "b", "c", "d"}:
+        counts = [sum(nodes[i].region == region for i in g) for g in groups]
+        assert max(counts) - min(counts) <= 1
+    rates = [sum(planner.speed[i] for i in g) for g in groups]
+    assert max(rates) - min(rates) <= 2 * max(planner.speed)

@@ -8,7 +8,8 @@ How it searches (every candidate is scored by CostModel, the same model that sco
    links; without the slowest devices), stages are dealt to regions by D'Hondt on compute (a region too small for
    a stage of its own either joins its neighbour's stage or stays out), or region borders are ignored; inside a
    region, nodes sorted by link then speed are cut into stages of equal compute, so a stage's replicas share a
-   similar uplink (FusionLLM's grouping).
+   similar uplink (FusionLLM's grouping). Over a few regions, every stage may also take a share of every region
+   (nodes dealt by speed), which spreads a heavy boundary over the most pairs of nodes.
 4. A dynamic program splits the layers over those stages. The step pays two maxima, the pace (M-1) x the slowest
    stage or link per microbatch, and the slowest gradient all-reduce: the DP minimises the pace under a cap on every
    stage's all-reduce, lowering the cap until the pace alone costs more than the best step found.
@@ -215,7 +216,12 @@ class Planner:
             counts = [self.config.stages] if self.config.stages else range(1, top + 1)
             # Direction decides which end region holds the embedding and the head; worth trying on the full chain.
             directions = [order] if len(order) == 1 or k >= n_full else [order, order[::-1]]
-            for n_stages, direction, mode in itertools.product(counts, directions, ("merge", "drop", "flat")):
+            modes = [(d, m) for d in directions for m in ("merge", "drop", "flat")]
+            # The chain's direction means nothing to stages that span it all. Over many regions (machines as regions)
+            # such stages would all-reduce across every one of them: not worth the planning time.
+            if 1 < len(order) <= _EXACT_CHAIN_REGIONS and k < n_full:
+                modes.append((order, "deal"))
+            for n_stages, (direction, mode) in itertools.product(counts, modes):
                 groups = self._groups(subset, n_stages, direction, mode)
                 cand = self._split_layers(groups) if groups is not None else None
                 if cand is not None:
@@ -276,7 +282,8 @@ class Planner:
         self, subset: Sequence[int], n_stages: int, chain: Sequence[str], mode: str
     ) -> list[list[int]] | None:
         """Replica groups in pipeline order. mode "merge": a region too small for a stage joins its neighbour's;
-        "drop": it stays out; "flat": region borders are ignored, the chain of nodes is cut into equal stages."""
+        "drop": it stays out; "flat": region borders are ignored, the chain of nodes is cut into equal stages;
+        "deal": every stage gets its share of every region."""
         cm = self.cm
         by_region: dict[str, list[int]] = {r: [] for r in chain}
         members = np.asarray(subset, dtype=np.int64)
@@ -286,6 +293,16 @@ class Planner:
             return None
         if mode == "flat":
             return self._cut_equal_rate([i for r in chain for i in by_region[r]], n_stages)
+        if mode == "deal":
+            # Each region's nodes by speed, dealt back and forth (one deal running on through the regions) so that
+            # the stages' compute stays even. Where boundaries cost more than averaging, a stage in every region
+            # spreads each boundary over the most pairs of nodes.
+            ranked = [i for r in chain for i in sorted(by_region[r], key=lambda i: (-self.speed[i], self.rank[i]))]
+            dealt: list[list[int]] = [[] for _ in range(n_stages)]
+            for pos, i in enumerate(ranked):
+                lap, seat = divmod(pos, n_stages)
+                dealt[seat if lap % 2 == 0 else n_stages - 1 - seat].append(i)
+            return dealt
         # D'Hondt: each stage goes to the region with the most compute per stage it would have; ties go up the chain.
         seats = dict.fromkeys(chain, 0)
         heap = [(-float(self.speed[by_region[r]].sum()), pos, r) for pos, r in enumerate(chain) if by_region[r]]
