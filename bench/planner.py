@@ -42,6 +42,13 @@ size; V100: a block 6.70 ms, the head 12.65 ms per microbatch; 16-bit gradients:
 PowerSGD at rank 4 shrinks a block's averaging from 0.806 Gbit to about 1/300 of it, and plain data parallelism
 over every node becomes the best plan in both.
 
+So no one setting meets both of the issue's goals, "0.8 of the bound in every single-region scenario" and "1.5x the
+better simple strategy in every multi-region one". Whatever makes averaging cheap enough for the first (PowerSGD, or
+a larger batch per step) makes data parallelism good, and the simple strategies, which may pick one stage, get it
+too: at rank 4 they reach 0.895 of the bound in dtfm_two_universities and 0.802 in dtfm_regional at every size, so
+1.5x of them would be above the bound. With --microbatches-per-node 128, dtfm_spot reaches 0.75 and the
+multi-region scenarios fall to 1.04-1.17x.
+
 Network figures of the DT-FM scenarios (datacenter, spot, two universities, regional, worldwide) are DT-FM's
 (Yuan et al., "Decentralized Training of Foundation Models in Heterogeneous Environments", NeurIPS 2022), copied
 into bench/scenarios/dtfm.json; they are run on V100-32G nodes, scaled to each size keeping the group shapes.
