@@ -27,6 +27,7 @@ from geotrain import __version__
 from geotrain.compression import Codec, PowerSgdCodec, get_codec
 from geotrain.compression.policy import CodecPolicy, StageTimer
 from geotrain.config import RunConfig, from_proto
+from geotrain.lifetime import tie_children_to_this_process
 from geotrain.node.data import Corpus
 from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
 from geotrain.node.lowrank import LowRankAveraging
@@ -252,6 +253,7 @@ class Agent:
         from geotrain.node.averaging import ReplicaAverager
 
         host = self.address.rsplit(":", 1)[0]
+        tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed node
         try:
             self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
             self.averager = ReplicaAverager(self._dht)

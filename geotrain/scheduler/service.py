@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from geotrain.config import RunConfig
+from geotrain.lifetime import tie_children_to_this_process
 
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -146,6 +147,7 @@ class CoordinatorProcess:
         )
         # Started before any gRPC object: hivemind forks its DHT process, and a fork while gRPC threads run breaks it.
         host = listen.rsplit(":", 1)[0]
+        tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed coordinator
         self.dht = DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
         self.coordinator = Coordinator(
             cfg,

@@ -1,0 +1,62 @@
+"""Processes a geotrain process forks end soon after it dies, even by SIGKILL.
+
+hivemind runs its DHT in a forked process, which runs p2pd; a node or coordinator that crashed or was SIGKILLed
+would leave both behind, announcing stale DHT records and holding ports. One os.register_at_fork hook reaches both
+without touching hivemind: Python runs it in the DHT process after os.fork, and uvloop, which spawns p2pd from the
+DHT process, runs it between fork and exec. (torch_shm_manager, which torch starts without Python's hooks, already
+exits once no process uses it.)
+
+The node (agent) and the coordinator (scheduler.service) both start a DHT and neither may import the other, so this
+sits beside config.py at the top of the package and imports nothing of ours (protocol/ is shared too, but it is the
+wire contract).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+_WATCH_INTERVAL_S = 0.5
+
+# This process as its children see it: its pid and its main thread, once tie_children_to_this_process has run.
+_pid = 0
+_main_thread: int | None = None
+
+
+def tie_children_to_this_process() -> None:
+    """From now on, children this process forks through Python (the DHT process, and p2pd from it) are SIGKILLed soon
+    after their parent dies."""
+    global _pid, _main_thread
+    if _main_thread is None:
+        _pid, _main_thread = os.getpid(), threading.main_thread().ident
+        os.register_at_fork(after_in_child=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    global _pid, _main_thread
+    parent, forked_by_main_thread = _pid, threading.get_ident() == _main_thread
+    _pid, _main_thread = os.getpid(), threading.get_ident()  # the thread that forked a child is the child's main one
+    # The kernel sends PR_SET_PDEATHSIG when the forking *thread* ends, so it serves only forks from the main thread
+    # (which lasts as long as its process): the node starts its DHT from a short-lived thread. SIGKILL, because a
+    # forked child keeps its parent's Python handlers, and the CLI's SIGTERM handler would stop only the child's copy
+    # of the node.
+    if sys.platform == "linux" and forked_by_main_thread:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        # A child that execs next loses this thread. p2pd, spawned from the DHT process's main thread, has the signal
+        # on Linux; elsewhere it shuts down by itself once the DHT process's connection to it closes.
+        threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    """SIGKILL this process once its parent is gone (it is then adopted: its parent pid changes)."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_INTERVAL_S)
+    os.kill(os.getpid(), signal.SIGKILL)

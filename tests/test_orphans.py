@@ -1,0 +1,169 @@
+"""A killed coordinator or node leaves nothing running: its hivemind DHT process and p2pd end with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from geotrain.config import load_config
+from geotrain.protocol.auth import new_token
+from geotrain.scheduler.local import LocalNodes
+from geotrain.scheduler.service import CoordinatorProcess
+from tests.conftest import REPO, geotrain_env
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+
+_GONE_WITHIN_S = 8.0  # torch_shm_manager lingers 2s after its last client
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time) of a process, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": the name may hold spaces and parentheses
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """Every process below root, as pid -> start time (which tells a reused pid from the process it was)."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None:
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[2]))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, start in parents.get(todo.pop(), []):
+            found[pid] = start
+            todo.append(pid)
+    return found
+
+
+def _running(procs: dict[int, int]) -> list[int]:
+    """The pids of procs that still run (zombies and reused pids do not)."""
+    running = []
+    for pid, start in procs.items():
+        stat = _stat(pid)
+        if stat is not None and stat[1] != "Z" and stat[2] == start:
+            running.append(pid)
+    return running
+
+
+def _names(pids: list[int]) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def _assert_all_end(procs: dict[int, int]) -> None:
+    deadline = time.monotonic() + _GONE_WITHIN_S
+    while _running(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _running(procs)
+    assert not left, f"still running {_GONE_WITHIN_S}s after their parent died: {_names(left)} (pids {left})"
+
+
+class Reaper:
+    """What a test started: sessions it led and processes found in them, to SIGKILL whatever the test's outcome."""
+
+    def __init__(self) -> None:
+        self.leaders: list[int] = []
+        self.procs: dict[int, int] = {}
+
+    def lead(self, pid: int) -> None:
+        """Track a process started as the leader of its own session, and all it will start."""
+        self.leaders.append(pid)
+        self.procs[pid] = _stat(pid)[2]
+
+    def kill_all(self) -> None:
+        """SIGKILL every process tracked, orphans included."""
+        for pid in self.leaders:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # an orphan keeps its process group when its parent dies
+            except ProcessLookupError:
+                pass
+        for pid in _running(self.procs):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def reaper() -> Iterator[Reaper]:
+    """A Reaper that kills what it tracks when the test ends."""
+    r = Reaper()
+    yield r
+    r.kill_all()
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_coordinator_leaves_no_processes(reaper):
+    cmd = [
+        sys.executable, "-m", "geotrain", "coordinator", "--listen", "127.0.0.1:0", "--token", new_token(),
+        "--set", "scheduler.min_nodes=2",
+    ]
+    coordinator = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
+        start_new_session=True,
+    )
+    reaper.lead(coordinator.pid)
+    # The coordinator says it listens once its DHT (a forked process running p2pd) is up.
+    for line in coordinator.stdout:
+        if line.startswith("coordinator listening on"):
+            break
+    else:
+        pytest.fail(f"the coordinator exited with {coordinator.wait()} before listening")
+    children = _descendants(coordinator.pid)
+    reaper.procs.update(children)
+    assert "p2pd" in _names(list(children)), _names(list(children))
+
+    coordinator.kill()
+    coordinator.wait()
+    _assert_all_end(children)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
+    cfg = load_config(None, ["scheduler.min_nodes=2", "scheduler.heartbeat_interval_s=0.2"])
+    token = new_token()
+    process = CoordinatorProcess(cfg, token, "127.0.0.1:0")
+    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, tmp_path)
+    try:
+        process.server.start()
+        node = nodes.start("node-1")
+        reaper.lead(node.pid)
+        # A node reports its DHT's peer id in the heartbeat right after starting it: the DHT process and p2pd run.
+        coordinator = process.coordinator
+        deadline = time.monotonic() + 60
+        while not ((m := coordinator.members.get("node-1")) and m.peer_id) and node.poll() is None:
+            assert time.monotonic() < deadline, "the node's DHT did not come up"
+            time.sleep(0.05)
+        children = _descendants(node.pid)
+        reaper.procs.update(children)
+        assert "p2pd" in _names(list(children)), (tmp_path / "node-1.log").read_text()[-3000:]
+        # A later heartbeat: the thread that started the DHT has ended by now, and the DHT must outlive it.
+        seen = m.last_seen
+        while m.last_seen == seen:
+            assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert sorted(_running(children)) == sorted(children), "the node's DHT ended while the node ran"
+
+        node.send_signal(sig)
+        node.wait(30)
+        _assert_all_end(children)
+    finally:
+        nodes.stop_all()
+        process.close()
