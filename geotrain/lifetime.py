@@ -45,14 +45,21 @@ def _die_with_parent() -> None:
     # (which lasts as long as its process): the node starts its DHT from a short-lived thread. SIGKILL, because a
     # forked child keeps its parent's Python handlers, and the CLI's SIGTERM handler would stop only the child's copy
     # of the node.
-    if sys.platform == "linux" and forked_by_main_thread:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-    else:
+    if not (forked_by_main_thread and signal_when_parent_dies(parent, signal.SIGKILL)):
         # A child that execs next loses this thread. p2pd, spawned from the DHT process's main thread, has the signal
         # on Linux; elsewhere it shuts down by itself once the DHT process's connection to it closes.
         threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
+
+
+def signal_when_parent_dies(parent: int, sig: int) -> bool:
+    """Have Linux send `sig` to this process when the thread that forked it ends (PR_SET_PDEATHSIG; at once if
+    `parent` is already gone). False, doing nothing, off Linux."""
+    if sys.platform != "linux":
+        return False
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def _watch_parent(parent: int) -> None:

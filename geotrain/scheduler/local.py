@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from geotrain.lifetime import signal_when_parent_dies
 
 PARENT_ENV = "GEOTRAIN_PARENT_PID"
 
@@ -25,13 +26,8 @@ def exit_with_parent() -> None:
     parent, which leaves the child's gRPC broken.
     """
     parent = os.environ.get(PARENT_ENV)
-    if parent is None or sys.platform != "linux":
-        return
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):  # the parent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
+    if parent is not None:
+        signal_when_parent_dies(int(parent), signal.SIGTERM)
 
 
 def spawn_node(
