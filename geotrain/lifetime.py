@@ -45,6 +45,9 @@ def _die_with_parent() -> None:
     # (which lasts as long as its process): the node starts its DHT from a short-lived thread. SIGKILL, because a
     # forked child keeps its parent's Python handlers, and the CLI's SIGTERM handler would stop only the child's copy
     # of the node.
+    # Nor should the child keep that handler for SIGTERM: hivemind's DHT.shutdown falls back to terminate() (SIGTERM)
+    # on a DHT process that does not stop, which the handler would turn into a log line.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not (forked_by_main_thread and signal_when_parent_dies(parent, signal.SIGKILL)):
         # A child that execs next loses this thread. p2pd, spawned from the DHT process's main thread, has the signal
         # on Linux; elsewhere it shuts down by itself once the DHT process's connection to it closes.

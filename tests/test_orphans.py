@@ -167,3 +167,32 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
     finally:
         nodes.stop_all()
         process.close()
+
+
+_SIGTERM_TO_DHT = """
+import signal, threading, time
+import hivemind
+from geotrain.lifetime import tie_children_to_this_process
+
+signal.signal(signal.SIGTERM, lambda *_: print("parent's handler ran", flush=True))  # as the CLI installs one
+tie_children_to_this_process()
+started = []
+# From a thread that then ends, as the node starts its DHT.
+thread = threading.Thread(target=lambda: started.append(hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)))
+thread.start()
+thread.join()
+dht = started[0]
+dht.terminate()  # SIGTERM: what DHT.shutdown falls back to when its DHT process does not stop
+dht.join(10)
+print("alive" if dht.is_alive() else "ended", flush=True)
+if dht.is_alive():
+    dht.kill()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_dht_process_ends_on_sigterm_despite_the_parents_handler() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_TO_DHT], env=geotrain_env(), cwd=REPO, capture_output=True, text=True, timeout=50
+    )
+    assert out.stdout.split() == ["ended"], out.stdout + out.stderr
