@@ -129,7 +129,7 @@ static void *run_encode(void *job) { encode_blocks(job); return NULL; }
 static void *run_decode(void *job) { decode_blocks(job); return NULL; }
 #endif
 
-/* Split the blocks over up to `threads` jobs and run them; returns 0 when every job saw only finite values. */
+/* Split the blocks over up to `threads` jobs and run them; returns 1 when every job saw only finite values. */
 static int run_jobs(Job base, int64_t threads, int encode) {
     const int64_t blocks = (base.numel + base.block - 1) / base.block;
     int64_t n = base.numel / MIN_PER_THREAD;
