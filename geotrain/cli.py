@@ -1,4 +1,5 @@
-"""The `geotrain` command: thin dispatch to the scheduler (coordinator, plan, demo) and the node (join)."""
+"""The `geotrain` command: thin dispatch to the scheduler (coordinator, plan, demo), the node (join) and the
+protocol (tls)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geotrain import __version__
 from geotrain.config import ConfigError, RunConfig, load_config
+
+if TYPE_CHECKING:
+    from geotrain.protocol.tls import TlsFiles
 
 log = logging.getLogger("geotrain")
 
@@ -25,6 +29,7 @@ EXAMPLES = {
     "train-local": "geotrain train-local --config run.toml --json",
     "plan": "geotrain plan --cluster deploy/clusters/four-regions-wan.yaml --set model.n_layers=24",
     "status": "geotrain status --coordinator coordinator.example.org:7000 --token $TOKEN --watch",
+    "tls": "geotrain tls init run-tls",
 }
 
 
@@ -35,6 +40,13 @@ class UsageError(Exception):
 def _config(args: argparse.Namespace, **forced: Any) -> RunConfig:
     overrides = list(args.set or []) + [f"{k}={v}" for k, v in forced.items() if v is not None]
     return load_config(args.config, overrides)
+
+
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    """The run's TLS files named by --tls-dir, checked; None (plaintext) without it."""
+    from geotrain.protocol.tls import TlsFiles
+
+    return TlsFiles.load(args.tls_dir) if args.tls_dir else None
 
 
 def _out(as_json: bool):
@@ -114,10 +126,11 @@ def _run_coordinator(
     from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
 
     out = _out(args.json)
+    tls = _tls(args)
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
     process = CoordinatorProcess(
-        cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out)
+        cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
     )
     coordinator = process.coordinator
     http = StatusHttpServer(coordinator.status, args.http) if args.http != "off" else None
@@ -137,7 +150,7 @@ def _run_coordinator(
             return 130 if coordinator.stop_requested.is_set() else 1
         if args.save_final:
             assert coordinator.plan is not None
-            _save_final(args.save_final, fetch_model_state(coordinator.plan, token, summary.steps), out)
+            _save_final(args.save_final, fetch_model_state(coordinator.plan, token, summary.steps, tls), out)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
         return 0
@@ -183,6 +196,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         bandwidth_mbps=args.bandwidth_mbps,
         latency_ms=args.latency_ms,
+        tls=_tls(args),
     )
     exit_with_parent()
     agent = Agent(options)
@@ -243,7 +257,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`join` flags of each local node from --regions and --slowdowns, given to the nodes in turn: regions let
     [emulation] links shape the hops between local nodes, slowdowns make them as unequal as real machines; and
-    --uplink, given to every node: one emulated uplink that all of a node's traffic shares, as a home or VM link."""
+    --uplink and --tls-dir, given to every node: one emulated uplink that all of a node's traffic shares, as a home
+    or VM link, and the run's TLS files."""
     flags: dict[str, list[str]] = {f"node-{i + 1}": [] for i in range(args.nodes)}
     for option, values in (("--region", args.regions), ("--slowdown", args.slowdowns)):
         listed = [v for v in (values or "").split(",") if v]
@@ -254,6 +269,9 @@ def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         mbps, _, ms = args.uplink.partition("/")
         for node_flags in flags.values():
             node_flags += ["--bandwidth-mbps", mbps, "--latency-ms", ms or "0"]
+    if args.tls_dir:
+        for node_flags in flags.values():
+            node_flags += ["--tls-dir", args.tls_dir]
     return flags
 
 
@@ -294,6 +312,19 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     if args.save_final:
         _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, out)
     _finish(summary, args.json)
+    return 0
+
+
+def cmd_tls_init(args: argparse.Namespace) -> int:
+    """geotrain tls init."""
+    from geotrain.protocol.tls import KEY_FILE, init_run_tls
+
+    init_run_tls(args.dir)
+    print(
+        f"wrote a new run CA, certificate and key to {args.dir}: give the directory to the coordinator and every "
+        f"node (--tls-dir); {KEY_FILE} is as secret as the run token",
+        flush=True,
+    )
     return 0
 
 
@@ -346,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--save-final", metavar="PATH", help="write the trained model as a safetensors file")
         p.add_argument("--json", action="store_true", help="end stdout with one JSON line of run figures")
 
+    def tls_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--tls-dir", metavar="DIR", help="the run's TLS files from `geotrain tls init DIR` (default: plaintext)"
+        )
+
     def http_options(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument(
             "--http",
@@ -367,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
     p.add_argument("--state-dir", help="directory for run state (SQLite) and checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
+    tls_option(p)
     http_options(p, "off")
     run_outputs(p)
     p.set_defaults(func=cmd_coordinator)
@@ -381,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=1.0, help="emulate a slower machine: compute takes F times as long")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulate this egress bandwidth to every peer")
     p.add_argument("--latency-ms", type=float, default=0.0, help="emulate this one-way latency to every peer")
+    tls_option(p)
     p.set_defaults(func=cmd_join)
 
     p = add("demo", "Train the default model on this machine: a coordinator and local node processes.", [common])
@@ -407,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",
         help="SIGKILL a random node now and then and restart it after a delay, to watch fault tolerance",
     )
+    tls_option(p)
     http_options(p, "127.0.0.1:0")
     run_outputs(p)
     p.set_defaults(func=cmd_demo)
@@ -427,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (the same as the page's /api/status)")
     p.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl+C")
     p.set_defaults(func=cmd_status)
+
+    p = add("tls", "Make a run's TLS files: a run CA, and the certificate and key every participant shares.", [])
+    actions = p.add_subparsers(dest="tls_command", required=True, metavar="ACTION")
+    summary = "Write a new run CA, and the run's certificate and key, as ca.pem, cert.pem and key.pem."
+    init = actions.add_parser("init", help=summary, description=summary)
+    init.add_argument("dir", metavar="DIR", help="where to write them (created if missing; never overwritten)")
+    init.set_defaults(func=cmd_tls_init)
     return parser
 
 

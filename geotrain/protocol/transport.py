@@ -1,4 +1,5 @@
-"""Channels and servers with auth, optional TLS, deadlines and retries on UNAVAILABLE."""
+"""Channels and servers with auth, optional TLS (see protocol.tls for its trust model), deadlines and retries on
+UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -6,13 +7,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
 from geotrain.protocol.auth import ClientAuth, ServerAuth
+from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,28 +33,13 @@ _OPTIONS = [
 ]
 
 
-@dataclass(kw_only=True)
-class TlsFiles:
-    """PEM files for TLS; a server needs cert and key, a client needs the CA (or trusts the system roots)."""
-
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("cert", "key", "ca"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"TLS {name} file {path} does not exist")
-        if (self.cert is None) != (self.key is None):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-
-
 def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> grpc.Channel:
     """A channel to `address` that signs every call with the run token."""
     if tls is not None:
-        root = Path(tls.ca).read_bytes() if tls.ca else None
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), options=_OPTIONS)
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+        # Peers are dialled by whatever IP:port they advertise; every run certificate names RUN_TLS_NAME instead.
+        options = [*_OPTIONS, ("grpc.ssl_target_name_override", RUN_TLS_NAME)]
+        channel = grpc.secure_channel(address, creds, options=options)
     else:
         channel = grpc.insecure_channel(address, options=_OPTIONS)
     return grpc.intercept_channel(channel, ClientAuth(token, node_id))
@@ -67,8 +52,9 @@ def make_server(token: str, listen: str, max_workers: int = 32, tls: TlsFiles | 
         interceptors=[ServerAuth(token)],
         options=_OPTIONS,
     )
-    if tls is not None and tls.cert:
-        creds = grpc.ssl_server_credentials([(Path(tls.key).read_bytes(), Path(tls.cert).read_bytes())])
+    if tls is not None:
+        # Mutual TLS: a client without the run's files cannot get as far as the auth interceptor.
+        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True)
         port = server.add_secure_port(listen, creds)
     else:
         port = server.add_insecure_port(listen)

@@ -1,0 +1,151 @@
+"""A run's TLS files: one run certificate authority, and one certificate and key that every participant shares.
+
+Trust model. The run token already decides who is in a run; TLS adds encryption, and keeps out of the gRPC
+servers anyone who lacks the run's files. So the run owner makes, once per run (`geotrain tls init DIR`):
+
+- ca.pem: a certificate authority made for this run alone; its private key is thrown away once it has signed
+  cert.pem, so nothing else can ever be signed by it and there is no CA key to guard;
+- cert.pem and key.pem: the one certificate (and its key) that the coordinator and every node present, both as a
+  server and as a client, named RUN_TLS_NAME.
+
+and hands DIR to every participant beside the token. Every server requires a client certificate signed by the
+run CA (mutual TLS), and every client checks the server's certificate against the run CA under RUN_TLS_NAME
+rather than the host it dials: nodes are dialled by whatever IP:port they advertise, which no certificate made in
+advance could list. Whoever holds key.pem can take part in the run's TLS, as whoever holds the token can in the
+run, so the directory is as secret as the token; to shut someone out, make new files and a new token and restart.
+
+Files from another CA work too if the certificate names RUN_TLS_NAME (subjectAltName DNS) and allows both server
+and client authentication.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+RUN_TLS_NAME = "geotrain-run"
+"""The name every run certificate carries and every channel expects, whatever address it dials."""
+CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "cert.pem", "key.pem"
+# Long enough to outlive any run; backdated so that a machine whose clock is a little behind accepts it at once.
+_VALID_DAYS = 3650
+_BACKDATE = datetime.timedelta(days=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsFiles:
+    """The contents of a run's TLS files (PEM): every process serves with cert and key, presents them as a client,
+    and accepts only peers whose certificate the run CA signed."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TlsFiles:
+        """Read and check ca.pem, cert.pem and key.pem in directory; raises ValueError naming what is wrong."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ValueError(f"TLS directory {directory} does not exist (make one with `geotrain tls init DIR`)")
+        contents = {}
+        for name in (CA_FILE, CERT_FILE, KEY_FILE):
+            path = directory / name
+            if not path.is_file():
+                raise ValueError(f"TLS directory {directory} has no {name} (make one with `geotrain tls init DIR`)")
+            contents[name] = path.read_bytes()
+        files = cls(ca=contents[CA_FILE], cert=contents[CERT_FILE], key=contents[KEY_FILE])
+        _check(files, directory)
+        return files
+
+
+def _check(files: TlsFiles, directory: Path) -> None:
+    """Refuse files that could never complete a handshake, with the reason, rather than fail at every call."""
+    try:
+        ca = x509.load_pem_x509_certificate(files.ca)
+        cert = x509.load_pem_x509_certificate(files.cert)
+    except ValueError:
+        raise ValueError(f"{directory / CA_FILE} or {directory / CERT_FILE} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key(files.key, password=None)
+    except (ValueError, TypeError):
+        raise ValueError(f"{directory / KEY_FILE} is not an unencrypted PEM private key") from None
+    if key.public_key() != cert.public_key():
+        raise ValueError(f"{directory / KEY_FILE} is not the key of {directory / CERT_FILE}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ValueError(f"{directory / CERT_FILE} is not signed by {directory / CA_FILE} (files of two runs?)") from None
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+    except x509.ExtensionNotFound:
+        names = []
+    if RUN_TLS_NAME not in names:
+        raise ValueError(f"{directory / CERT_FILE} does not name {RUN_TLS_NAME} (subjectAltName DNS)")
+
+
+def init_run_tls(directory: str | Path) -> None:
+    """Write a new run CA and the run's certificate and key to directory; refuses to replace existing files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = [name for name in (CA_FILE, CERT_FILE, KEY_FILE) if (directory / name).exists()]
+    if existing:
+        raise ValueError(f"{directory} already holds {', '.join(existing)}: a run's TLS files are never replaced")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{RUN_TLS_NAME} CA")])
+    ca = (
+        _builder(ca_name, ca_name, ca_key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(cert_sign=True), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, RUN_TLS_NAME)]), ca_name, key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(cert_sign=False), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(RUN_TLS_NAME)]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    # Created with its final mode: the key must never be readable by others, not even for a moment.
+    fd = os.open(directory / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key_pem)
+    (directory / CERT_FILE).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / CA_FILE).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey, now: datetime.datetime
+) -> x509.CertificateBuilder:
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=_VALID_DAYS))
+    )
+
+
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=not cert_sign, key_cert_sign=cert_sign, crl_sign=cert_sign, content_commitment=False,
+        key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False,
+    )
