@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 \
-	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 aiohttp==3.14.5 prometheus-client==0.26.0 \
+	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 aiohttp==3.14.5 prometheus-client==0.26.0 cryptography==50.0.2 \
 	pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 STAMP := $(VENV)/.installed
 

@@ -176,7 +176,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from geotrain.protocol.auth import resolve_token
     from geotrain.scheduler.status_cli import run_status
 
-    return run_status(args.coordinator, resolve_token(args.token), as_json=args.json, watch=args.watch)
+    return run_status(
+        args.coordinator, resolve_token(args.token), as_json=args.json, watch=args.watch, tls=_tls(args)
+    )
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -465,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the same as the page's /api/status)")
     p.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl+C")
+    tls_option(p)
     p.set_defaults(func=cmd_status)
 
     p = add("tls", "Make a run's TLS files: a run CA, and the certificate and key every participant shares.", [])

@@ -226,6 +226,9 @@ def test_coordinator_and_nodes_train_over_tls(tmp_path):
     try:
         _wait_serving(address, tls, coordinator, timeout=60)
         _refused(make_channel(address, TOKEN, lambda: "tester"))
+        status = run_cli("status", "--coordinator", address, "--token", TOKEN, "--tls-dir", str(tls_dir), "--json")
+        assert status.returncode == 0 and json.loads(status.stdout)["nodes"] == [], status.stderr
+        assert run_cli("status", "--coordinator", address, "--token", TOKEN, "--json").returncode == 1
         for node_id in ("node-1", "node-2"):
             nodes.start(node_id)
         out, _ = coordinator.communicate(timeout=120)

@@ -13,6 +13,7 @@ from google.protobuf import json_format
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.tls import TlsFiles
 from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,9 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
     return json_format.MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def fetch_status(address: str, token: str) -> pb.StatusReply:
-    """One Status call to the coordinator at `address`."""
-    channel = make_channel(address, token, lambda: "status", tls=None)
+def fetch_status(address: str, token: str, tls: TlsFiles | None = None) -> pb.StatusReply:
+    """One Status call to the coordinator at `address` (over TLS with the run's files, if given)."""
+    channel = make_channel(address, token, lambda: "status", tls=tls)
     try:
         return rpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S)
     finally:
@@ -114,16 +115,18 @@ def _error(address: str, e: grpc.RpcError) -> str:
     return f"geotrain: cannot get status from {address}: {e.code().name}: {e.details()}"
 
 
-def _snapshot(address: str, token: str, as_json: bool) -> str:
-    reply = fetch_status(address, token)
+def _snapshot(address: str, token: str, as_json: bool, tls: TlsFiles | None) -> str:
+    reply = fetch_status(address, token, tls)
     return json.dumps(status_dict(reply)) + "\n" if as_json else render_status(reply)
 
 
-def run_status(address: str, token: str, as_json: bool, watch: bool, out: TextIO = sys.stdout) -> int:
+def run_status(
+    address: str, token: str, as_json: bool, watch: bool, out: TextIO = sys.stdout, tls: TlsFiles | None = None
+) -> int:
     """Print the coordinator's status once, or every second until Ctrl+C with `watch`; returns the exit code."""
     if not watch:
         try:
-            out.write(_snapshot(address, token, as_json))
+            out.write(_snapshot(address, token, as_json, tls))
         except grpc.RpcError as e:
             print(_error(address, e), file=sys.stderr, flush=True)
             return 1
@@ -132,7 +135,7 @@ def run_status(address: str, token: str, as_json: bool, watch: bool, out: TextIO
     try:
         while True:
             try:
-                text = _snapshot(address, token, as_json)
+                text = _snapshot(address, token, as_json, tls)
             except grpc.RpcError as e:
                 # A watched coordinator may be restarting: say so in place and keep polling.
                 text = _error(address, e) + "\n"
