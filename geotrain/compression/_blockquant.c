@@ -168,41 +168,39 @@ static int run_jobs(Job base, int64_t threads, int encode) {
     return finite;
 }
 
-/* Checks the buffers' sizes against each other and the block size, runs the jobs without the GIL and releases the
- * buffers. Returns the jobs' finite flag (1 or 0), or -1 with ValueError set when the sizes disagree. */
-static int run_on_buffers(Py_buffer *values, Py_buffer *scales, Py_buffer *codes, long long block, long long threads,
-                          int encode) {
-    int result = -1;
-    const int64_t numel = codes->len;
-    if (block < 1) {
-        PyErr_SetString(PyExc_ValueError, "block must be positive");
-    } else if (values->len != numel * 4 || scales->len != (numel + block - 1) / block * 4) {
-        PyErr_Format(PyExc_ValueError, "buffer sizes (%zd, %zd, %zd bytes) do not fit %lld values in blocks of %lld",
-                     values->len, scales->len, codes->len, (long long)numel, block);
-    } else {
-        Job job = {values->buf, scales->buf, codes->buf, numel, block, 0, 0, 1};
-        Py_BEGIN_ALLOW_THREADS
-        result = run_jobs(job, threads, encode);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(values);
-    PyBuffer_Release(scales);
-    PyBuffer_Release(codes);
-    return result;
-}
-
 PyDoc_STRVAR(int8_encode_doc,
-             "int8_encode(values, block, scales, codes, threads) -> bool\n\n"
-             "Quantise the float32 `values` block by block into the writable buffers `scales` (float32, one per\n"
-             "block) and `codes` (int8, one per value). False when a block holds NaN or Inf (its scale is then\n"
-             "non-finite and the codes are undefined).");
+             "int8_encode(values, block, offset, threads) -> bytearray | None\n\n"
+             "Quantise the float32 `values` block by block into a new bytearray: `offset` bytes left for the\n"
+             "caller's header, then one float32 scale per block, then one int8 code per value. None when a block\n"
+             "holds NaN or Inf.");
 
 static PyObject *int8_encode(PyObject *self, PyObject *args) {
-    Py_buffer values, scales, codes;
-    long long block, threads;
-    if (!PyArg_ParseTuple(args, "y*Lw*w*L", &values, &block, &scales, &codes, &threads)) return NULL;
-    const int finite = run_on_buffers(&values, &scales, &codes, block, threads, 1);
-    return finite < 0 ? NULL : PyBool_FromLong(finite);
+    Py_buffer values;
+    long long block, offset, threads;
+    if (!PyArg_ParseTuple(args, "y*LLL", &values, &block, &offset, &threads)) return NULL;
+    PyObject *payload = NULL;
+    if (block < 1 || offset < 0 || values.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "block must be positive, offset not negative, values whole float32s");
+    } else {
+        const int64_t numel = values.len / 4, blocks = (numel + block - 1) / block;
+        /* Left uninitialised (no zero-fill, a tenth of the encode): every byte past the offset is written below, and
+         * the caller writes the header. */
+        payload = PyByteArray_FromStringAndSize(NULL, offset + 4 * blocks + numel);
+        if (payload != NULL) {
+            char *body = PyByteArray_AS_STRING(payload) + offset;
+            Job job = {values.buf, (float *)body, (int8_t *)(body + 4 * blocks), numel, block, 0, 0, 1};
+            int finite;
+            Py_BEGIN_ALLOW_THREADS
+            finite = run_jobs(job, threads, 1);
+            Py_END_ALLOW_THREADS
+            if (!finite) {
+                Py_DECREF(payload);
+                payload = Py_NewRef(Py_None);
+            }
+        }
+    }
+    PyBuffer_Release(&values);
+    return payload;
 }
 
 PyDoc_STRVAR(int8_decode_doc,
@@ -213,7 +211,21 @@ static PyObject *int8_decode(PyObject *self, PyObject *args) {
     Py_buffer codes, scales, out;
     long long block, threads;
     if (!PyArg_ParseTuple(args, "y*y*Lw*L", &codes, &scales, &block, &out, &threads)) return NULL;
-    if (run_on_buffers(&out, &scales, &codes, block, threads, 0) < 0) return NULL;
+    const int64_t numel = codes.len;
+    const int fits = block >= 1 && out.len == numel * 4 && scales.len == (numel + block - 1) / block * 4;
+    if (fits) {
+        Job job = {out.buf, scales.buf, codes.buf, numel, block, 0, 0, 1};
+        Py_BEGIN_ALLOW_THREADS
+        run_jobs(job, threads, 0);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_Format(PyExc_ValueError, "buffer sizes (%zd, %zd, %zd bytes) do not fit %lld values in blocks of %lld",
+                     codes.len, scales.len, out.len, (long long)numel, block);
+    }
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&out);
+    if (!fits) return NULL;
     Py_RETURN_NONE;
 }
 

@@ -119,8 +119,13 @@ def new_payload(codec_id: int, param: int, count: int, numel: int, body_nbytes: 
     The encoder returns the bytearray itself: writing through the tensor spares a copy of the payload at the end.
     """
     payload = bytearray(HEADER.size + body_nbytes)
-    HEADER.pack_into(payload, 0, MAGIC, VERSION, codec_id, 0, param, count, numel)
+    pack_header(payload, codec_id, param, count, numel)
     return payload, torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def pack_header(payload: bytearray, codec_id: int, param: int, count: int, numel: int) -> None:
+    """Write the fixed header into the first HEADER.size bytes of `payload`."""
+    HEADER.pack_into(payload, 0, MAGIC, VERSION, codec_id, 0, param, count, numel)
 
 
 def body(buf: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:

@@ -73,6 +73,7 @@ from geotrain.compression.base import (
     body,
     check_shape,
     new_payload,
+    pack_header,
     peek_body,
     read_body,
     register,
@@ -262,18 +263,13 @@ class _BlockQuantCodec(Codec):
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         x = flat.float()
         n, block = x.numel(), self.param
-        blocks = -(-n // block)
-        qbytes = self._packed(n // block * block) + self._packed(n % block)
-        payload, buf = new_payload(self.codec_id, block, 0, n, 4 * blocks + qbytes)
-        if not self._quantize_all(x, body(buf, 0, blocks, torch.float32), body(buf, 4 * blocks, qbytes, torch.uint8)):
-            raise CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
-        return payload
-
-    def _quantize_all(self, x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> bool:
-        """Quantise the float32 `x` into its block `scales` and packed values `q`; False if it holds NaN or Inf."""
-        n, block = x.numel(), self.param
         full, tail = divmod(n, block)
+        blocks = full + (tail > 0)
         main_bytes = self._packed(full * block)
+        qbytes = main_bytes + self._packed(tail)
+        payload, buf = new_payload(self.codec_id, block, 0, n, 4 * blocks + qbytes)
+        scales = body(buf, 0, blocks, torch.float32)
+        q = body(buf, 4 * blocks, qbytes, torch.uint8)
         if full:
             self._quantize(x[: full * block].view(full, block), scales[:full], q[:main_bytes].view(full, -1))
         if tail:
@@ -281,7 +277,12 @@ class _BlockQuantCodec(Codec):
             rest = F.pad(x[full * block :], (0, self._packed(tail) * self.per_byte - tail))
             self._quantize(rest.view(1, -1), scales[full:], q[main_bytes:].view(1, -1))
         # NaN and Inf propagate into the scale of their block and from there into the largest scale.
-        return n == 0 or math.isfinite(scales.amax())
+        if n and not math.isfinite(scales.amax()):
+            raise self._non_finite()
+        return payload
+
+    def _non_finite(self) -> CodecError:
+        return CodecError(f"{self.name} cannot encode non-finite values (NaN or Inf)")
 
     def _quantize(self, rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Quantise each row of `rows` as one block into `out`, writing its scale to `scales`."""
@@ -349,10 +350,14 @@ class Int8Codec(_BlockQuantCodec):
     per_byte = 1
     code_offset = 0
 
-    def _quantize_all(self, x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> bool:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytearray:
         if _blockquant is None:
-            return super()._quantize_all(x, scales, q)
-        return _blockquant.int8_encode(x.numpy(), self.param, scales.numpy(), q.numpy(), torch.get_num_threads())
+            return super()._encode(flat, shape, state)
+        payload = _blockquant.int8_encode(flat.float().numpy(), self.param, HEADER.size, torch.get_num_threads())
+        if payload is None:
+            raise self._non_finite()
+        pack_header(payload, self.codec_id, self.param, 0, flat.numel())
+        return payload
 
     def _dequantize_all(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         if _blockquant is None:
