@@ -41,12 +41,11 @@ def _die_with_parent() -> None:
     global _pid, _main_thread
     parent, forked_by_main_thread = _pid, threading.get_ident() == _main_thread
     _pid, _main_thread = os.getpid(), threading.get_ident()  # the thread that forked a child is the child's main one
-    # The kernel sends PR_SET_PDEATHSIG when the forking *thread* ends, so it serves only forks from the main thread
-    # (which lasts as long as its process): the node starts its DHT from a short-lived thread. SIGKILL, because a
-    # forked child keeps its parent's Python handlers, and the CLI's SIGTERM handler would stop only the child's copy
-    # of the node.
-    # Nor should the child keep that handler for SIGTERM: hivemind's DHT.shutdown falls back to terminate() (SIGTERM)
-    # on a DHT process that does not stop, which the handler would turn into a log line.
+    # A forked child keeps its parent's Python handlers: the CLI's SIGTERM handler would stop only the child's copy of
+    # the node, and hivemind's DHT.shutdown falls back to terminate() (SIGTERM) on a DHT process that does not stop.
+    # So SIGTERM gets its default back, and the parent's death is signalled with SIGKILL. The kernel sends
+    # PR_SET_PDEATHSIG when the forking *thread* ends, so it serves only forks from the main thread (which lasts as
+    # long as its process): the node starts its DHT from a short-lived thread.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not (forked_by_main_thread and signal_when_parent_dies(parent, signal.SIGKILL)):
         # A child that execs next loses this thread. p2pd, spawned from the DHT process's main thread, has the signal
