@@ -218,12 +218,6 @@ class Codec(abc.ABC):
         """Fresh per-link state (see FeedbackState.error_feedback), or None for stateless codecs."""
         return None
 
-    def expected_ratio(self, shape: Sequence[int], dtype: torch.dtype) -> float:
-        """Raw bytes over encoded bytes (at most, for top-k) of a tensor, from shape and dtype alone."""
-        shape = check_shape(shape)
-        encoded = self.encoded_nbytes(shape, dtype)
-        return math.prod(shape) * dtype.itemsize / encoded if encoded else 1.0
-
     @abc.abstractmethod
     def encoded_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Payload length for a tensor of this shape, header included; an upper bound for top-k."""
