@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from geotrain.scheduler.cluster import load_cluster, parse_cluster
-from geotrain.scheduler.costmodel import ModelProfile
+from geotrain.scheduler.costmodel import CostModel, ModelProfile
 from geotrain.scheduler.plan_cli import run_plan
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "deploy" / "clusters"
@@ -34,9 +34,13 @@ def test_parse_expands_counts_and_units():
     cluster = parse_cluster(BASE, MODEL)
     assert [n.node_id for n in cluster.nodes] == ["g-0", "g-1", "l"]
     g, lap = cluster.nodes[0], cluster.nodes[2]
-    assert cluster.network.bandwidth_bps(g, lap) == 50e6
-    assert cluster.network.latency_s(g, lap) == pytest.approx(0.04)
     assert g.memory_bytes == 16 * 10**9
+    # The plan is priced with the laptop's 50 Mbit/s uplink under the 500 Mbit/s, 40 ms link between the regions.
+    cm = CostModel(nodes=cluster.nodes, model=MODEL, network=cluster.network, microbatches=4, microbatch_size=2)
+    g_class, lap_class = cm.link_class[0], cm.link_class[2]
+    assert cm.class_bw[g_class, lap_class] == 50e6
+    assert cm.class_lat[g_class, lap_class] == pytest.approx(0.04)
+    assert cm.class_bw[g_class, g_class] == 10e9 and cm.class_lat[g_class, g_class] == pytest.approx(0.001)
 
 
 def with_change(path, value):

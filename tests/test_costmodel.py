@@ -1,11 +1,11 @@
-"""Cost model: hand-computed step times, memory feasibility, network lookups."""
+"""Cost model: hand-computed step times, memory feasibility, the link matrices plans are priced with."""
 
 import math
 
 import numpy as np
 import pytest
 
-from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
+from geotrain.scheduler.costmodel import CodecRatio, CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 
 TINY = ModelProfile(
     layer_param_bytes=[100, 100],
@@ -22,8 +22,13 @@ def node(name, seconds, memory=10**6, region="r"):
 
 def model_for(nodes, microbatches=4, codec_ratio=1.0, network=SLOW_NET):
     return CostModel(
-        nodes=nodes, model=TINY, network=network, microbatches=microbatches, microbatch_size=1, codec_ratio=codec_ratio
+        nodes=nodes, model=TINY, network=network,
+        shape=StepShape(microbatches=microbatches, microbatch_size=1, codec_ratio=codec_ratio),
     )
+
+
+def shape4(**kwargs):
+    return StepShape(microbatches=4, microbatch_size=1, **kwargs)
 
 
 def test_two_stage_pipeline_by_hand():
@@ -44,19 +49,19 @@ def test_data_heads_window_paces_when_round_trip_is_long():
     nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
     # Round trip: h = 0.5 + 0.5, x = 2 * (1 + 0.5) = 3, so 4 s. One microbatch in flight: one every 4 s, slower than
     # the link's 1 s; T = (M-1) * 4 + 4 = 16.
-    one = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=1)
+    one = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=1))
     assert one.step_seconds(stages) == pytest.approx(16.0)
     assert one.plan(stages, {}).bottleneck.startswith("data heads' window: 1 microbatches in flight")
     # Four in flight: 4 / 4 = 1 s per microbatch, no slower than the link: the unbounded step time.
-    four = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=4)
+    four = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=4))
     assert four.step_seconds(stages) == pytest.approx(model_for(nodes).step_seconds(stages)) == pytest.approx(7.0)
     # Two data heads hold twice the window: 4 / (1 * 2) = 2 s; their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
     three = [*nodes, node("c", [0.5, 2.0])]
-    cm = CostModel(nodes=three, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=1)
+    cm = CostModel(nodes=three, model=TINY, network=SLOW_NET, shape=shape4(inflight=1))
     # Stage 0: c = 0.25, h = 0.5; the link term is unchanged (one pair at a time), 1 s.
     assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(3 * 2 + 4 + 1.1)
     with pytest.raises(ValueError, match="inflight"):
-        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, inflight=0)
+        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=0))
 
 
 def test_codec_ratio_shrinks_the_bytes_term_only():
@@ -117,18 +122,49 @@ def test_gpt_profile_shape_and_size():
     assert [4 * sum(math.prod(shape) for shape in layer) for layer in m.layer_param_shapes] == m.layer_param_bytes
 
 
-def test_network_overrides_caps_and_missing_pair():
-    a, b, c = node("a", [1.0, 1.0], region="x"), node("b", [1.0, 1.0], region="y"), node("c", [1.0, 1.0], region="z")
+def test_link_matrices_by_hand():
+    # Regions x, y, z: a (x) has a 20 Mbit/s uplink, b (x) and c (y) a measured link between them, d and e (y)
+    # nothing special, f (z) only the default inter-region link.
     net = Network(
         intra_region=Link(bandwidth_bps=1e9, latency_s=0.001),
         inter_region={("y", "x"): Link(bandwidth_bps=1e8, latency_s=0.05)},
+        default_inter_region=Link(bandwidth_bps=1e7, latency_s=0.1),
         node_bandwidth_bps={"a": 2e7},
-        pair_overrides={("b", "a"): Link(bandwidth_bps=5e7, latency_s=0.04)},
+        pair_overrides={("c", "b"): Link(bandwidth_bps=5e7, latency_s=0.04)},
     )
-    assert net.bandwidth_bps(a, b) == 5e7 and net.latency_s(b, a) == 0.04
-    assert net.bandwidth_bps(a, a) == 2e7
-    with pytest.raises(ValueError, match="no link between regions"):
-        net.bandwidth_bps(a, c)
+    regions = {"a": "x", "b": "x", "c": "y", "d": "y", "e": "y", "f": "z"}
+    nodes = [node(name, [1.0, 1.0], region=region) for name, region in regions.items()]
+    cm = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1,
+                   codec_ratio=CodecRatio(intra_region=1.0, inter_region=0.5))
+    # d and e see the same links, so they share a class; a (capped), b and c (measured) get classes of their own.
+    assert cm.link_class.tolist() == [0, 1, 2, 3, 3, 4]
+    g, m, w = 1e9, 1e8, 1e7
+    bandwidth = [  # a    b    c    d    e    f
+        [2e7, 2e7, 2e7, 2e7, 2e7, w],  # a: its cap everywhere but towards z, which is slower still
+        [2e7, g, 5e7, m, m, w],  # b: the measured link to c
+        [2e7, 5e7, g, g, g, w],
+        [2e7, m, g, g, g, w],
+        [2e7, m, g, g, g, w],
+        [w, w, w, w, w, g],
+    ]
+    latency = [
+        [1e-3, 1e-3, 0.05, 0.05, 0.05, 0.1],
+        [1e-3, 1e-3, 0.04, 0.05, 0.05, 0.1],
+        [0.05, 0.04, 1e-3, 1e-3, 1e-3, 0.1],
+        [0.05, 0.05, 1e-3, 1e-3, 1e-3, 0.1],
+        [0.05, 0.05, 1e-3, 1e-3, 1e-3, 0.1],
+        [0.1, 0.1, 0.1, 0.1, 0.1, 1e-3],
+    ]
+    per_node = np.ix_(cm.link_class, cm.link_class)
+    np.testing.assert_array_equal(cm.class_bw[per_node], bandwidth)
+    np.testing.assert_array_equal(cm.class_lat[per_node], latency)
+    # The inter-region codec ratio halves the bits of links between regions only.
+    inter = np.not_equal.outer(list(regions.values()), list(regions.values()))
+    np.testing.assert_allclose(cm.class_seconds_per_bit[per_node], np.where(inter, 0.5, 1.0) / np.array(bandwidth))
+    # Without a default, a region pair nobody listed is an error naming it.
+    with pytest.raises(ValueError, match="no link between regions 'x' and 'z'"):
+        CostModel(nodes=nodes, model=TINY, network=Network(intra_region=net.intra_region, inter_region=net.inter_region),
+                  microbatches=4, microbatch_size=1)
     with pytest.raises(ValueError):
         Link(bandwidth_bps=0, latency_s=0)
 
@@ -146,7 +182,7 @@ def test_hierarchical_allreduce_by_hand():
              node("b1", [1, 1], region="b"), node("b2", [1, 1], region="b")]
 
     def cost_model(members, **kwargs):
-        return CostModel(nodes=members, model=uneven_layers, network=net, microbatches=4, microbatch_size=1, **kwargs)
+        return CostModel(nodes=members, model=uneven_layers, network=net, shape=shape4(**kwargs))
 
     idx = np.arange(4)
     flat = 2 * 3 / 4 * 1600 / 800 + 2 * 0.1  # every replica sends 3/2 of the parameters over the slow link: 3.2 s
@@ -191,11 +227,11 @@ def test_low_rank_replica_averaging_pays_two_rounds_of_factors():
     # Rank 2: the 64 x 32 matrix sends 2 x 64 values, then 2 x 32; the bias and the 2 x 4 matrix (2 x 6 >= 8) go raw.
     assert shaped.replica_sync_bytes(2) == [[4 * (128 + 32), 4 * 8], [4 * 64, 0]]
     nodes = [node("a", [1, 1]), node("b", [1, 1])]
-    cm = CostModel(nodes=nodes, model=shaped, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=2)
+    cm = CostModel(nodes=nodes, model=shaped, network=SLOW_NET, shape=shape4(replica_rank=2))
     # Two all-reduces between two replicas: each 2 * 1/2 * bits / 8000 + 2 * 0.5.
     both = (4 * (128 + 32 + 8) * 8 + 4 * 64 * 8) / 8000 + 2 * 2 * 0.5
     assert cm.sync_seconds(np.arange(2), 0, 2) == pytest.approx(both)
     with pytest.raises(ValueError, match="parameter shapes"):
-        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=2)
+        CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(replica_rank=2))
     with pytest.raises(ValueError, match="replica_rank"):
-        CostModel(nodes=nodes, model=shaped, network=SLOW_NET, microbatches=4, microbatch_size=1, replica_rank=0)
+        CostModel(nodes=nodes, model=shaped, network=SLOW_NET, shape=shape4(replica_rank=0))

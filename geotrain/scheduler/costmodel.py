@@ -238,23 +238,6 @@ class Network:
             raise ValueError(f"no link between regions {region_a!r} and {region_b!r}")
         return link
 
-    def link(self, a: NodeProfile, b: NodeProfile) -> Link:
-        """Link between two nodes."""
-        measured = self.pair_overrides.get(_pair(a.node_id, b.node_id))
-        if measured is not None:
-            return measured
-        base = self.region_link(a.region, b.region)
-        caps = [self.node_bandwidth_bps.get(n.node_id, math.inf) for n in (a, b)]
-        return Link(bandwidth_bps=min(base.bandwidth_bps, *caps), latency_s=base.latency_s)
-
-    def bandwidth_bps(self, a: NodeProfile, b: NodeProfile) -> float:
-        """Bits per second between two nodes."""
-        return self.link(a, b).bandwidth_bps
-
-    def latency_s(self, a: NodeProfile, b: NodeProfile) -> float:
-        """One-way latency in seconds between two nodes."""
-        return self.link(a, b).latency_s
-
 
 @dataclass(kw_only=True)
 class CodecRatio:
