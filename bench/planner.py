@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from geotrain.scheduler.cluster import DEVICES, layer_seconds_from_tflops
-from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
+from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 from geotrain.scheduler.planner import plan
 
 logger = logging.getLogger(__name__)
@@ -232,18 +232,18 @@ def run(replica_rank: int | None) -> None:
         for n in SIZES:
             model = ModelProfile.gpt(**MODEL)
             nodes, network = build(n, model)
-            common = dict(
-                model=model, network=network, microbatches=MICROBATCHES_PER_NODE * n, replica_rank=replica_rank
+            shape = StepShape(
+                microbatches=MICROBATCHES_PER_NODE * n, microbatch_size=MODEL["microbatch_size"], replica_rank=replica_rank
             )
-            cm = CostModel(nodes=nodes, microbatch_size=MODEL["microbatch_size"], **common)
+            cm = CostModel(nodes=nodes, model=model, network=network, shape=shape)
             bound = cm.compute_bound(cm.usable)
-            samples_per_step = cm.microbatches * cm.microbatch_size
+            samples_per_step = shape.microbatches * shape.microbatch_size
             results = {}
             for strategy, cuts_for in (("uniform", _uniform_cuts), ("proportional", _proportional_cuts)):
                 t0 = time.perf_counter()
                 results[strategy] = (samples_per_step / simple_strategy(cm, cuts_for), time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ours = plan(nodes=nodes, microbatch_size=MODEL["microbatch_size"], **common)
+            ours = plan(nodes=nodes, model=model, network=network, shape=shape)
             results["geotrain"] = (ours.samples_per_s, time.perf_counter() - t0)
             results["bound"] = (bound, 0.0)
             for strategy, (samples_per_s, seconds) in results.items():
@@ -256,7 +256,7 @@ def run(replica_rank: int | None) -> None:
                     ratio_to_bound=round(samples_per_s / bound, 4),
                     plan_seconds=round(seconds, 3),
                     replica_grads=replica_grads,
-                    microbatches=cm.microbatches,
+                    microbatches=shape.microbatches,
                 )
                 sys.stdout.write(json.dumps(line) + "\n")
                 sys.stdout.flush()

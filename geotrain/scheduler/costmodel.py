@@ -47,8 +47,11 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
+
+from geotrain.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +242,7 @@ class Network:
         return link
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CodecRatio:
     """Compressed size / raw size of activations and their gradients, per link kind."""
 
@@ -259,6 +262,50 @@ class CodecRatio:
         if isinstance(value, CodecRatio):
             return value
         return cls(intra_region=float(value), inter_region=float(value))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """One training step as the cost model and the planner see it: how many microbatches of what size, what the
+    codecs leave of a boundary's bytes, the data heads' window and how replicas average."""
+
+    microbatches: int
+    """Microbatches per step (M; train.microbatches)."""
+    microbatch_size: int
+    """Samples per microbatch (train.microbatch_size)."""
+    codec_ratio: CodecRatio = field(default_factory=CodecRatio)
+    """Compressed / raw size of activations and their gradients per link kind; a float applies to every link."""
+    inflight: int | None = None
+    """Microbatches each data head keeps in flight (train.inflight); None: unbounded."""
+    allreduce: str = "auto"
+    """How replicas average (scheduler.allreduce): one of ALLREDUCE_MODES."""
+    replica_rank: int | None = None
+    """PowerSGD's rank when replicas average low-rank factors (compression.replica_grads); None: raw gradients."""
+
+    def __post_init__(self) -> None:
+        # Frozen: the one normalisation goes through object.__setattr__.
+        object.__setattr__(self, "codec_ratio", CodecRatio.of(self.codec_ratio))
+        if self.microbatches <= 0 or self.microbatch_size <= 0:
+            raise ValueError("microbatches and microbatch_size must be > 0")
+        if self.replica_rank is not None and self.replica_rank <= 0:
+            raise ValueError(f"replica_rank must be > 0 or None, got {self.replica_rank}")
+        if self.allreduce not in ALLREDUCE_MODES:
+            raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}")
+        if self.inflight is not None and self.inflight <= 0:
+            raise ValueError(f"inflight must be > 0 or None, got {self.inflight}")
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, param_shapes_known: bool) -> StepShape:
+        """The step of a run config. Low-rank averaging is priced only where the model's parameter shapes are known
+        (they size PowerSGD's factors), raw averaging elsewhere. Boundaries are priced at their raw size whatever the
+        codecs, as the coordinator always has: "auto" picks a link's codec only after the plan is made."""
+        return cls(
+            microbatches=cfg.train.microbatches,
+            microbatch_size=cfg.train.microbatch_size,
+            inflight=cfg.train.inflight,
+            allreduce=cfg.scheduler.allreduce,
+            replica_rank=cfg.compression.replica_rank if param_shapes_known else None,
+        )
 
 
 @dataclass(kw_only=True)
@@ -338,21 +385,11 @@ class CostModel:
         nodes: Sequence[NodeProfile],
         model: ModelProfile,
         network: Network,
-        microbatches: int,
-        microbatch_size: int,
-        codec_ratio: float | CodecRatio = 1.0,
-        inflight: int | None = None,
-        allreduce: str = "auto",
-        replica_rank: int | None = None,
+        shape: StepShape | None = None,
+        **step: Any,
     ) -> None:
-        if microbatches <= 0 or microbatch_size <= 0:
-            raise ValueError("microbatches and microbatch_size must be > 0")
-        if replica_rank is not None and replica_rank <= 0:
-            raise ValueError(f"replica_rank must be > 0 or None, got {replica_rank}")
-        if allreduce not in ALLREDUCE_MODES:
-            raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {allreduce!r}")
-        if inflight is not None and inflight <= 0:
-            raise ValueError(f"inflight must be > 0 or None, got {inflight}")
+        # Until the coordinator passes a StepShape, its six keywords build one; removed right after.
+        shape = shape if shape is not None else StepShape(**step)
         ids = [n.node_id for n in nodes]
         if len(set(ids)) != len(ids):
             raise ValueError("node ids must be unique")
@@ -364,11 +401,7 @@ class CostModel:
         self.nodes = list(nodes)
         self.model = model
         self.network = network
-        self.microbatches = microbatches
-        self.microbatch_size = microbatch_size
-        self.codec = CodecRatio.of(codec_ratio)
-        self.inflight = inflight
-        self.allreduce = allreduce
+        self.shape = shape
         self.index = {nid: i for i, nid in enumerate(ids)}
         n_layers = model.n_layers
         self.prefix_seconds = np.zeros((len(nodes), n_layers + 1))
@@ -379,7 +412,7 @@ class CostModel:
         # Bits of each all-reduce round of replica averaging, summed over layers: [round][b] = bits of layers [0, b).
         self.sync_prefix = [
             np.concatenate([[0.0], np.cumsum(round_, dtype=np.float64) * 8])
-            for round_ in model.replica_sync_bytes(replica_rank)
+            for round_ in model.replica_sync_bytes(shape.replica_rank)
         ]
         self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
@@ -432,7 +465,8 @@ class CostModel:
             ci, cj = self.link_class[i], self.link_class[j]
             bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
             lat[ci, cj] = lat[cj, ci] = link.latency_s
-        ratio = np.where(rc[:, None] == rc[None, :], self.codec.intra_region, self.codec.inter_region)
+        codec = self.shape.codec_ratio
+        ratio = np.where(rc[:, None] == rc[None, :], codec.intra_region, codec.inter_region)
         self.class_bw = bw
         self.class_lat = lat
         self.class_seconds_per_bit = ratio / bw
@@ -469,7 +503,7 @@ class CostModel:
             hierarchical = None
             region = np.unique(self.class_region[classes], return_inverse=True)[1]  # of each class, from 0
             k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
-            if self.allreduce != "flat" and len(k) > 1 and k.max() > 1:
+            if self.shape.allreduce != "flat" and len(k) > 1 and k.max() > 1:
                 inside = []
                 for r in np.flatnonzero(k > 1):
                     mine = region == r
@@ -487,7 +521,7 @@ class CostModel:
         (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)  # no hierarchical terms under "flat"
         if hierarchical is None:
             return flat_per_bit * bits + flat_s, math.inf
-        flat = flat_per_bit * bits + flat_s if self.allreduce == "auto" else math.inf
+        flat = flat_per_bit * bits + flat_s if self.shape.allreduce == "auto" else math.inf
         inside, (shard_per_bit, shard_s) = hierarchical
         region_rounds = np.max([per_bit * np.asarray(bits) + s for per_bit, s in inside], axis=0)
         return flat, 2 * region_rounds + shard_per_bit * bits + shard_s
@@ -521,7 +555,7 @@ class CostModel:
         """Memory a replica of layers [start, end) needs in a pipeline of n_stages."""
         params = self.param_prefix[end] - self.param_prefix[start]
         acts = self.act_prefix[end] - self.act_prefix[start]
-        in_flight = min(self.microbatches, n_stages)
+        in_flight = min(self.shape.microbatches, n_stages)
         return params * self.model.state_bytes_per_param_byte + acts * in_flight
 
     def min_memory_bytes(self) -> float:
@@ -531,7 +565,7 @@ class CostModel:
     def compute_bound(self, idx: Sequence[int]) -> float:
         """Samples/s if the nodes in idx each ran the whole model with no communication at all."""
         full = self.prefix_seconds[np.asarray(idx, dtype=np.int64), -1]
-        return float(np.sum(1.0 / full)) * self.microbatch_size
+        return float(np.sum(1.0 / full)) * self.shape.microbatch_size
 
     # --- plan terms ------------------------------------------------------------------------------------
 
@@ -562,9 +596,9 @@ class CostModel:
             transfer[s] = 2 * (serialise + latency)
             link_occ[s] = serialise / min(na, nb)
         round_trip = lat.sum() + transfer.sum()
-        window = round_trip / (self.inflight * terms[0][5]) if self.inflight else 0.0
+        window = round_trip / (self.shape.inflight * terms[0][5]) if self.shape.inflight else 0.0
         beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0, window)
-        step = (self.microbatches - 1) * beta + round_trip + allreduce.max()
+        step = (self.shape.microbatches - 1) * beta + round_trip + allreduce.max()
         return _Terms(
             occupancy=occ,
             latency=lat,
@@ -601,7 +635,7 @@ class CostModel:
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages)
-        m = self.microbatches
+        m = self.shape.microbatches
         out = []
         for s, (start, end, nodes) in enumerate(stages):
             out.append(
@@ -620,15 +654,15 @@ class CostModel:
             stages=out,
             excluded=dict(sorted(excluded.items())),
             microbatches=m,
-            microbatch_size=self.microbatch_size,
+            microbatch_size=self.shape.microbatch_size,
             step_seconds=float(t.step_s),
-            samples_per_s=m * self.microbatch_size / t.step_s,
+            samples_per_s=m * self.shape.microbatch_size / t.step_s,
             bottleneck=self._bottleneck(stages, t),
             compute_bound_samples_per_s=self.compute_bound(self.usable),
         )
 
     def _bottleneck(self, stages: Stages, t: _Terms) -> str:
-        m = self.microbatches
+        m = self.shape.microbatches
         pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0, t.window)
         fill = t.latency.sum() + t.transfer.sum()
         sync = t.allreduce.max()
@@ -648,7 +682,7 @@ class CostModel:
         s = int(np.argmax(t.occupancy))
         if t.window > max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
             return (
-                f"data heads' window: {self.inflight} microbatches in flight on each of {len(stages[0][2])} stage-0"
+                f"data heads' window: {self.shape.inflight} microbatches in flight on each of {len(stages[0][2])} stage-0"
                 f" replicas over a {fill:.3g} s round trip, {share(pace)}"
             )
         if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:

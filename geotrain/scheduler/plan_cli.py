@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from geotrain.scheduler.cluster import load_cluster
-from geotrain.scheduler.costmodel import CodecRatio, ModelProfile, Plan
+from geotrain.scheduler.costmodel import CodecRatio, ModelProfile, Plan, StepShape
 from geotrain.scheduler.planner import PlannerConfig, plan
 
 logger = logging.getLogger(__name__)
@@ -39,17 +39,16 @@ def run_plan(
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
         cluster = load_cluster(cluster_path, profile)
-        result = plan(
-            nodes=cluster.nodes,
-            model=profile,
-            network=cluster.network,
+        shape = StepShape(
             microbatches=microbatches,
             microbatch_size=microbatch_size,
+            codec_ratio=CodecRatio.of(codec_ratio),
             inflight=inflight,
-            codec_ratio=codec_ratio,
             allreduce=allreduce,
             replica_rank=replica_rank,
-            config=PlannerConfig(stages=stages),
+        )
+        result = plan(
+            nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)
         )
     except (OSError, ValueError, TypeError) as exc:
         err.write(f"geotrain plan: {exc}\n")

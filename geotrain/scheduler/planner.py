@@ -31,10 +31,11 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from geotrain.scheduler.costmodel import CodecRatio, CostModel, ModelProfile, Network, NodeProfile, Plan
+from geotrain.scheduler.costmodel import CostModel, ModelProfile, Network, NodeProfile, Plan, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -75,29 +76,15 @@ def plan(
     nodes: Sequence[NodeProfile],
     model: ModelProfile,
     network: Network,
-    microbatches: int,
-    microbatch_size: int,
-    codec_ratio: float | CodecRatio = 1.0,
-    inflight: int | None = None,
-    allreduce: str = "auto",
-    replica_rank: int | None = None,
+    shape: StepShape | None = None,
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
+    **step: Any,
 ) -> Plan:
-    """Plan the pipeline with the lowest estimated step time (fewest moved layers within tolerance of it);
-    inflight is the data heads' window (train.inflight), None for unbounded; allreduce how replicas average
-    (scheduler.allreduce), replica_rank PowerSGD's rank when replicas average low-rank factors (None: raw)."""
-    cm = CostModel(
-        nodes=nodes,
-        model=model,
-        network=network,
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        codec_ratio=codec_ratio,
-        inflight=inflight,
-        allreduce=allreduce,
-        replica_rank=replica_rank,
-    )
+    """Plan the pipeline for steps of this shape with the lowest estimated step time (fewest moved layers within
+    tolerance of it)."""
+    # Until the coordinator passes a StepShape, its six keywords build one; removed right after.
+    cm = CostModel(nodes=nodes, model=model, network=network, shape=shape if shape is not None else StepShape(**step))
     return Planner(cm, config or PlannerConfig()).plan(previous)
 
 
@@ -241,8 +228,8 @@ class Planner:
     def _region_costs(self) -> np.ndarray:
         """[a, b] = seconds to move one typical boundary both ways between regions a and b (CostModel.regions)."""
         cm = self.cm
-        ratio = np.full(cm.region_bw.shape, cm.codec.inter_region)
-        np.fill_diagonal(ratio, cm.codec.intra_region)
+        ratio = np.full(cm.region_bw.shape, cm.shape.codec_ratio.inter_region)
+        np.fill_diagonal(ratio, cm.shape.codec_ratio.intra_region)
         return 2 * (self.typical_boundary_bits * ratio / cm.region_bw + cm.region_lat)
 
     def _region_chain(self) -> list[str]:
@@ -424,7 +411,7 @@ class Planner:
         # As CostModel scores them: serialisation one way occupies the link (full duplex; latency overlaps), the
         # fill pays both ways and the latency.
         serialise = np.concatenate([[np.inf], cm.boundary_bits * per_bit])
-        return (cm.microbatches - 1) * serialise / min(len(a), len(b)), 2 * (serialise + lat)
+        return (cm.shape.microbatches - 1) * serialise / min(len(a), len(b)), 2 * (serialise + lat)
 
     def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, ...]:
         """For a replica group among n_stages stages, over every layer range [a, b): (M-1) x occupancy, the fill
@@ -444,7 +431,7 @@ class Planner:
                 c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
             sync = np.broadcast_to(cm.sync_seconds(idx, self._starts, self._ends), c.shape)
             fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
-            self._stage_tables[key] = ((cm.microbatches - 1) * c, c * len(idx), sync, fits)
+            self._stage_tables[key] = ((cm.shape.microbatches - 1) * c, c * len(idx), sync, fits)
         return self._stage_tables[key]
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
@@ -454,7 +441,7 @@ class Planner:
         cm = self.cm
         params = cm.param_prefix[None, :] - cm.param_prefix[:, None]
         acts = cm.act_prefix[None, :] - cm.act_prefix[:, None]
-        need = params * cm.model.state_bytes_per_param_byte + acts * min(cm.microbatches, n_stages)
+        need = params * cm.model.state_bytes_per_param_byte + acts * min(cm.shape.microbatches, n_stages)
         need[self._below_diagonal] = np.inf
         self._need_cache[n_stages] = need
         return need
