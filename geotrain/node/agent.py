@@ -24,12 +24,14 @@ import grpc
 import torch
 
 from geotrain import __version__
-from geotrain.compression import Codec, PowerSgdCodec, get_codec
+from geotrain.compression import PowerSgdCodec, get_codec
 from geotrain.compression.policy import CodecPolicy, StageTimer
 from geotrain.config import RunConfig, from_proto
 from geotrain.lifetime import tie_children_to_this_process
 from geotrain.node.data import Corpus
-from geotrain.node.dataplane import DataPlane, LinkEmulator, LinkShape
+from geotrain.node.dataplane import DataPlane, Encoded, LinkEmulator, LinkShape
+from geotrain.node.failures import StageFailure, self_report
+from geotrain.node.handover import HeldStates
 from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import loss_fn
 from geotrain.node.profiler import NodeProfiler, stretch
@@ -150,6 +152,8 @@ class Agent:
         self.stage_index = -1
         self.runtime: StageRuntime | None = None
         self.state_epoch = 0  # plan epoch whose LoadState this node completed
+        self.held = HeldStates()  # layers a new plan moved this node away from, served until taken over
+        self._newest_epoch = 0  # newest plan epoch ordered (the worker may not have applied it yet)
         self.run_id = ""
         self._state_lock = threading.Lock()  # parameters change only under it (apply, load) and are read under it
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
@@ -164,7 +168,8 @@ class Agent:
         self.coordinator = rpc.CoordinatorStub(self._channel)
         self.profiler = NodeProfiler(self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown)
         self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
-        rpc.add_StageServicer_to_server(StageServicer(self), self._server)
+        servicer = StageServicer(self, options.max_tensor_bytes, options.check_finite)
+        rpc.add_StageServicer_to_server(servicer, self._server)
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
@@ -259,6 +264,7 @@ class Agent:
             self.averager = ReplicaAverager(self._dht)
         except Exception:
             log.exception("cannot start hivemind: this node cannot serve as a stage replica")
+            self._averaging_ready.set()  # settled: a commit that needs averaging fails at once, not after a wait
             return
         self._averaging_ready.set()
         self._heartbeat()
@@ -322,8 +328,10 @@ class Agent:
             self._peer_regions.update(zip(probe.node_ids, probe.regions))
             self.profiler.neighbours(dict(zip(probe.node_ids, probe.addresses)))
             return False
-        if kind == "plan" and self.averager is not None:
-            self.averager.cancel_all()  # an all-reduce of the abandoned epoch must not hold up the new plan
+        if kind == "plan":
+            self._newest_epoch = max(self._newest_epoch, order.plan.epoch)
+            if self.averager is not None:
+                self.averager.cancel_all()  # an all-reduce of the abandoned epoch must not hold up the new plan
         handlers: dict[str, Callable[[], None]] = {
             "plan": lambda: self._apply_plan(order.plan),
             "load_state": lambda: self._load_state(order.load_state),
@@ -382,12 +390,30 @@ class Agent:
             started = time.monotonic()
             try:
                 task()
-            except Exception:
-                log.exception("task failed")
+            except Exception as e:
+                self._task_failed(e)
             if epoch is not None:  # emulated slower hardware stretches every compute task, not the control ones
                 stretch(started, self.options.slowdown)
             if priority in _TIMED:
                 self.compute.observe(_TIMED[priority], time.monotonic() - started)
+
+    def _task_failed(self, error: Exception) -> None:
+        """Tell the coordinator at once that this node cannot take part in the current epoch (rather than let the
+        step time out), unless a newer plan has already abandoned the epoch the task belonged to."""
+        plan, runtime = self.plan, self.runtime
+        if plan is None:  # nothing to fail yet (e.g. timing the layers): the coordinator sees no profile
+            log.error("task failed", exc_info=error)
+            return
+        if plan.epoch != self._newest_epoch:
+            log.debug("task of an abandoned epoch failed: %r", error)
+            return
+        report = self_report(self.node_id, error, plan.epoch, runtime.applied_step + 1 if runtime else 0)
+        why = pb.FailureReason.Name(report.reason)
+        log.warning(
+            "cannot take part in plan epoch %d (%s): %s", plan.epoch, why, report.detail,
+            exc_info=not isinstance(error, StageFailure),
+        )
+        self._sender.submit(self._send_failure_report, report)
 
     def _send(self, fn: Callable[[], None], what: str, peer: str = "") -> None:
         def run() -> None:
@@ -406,7 +432,9 @@ class Agent:
 
     def _report_failure(self, peer: str, detail: str) -> None:
         """Tell the coordinator that calls to peer fail, so it can declare the peer dead before its heartbeat lapses."""
-        request = pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail)
+        self._send_failure_report(pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail))
+
+    def _send_failure_report(self, request: pb.FailureReport) -> None:
         try:
             self.coordinator.ReportFailure(request, timeout=5.0)
         except grpc.RpcError as e:
@@ -419,13 +447,18 @@ class Agent:
         index = next((s.index for s in plan.stages if self.node_id in s.node_ids), -1)
         stage = plan.stages[index] if index >= 0 else None
         with self._state_lock:
-            if stage is None:
-                self.runtime = None
-            elif self.runtime is None or (self.runtime.start, self.runtime.end) != (stage.layer_start, stage.layer_end):
-                # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order.
-                self.runtime = StageRuntime(self.cfg, stage.layer_start, stage.layer_end)
-            else:
+            self.held.release_except(plan.steps_done)  # copies of another step can help no one take over
+            layers = (stage.layer_start, stage.layer_end) if stage is not None else None
+            if self.runtime is not None and (self.runtime.start, self.runtime.end) == layers:
                 self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
+            else:
+                if self.runtime is not None:
+                    self.held.keep(self.runtime)  # whoever takes these layers over may still fetch them from here
+                # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
+                # unless this node still holds the layers at the committed step from an earlier plan.
+                self.runtime = None if layers is None else (
+                    self.held.take(layers, plan.steps_done) or StageRuntime(self.cfg, *layers)
+                )
             self.plan, self.stage_index = plan, index
             for s in plan.stages:
                 self._peer_regions.update(zip(s.node_ids, s.regions))
@@ -455,33 +488,42 @@ class Agent:
             self.state_epoch = order.plan_epoch
             self._heartbeat()
             return
-        if order.source_address:
-            channel = make_channel(order.source_address, self.options.token, lambda: self.node_id, self.options.tls)
-            try:
-                stream = rpc.StageStub(channel).FetchState(
-                    pb.FetchStateRequest(steps_done=order.steps_done), timeout=_STATE_DEADLINE_S
-                )
-                state = framing.read_state(stream, self.options.max_tensor_bytes)
-            finally:
-                channel.close()
-        else:
-            request = pb.FetchCheckpointRequest(
-                layer_start=runtime.start, layer_end=runtime.end, steps_done=order.steps_done
-            )
-            state = framing.read_state(
-                self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
-            )
-        with self._state_lock:
-            runtime.load_full_state(state, order.steps_done)
-            checksum = runtime.checksum()
+        source = order.source_address or "the coordinator's checkpoint"
+        try:
+            state = self._fetch_state(order, runtime.start, runtime.end)
+            with self._state_lock:
+                runtime.load_full_state(state, order.steps_done)
+                checksum = runtime.checksum()
+        except (grpc.RpcError, FrameError, ValueError) as e:
+            detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            raise StageFailure(
+                pb.FAILURE_REASON_STATE, f"cannot load the state after {order.steps_done} steps from {source}: {detail}"
+            ) from e
         if order.expected_checksum and checksum != order.expected_checksum:
-            raise NodeError(f"state loaded for step {order.steps_done} fails its checksum")
+            raise StageFailure(
+                pb.FAILURE_REASON_STATE, f"state loaded for step {order.steps_done} from {source} fails its checksum"
+            )
         self.state_epoch = order.plan_epoch
         log.info(
             "loaded state after %d steps from %s in %.2fs",
             order.steps_done, order.source_address or "the coordinator's checkpoint", time.monotonic() - started,
         )
         self._heartbeat()
+
+    def _fetch_state(self, order: pb.LoadState, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Layers [start, end) after order.steps_done steps, from the order's source node or the checkpoint."""
+        if order.source_address:
+            channel = make_channel(order.source_address, self.options.token, lambda: self.node_id, self.options.tls)
+            try:
+                request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=start, layer_end=end)
+                stream = rpc.StageStub(channel).FetchState(request, timeout=_STATE_DEADLINE_S)
+                return framing.read_state(stream, self.options.max_tensor_bytes)
+            finally:
+                channel.close()
+        request = pb.FetchCheckpointRequest(layer_start=start, layer_end=end, steps_done=order.steps_done)
+        return framing.read_state(
+            self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
+        )
 
     def _peer(self, stage_index: int) -> tuple[str, str]:
         """(node id, address) of the replica of `stage_index` expected to finish a microbatch first."""
@@ -546,22 +588,26 @@ class Agent:
         peer, address = self._peer(self.stage_index + 1)
         if not ref.eval:
             self.router.sent(peer, ref.step, ref.microbatch)
-        codec = self._codec("activations", peer, outputs)
-        send = lambda: self.dataplane.send(peer, address, "forward", ref, outputs, codec)  # noqa: E731
+        encoded = self._encode("activations", peer, address, "forward", outputs)
+        send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
         self._send(send, f"forward to {peer}", peer)
 
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
         peer = ref.path[self.stage_index - 1]
         address = self._address_of(peer)
-        codec = self._codec("activation_grads", peer, grad)
-        send = lambda: self.dataplane.send(peer, address, "backward", ref, grad, codec)  # noqa: E731
+        encoded = self._encode("activation_grads", peer, address, "backward", grad)
+        send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
         self._send(send, f"backward to {peer}", peer)
 
-    def _codec(self, kind: str, peer: str, tensor: torch.Tensor) -> Codec:
-        """The codec for a tensor of `kind` to peer: the configured one, or auto's pick from what was measured."""
+    def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
+        """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
+
+        On the worker thread, not the senders': a link's codec state (PowerSGD's warm start) then sees its tensors
+        in the order the worker produced them, whatever order the sender threads run in."""
         estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
-        return self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
+        codec = self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
+        return self.dataplane.encode(peer, address, direction, codec, tensor)
 
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
@@ -692,32 +738,43 @@ class Agent:
         count = runtime.mean_gradients(order.step)
         stage = plan.stages[self.stage_index]
         if len(stage.node_ids) > 1:
-            from geotrain.node.averaging import group_id, replica_all_reduce
-
             if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
-                raise NodeError("replica averaging is not available on this node")
-            all_reduce = replica_all_reduce(
-                self.averager,
-                list(stage.peer_ids),
-                list(stage.regions),
-                float(count),
-                lambda round_, part: group_id(self.run_id, stage.index, order.step, plan.epoch, round_, part),
-                hierarchical=stage.hierarchical_allreduce,
-            )
-            if self._low_rank is not None:
-                self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
-            else:
-                # float64 copies: hivemind reduces in float32 and returns deltas; x64 + delta lies close enough to
-                # the reducer's float32 average that all_reduce rounds it back to exactly that on every replica
-                # (in float32, x32 + delta would round differently on each), so replicas stay bit-identical.
-                grads = [g.double() for g in runtime.gradients()]
-                all_reduce(0, grads)
-                for g, averaged in zip(runtime.gradients(), grads):
-                    g.copy_(averaged)
+                raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
+            try:
+                self._average_with_replicas(runtime, plan, stage, order.step, count)
+            except Exception as e:
+                why = f"averaging with the stage's replicas failed: {e!r}"
+                raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=runtime.grad_sq_norm(), plan_epoch=plan.epoch
         )
         self._report(self.coordinator.GradNorm, request)
+
+    def _average_with_replicas(
+        self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int, count: int
+    ) -> None:
+        """Replace the step's gradients by their weighted mean over the stage's replicas."""
+        from geotrain.node.averaging import group_id, replica_all_reduce
+
+        assert self.averager is not None
+        all_reduce = replica_all_reduce(
+            self.averager,
+            list(stage.peer_ids),
+            list(stage.regions),
+            float(count),
+            lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
+            hierarchical=stage.hierarchical_allreduce,
+        )
+        if self._low_rank is not None:
+            self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
+            return
+        # float64 copies: hivemind reduces in float32 and returns deltas; x64 + delta lies close enough to the
+        # reducer's float32 average that all_reduce rounds it back to exactly that on every replica (in float32,
+        # x32 + delta would round differently on each), so replicas stay bit-identical.
+        grads = [g.double() for g in runtime.gradients()]
+        all_reduce(0, grads)
+        for g, averaged in zip(runtime.gradients(), grads):
+            g.copy_(averaged)
 
     def _apply(self, order: pb.ApplyStep) -> None:
         runtime = self.runtime
@@ -725,14 +782,20 @@ class Agent:
         with self._state_lock:
             runtime.apply(order.step, order.clip_coef, order.lr)
             checksum = runtime.checksum()
+            self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
         self._head = None
         request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
         self._report(self.coordinator.StepApplied, request)
 
-    def state_snapshot(self, steps_done: int) -> list[tuple[str, torch.Tensor]] | None:
-        """Copies of the stage's parameters and optimizer state after steps_done steps, or None if not held."""
+    def state_snapshot(
+        self, steps_done: int, layers: tuple[int, int] | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Copies of the parameters and optimizer state of `layers` (None: the current stage's) after steps_done
+        steps, from the current stage or one a newer plan moved this node away from; None if not held."""
         with self._state_lock:
             runtime = self.runtime
+            if layers is not None and (runtime is None or (runtime.start, runtime.end) != layers):
+                runtime = self.held.get(layers, steps_done)
             if runtime is None or runtime.applied_step + 1 != steps_done:
                 return None
             return [(name, t.detach().clone()) for name, t in runtime.full_state()]

@@ -1,7 +1,9 @@
 """The data plane: activations forward and gradients backward to neighbour stages, compressed per link.
 
 One channel per peer address, one codec state per (peer, direction) so that a codec's state follows the link,
-byte counters per link before and after compression, deadlines that follow each link's measured call times, and
+encoded by one thread at a time under that link's own lock (PowerSGD's warm start is the previous encode's factor:
+two encodes at once would read and write it in an order set by thread timing), byte counters per link before and
+after compression, deadlines that follow each link's measured call times, and
 an optional link emulator so that heterogeneous links are real on one machine.
 
 The codec states keep no error-feedback residual: consecutive tensors on a link are different microbatches'
@@ -44,6 +46,16 @@ class LinkStats:
     wire_bytes: int = 0
     messages: int = 0
     codec: str = ""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor encoded for one link, ready to send."""
+
+    header: pb.TensorHeader
+    payload: bytes | bytearray
+    raw_bytes: int
+    codec: str
 
 
 @dataclass(frozen=True)
@@ -119,8 +131,10 @@ class DataPlane:
         self._lock = threading.Lock()
         self._stubs: dict[str, rpc.StageStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        # (peer, address, direction) -> (codec name, its state): a new codec on a link starts afresh.
+        # (peer, address, direction) -> (codec name, its state): a new codec on a link starts afresh. Each link's
+        # state is read and written only under that link's lock in _codec_locks.
         self._codec_states: dict[tuple[str, str, str], tuple[str, FeedbackState | None]] = {}
+        self._codec_locks: dict[tuple[str, str, str], threading.Lock] = defaultdict(threading.Lock)
         self._links: dict[str, LinkEstimator] = defaultdict(LinkEstimator)
         self.sent: dict[str, LinkStats] = defaultdict(LinkStats)
         self.received: dict[str, LinkStats] = defaultdict(LinkStats)
@@ -137,20 +151,25 @@ class DataPlane:
                 self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]
 
-    def _encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> bytes:
+    def encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> Encoded:
+        """Encode a tensor for the link to `peer` in `direction`; encodes on one link run one at a time, in the order
+        their callers take the link's lock (call from one thread to fix that order)."""
+        key = (peer, address, direction)
         with self._lock:
-            key = (peer, address, direction)
-            if key not in self._codec_states or self._codec_states[key][0] != codec.name:
-                self._codec_states[key] = (codec.name, codec.new_state(error_feedback=False))
-            state = self._codec_states[key][1]
-        return codec.encode(tensor, state)
-
-    def send(
-        self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, codec: Codec
-    ) -> None:
-        """Send one tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward") RPC."""
-        payload = self._encode(peer, address, direction, codec, tensor)
+            link_lock = self._codec_locks[key]
+        with link_lock:
+            with self._lock:
+                if key not in self._codec_states or self._codec_states[key][0] != codec.name:
+                    self._codec_states[key] = (codec.name, codec.new_state(error_feedback=False))
+                state = self._codec_states[key][1]
+            payload = codec.encode(tensor, state)
         header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload)
+        return Encoded(header, payload, tensor.numel() * tensor.element_size(), codec.name)
+
+    def send(self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, encoded: Encoded) -> None:
+        """Send one encoded tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward")
+        RPC."""
+        header, payload = encoded.header, encoded.payload
         stub = self.stub(address)
         method = stub.Forward if direction == "forward" else stub.Backward
         # The link estimate counts the emulated delay: it stands for the time the bytes spend on the wire.
@@ -166,12 +185,12 @@ class DataPlane:
         done = time.monotonic()
         self.deadlines.observe(peer, done - started)
         with self._lock:
-            self._links[peer].observe(codec.name, len(payload), done - began)
+            self._links[peer].observe(encoded.codec, len(payload), done - began)
             stats = self.sent[peer]
-            stats.raw_bytes += tensor.numel() * tensor.element_size()
+            stats.raw_bytes += encoded.raw_bytes
             stats.wire_bytes += len(payload)
             stats.messages += 1
-            stats.codec = codec.name
+            stats.codec = encoded.codec
 
     def estimate(self, peer: str) -> LinkEstimate | None:
         """The measured bandwidth and latency of the link to peer, or None before the first call."""

@@ -1,7 +1,8 @@
-"""The Stage gRPC service: parse, validate against the plan, decode, then hand over to the agent.
+"""The Stage gRPC service: parse, validate against the plan, decode, then hand over to the node's StageHandler.
 
 Validation happens on the first chunk, before the payload is read; a bad request gets a status with a clear message
-and changes nothing on the node.
+and changes nothing on the node. The service sees the node only through StageHandler (the agent implements it), so
+this module imports nothing of the agent's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 import torch
@@ -20,9 +21,6 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.probe import serve_probe
-
-if TYPE_CHECKING:
-    from geotrain.node.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +38,41 @@ def decode_tensor(received: framing.ReceivedTensor, check_finite: bool) -> torch
     return tensor
 
 
-class StageServicer(rpc.StageServicer):
-    """Receives activations and gradients for the agent's stage, and serves its state."""
+class StageHandler(Protocol):
+    """What the Stage service needs of the node behind it; `direction` is "forward" or "backward"."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def check_incoming(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader) -> None:
+        """Raise FrameError unless the node's current plan expects this tensor (called before its payload is read)."""
+
+    def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
+        """Take a validated, decoded tensor (queue its compute); must not block on compute."""
+
+    def state_snapshot(
+        self, steps_done: int, layers: tuple[int, int] | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Copies of the state of `layers` (None: the current stage's) after steps_done committed steps, or None if
+        the node holds none."""
+
+
+class StageServicer(rpc.StageServicer):
+    """Receives activations and gradients for a node's stage, and serves its state."""
+
+    def __init__(self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool) -> None:
+        self.handler = handler
+        self.max_tensor_bytes = max_tensor_bytes
+        self.check_finite = check_finite
 
     def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
-        agent = self.agent
+        handler = self.handler
         try:
             received = framing.read_one_tensor(
-                chunks, agent.options.max_tensor_bytes, lambda ref, h: agent.check_incoming(direction, ref, h)
+                chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h)
             )
-            tensor = decode_tensor(received, agent.options.check_finite)
+            tensor = decode_tensor(received, self.check_finite)
         except FrameError as e:
             log.warning("rejected %s from %s: %s", direction, context.peer(), e)
             context.abort(e.code, str(e))
-        agent.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
+        handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
         return pb.Ack()
 
     def Forward(self, request_iterator, context):  # noqa: D102, N802
@@ -66,9 +82,13 @@ class StageServicer(rpc.StageServicer):
         return self._receive("backward", request_iterator, context)
 
     def FetchState(self, request, context):  # noqa: D102, N802
-        snapshot = self.agent.state_snapshot(request.steps_done)
+        layers = (request.layer_start, request.layer_end) if request.layer_end else None
+        snapshot = self.handler.state_snapshot(request.steps_done, layers)
         if snapshot is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no state after {request.steps_done} steps")
+            which = f"layers [{request.layer_start}, {request.layer_end})" if layers else "state"
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no {which} after {request.steps_done} steps"
+            )
         yield from framing.state_chunks(snapshot)
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802

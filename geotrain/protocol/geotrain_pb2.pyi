@@ -35,6 +35,13 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_PROTOCOL_VERSION: _ClassVar[RejectReason]
     REJECT_REASON_RUN_FINISHED: _ClassVar[RejectReason]
     REJECT_REASON_DUPLICATE_NODE: _ClassVar[RejectReason]
+
+class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_REASON_UNSPECIFIED: _ClassVar[FailureReason]
+    FAILURE_REASON_STATE: _ClassVar[FailureReason]
+    FAILURE_REASON_AVERAGING: _ClassVar[FailureReason]
+    FAILURE_REASON_COMPUTE: _ClassVar[FailureReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -55,6 +62,10 @@ REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_PROTOCOL_VERSION: RejectReason
 REJECT_REASON_RUN_FINISHED: RejectReason
 REJECT_REASON_DUPLICATE_NODE: RejectReason
+FAILURE_REASON_UNSPECIFIED: FailureReason
+FAILURE_REASON_STATE: FailureReason
+FAILURE_REASON_AVERAGING: FailureReason
+FAILURE_REASON_COMPUTE: FailureReason
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "payload_bytes", "crc32")
@@ -439,14 +450,20 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("node_id", "peer", "detail")
+    __slots__ = ("node_id", "peer", "detail", "reason", "plan_epoch", "step")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer: str
     detail: str
-    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    reason: FailureReason
+    plan_epoch: int
+    step: int
+    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class FetchCheckpointRequest(_message.Message):
     __slots__ = ("layer_start", "layer_end", "steps_done")
@@ -519,7 +536,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +552,7 @@ class NodeStatus(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     PROFILED_MICROBATCH_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -550,7 +568,8 @@ class NodeStatus(_message.Message):
     alive: bool
     profiled_microbatch_s: float
     memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    lifecycle: str
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")
@@ -621,7 +640,7 @@ class RunEvent(_message.Message):
     def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s")
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -639,6 +658,7 @@ class StatusReply(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     steps: int
@@ -656,7 +676,8 @@ class StatusReply(_message.Message):
     failures: int
     recovery_s: _containers.RepeatedScalarFieldContainer[float]
     estimated_step_s: float
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ...) -> None: ...
+    phase: str
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")
@@ -685,7 +706,11 @@ class TensorChunk(_message.Message):
     def __init__(self, ref: _Optional[_Union[MicrobatchRef, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
-    __slots__ = ("steps_done",)
+    __slots__ = ("steps_done", "layer_start", "layer_end")
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     steps_done: int
-    def __init__(self, steps_done: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    def __init__(self, steps_done: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,233 @@
+"""The node's runtime in one process: the Stage service's narrow interface, per-link codec state, failure
+reports sent at once, and state hand-over when a plan swaps stages."""
+
+from __future__ import annotations
+
+import ast
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.compression import FeedbackState
+from geotrain.config import load_config
+from geotrain.node.agent import Agent, NodeOptions
+from geotrain.node.dataplane import DataPlane
+from geotrain.node.stage import StageRuntime
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.auth import new_token
+
+NODE = Path(__file__).resolve().parent.parent / "geotrain" / "node"
+
+
+def test_the_stage_servicer_imports_nothing_of_the_agent_not_even_for_typing():
+    tree = ast.parse((NODE / "servicer.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("geotrain.node.agent")}
+    assert "geotrain.node" not in imported  # `from geotrain.node import agent` would hide it too
+
+
+# -- per-link codec state ---------------------------------------------------------------------------------------
+
+
+class _CountingCodec:
+    """A stateful codec whose encode is a slow read-modify-write of its link state: two encodes of one link at once
+    lose an update, as two PowerSGD encodes at once would both warm-start from the same factor."""
+
+    name, codec_id = "counting", pb.CODEC_NONE
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.active = self.most_active = 0
+
+    def new_state(self, error_feedback: bool = True) -> FeedbackState:
+        return FeedbackState(error_feedback=error_feedback, q=torch.zeros(1))
+
+    def encode(self, tensor: torch.Tensor, state: FeedbackState) -> bytes:
+        with self._lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        seen = state.q.clone()
+        time.sleep(0.01)  # widens the window in which another encode of the link would read the same state
+        state.q = seen + tensor.sum()
+        with self._lock:
+            self.active -= 1
+        return b"x" * 8
+
+
+@pytest.mark.timeout(30)
+def test_encodes_on_one_link_from_many_threads_leave_the_state_a_single_thread_would():
+    plane = DataPlane(new_token(), lambda: "node-1")
+    codec = _CountingCodec()
+    n_threads, per_thread = 8, 5
+    start = threading.Barrier(n_threads)
+
+    def encode_some() -> None:
+        start.wait()
+        for _ in range(per_thread):
+            plane.encode("node-2", "127.0.0.1:1", "forward", codec, torch.ones(3))
+
+    threads = [threading.Thread(target=encode_some) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    # Another link's state is its own, and another codec on the same link starts afresh.
+    other = plane.encode("node-3", "127.0.0.1:2", "forward", codec, torch.ones(3))
+    assert other.raw_bytes == 12 and other.codec == "counting"
+
+    state = plane._codec_states[("node-2", "127.0.0.1:1", "forward")][1]
+    assert codec.most_active == 1
+    assert float(state.q) == 3.0 * n_threads * per_thread  # every encode saw the state the one before it left
+    assert float(plane._codec_states[("node-3", "127.0.0.1:2", "forward")][1].q) == 3.0
+
+
+# -- agents in this process -------------------------------------------------------------------------------------
+
+
+class _FakeCoordinator:
+    """The coordinator's stub as an agent calls it: records failure reports, serves a checkpoint, knows the node."""
+
+    def __init__(self, checkpoint: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        self.reports: queue.Queue[pb.FailureReport] = queue.Queue()
+        self.checkpoint = checkpoint or []
+
+    def ReportFailure(self, request: pb.FailureReport, timeout: float) -> pb.Ack:  # noqa: N802
+        self.reports.put(request)
+        return pb.Ack()
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:  # noqa: N802
+        return pb.HeartbeatReply(known=True)
+
+    def FetchCheckpoint(self, request: pb.FetchCheckpointRequest, timeout: float):  # noqa: N802
+        return framing.state_chunks(self.checkpoint)
+
+
+@pytest.fixture
+def make_agent():
+    """Agents with a fake coordinator, their Stage service serving on 127.0.0.1; always closed."""
+    token, agents = new_token(), []
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+
+    def make(node_id: str, coordinator: _FakeCoordinator) -> Agent:
+        agent = Agent(NodeOptions(coordinator="127.0.0.1:9", token=token, node_id=node_id))
+        agents.append(agent)
+        agent.cfg, agent.coordinator = cfg, coordinator
+        agent._server.start()
+        agent.address = f"127.0.0.1:{agent.port}"
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.close()
+
+
+def _plan(epoch: int, steps_done: int, total: int, stages: list[tuple[int, int, Agent]]) -> pb.Plan:
+    plan = pb.Plan(epoch=epoch, total_layers=total, steps_done=steps_done)
+    for i, (start, end, agent) in enumerate(stages):
+        plan.stages.add(
+            index=i, layer_start=start, layer_end=end, node_ids=[agent.node_id], addresses=[agent.address],
+            regions=["local"],
+        )
+    return plan
+
+
+def _start_worker(agent: Agent) -> None:
+    threading.Thread(target=agent._work_loop, name="worker", daemon=True).start()
+
+
+@pytest.mark.timeout(30)
+def test_a_state_load_failing_its_checksum_is_reported_at_once(make_agent):
+    coordinator = _FakeCoordinator()
+    agent = make_agent("node-1", coordinator)
+    total = agent.cfg.model.total_layers
+    coordinator.checkpoint = StageRuntime(agent.cfg, 0, total).full_state()
+    _start_worker(agent)
+    agent._on_order(pb.Order(plan=_plan(2, 1, total, [(0, total, agent)])))
+    agent._on_order(pb.Order(load_state=pb.LoadState(plan_epoch=2, steps_done=1, expected_checksum="not-this-one")))
+
+    report = coordinator.reports.get(timeout=20)
+    assert (report.node_id, report.peer) == ("node-1", "node-1")
+    assert report.reason == pb.FAILURE_REASON_STATE and report.plan_epoch == 2
+    assert "fails its checksum" in report.detail
+    assert agent.state_epoch == 0  # the node did not claim the state
+
+
+@pytest.mark.timeout(30)
+def test_a_compute_error_is_reported_with_its_reason_and_a_stale_epochs_is_not(make_agent):
+    coordinator = _FakeCoordinator()
+    agent = make_agent("node-1", coordinator)
+    total = agent.cfg.model.total_layers
+    _start_worker(agent)
+    agent._on_order(pb.Order(plan=_plan(3, 0, total, [(0, total, agent)])))
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    agent._submit(2, broken, epoch=3)
+    report = coordinator.reports.get(timeout=20)
+    assert report.peer == "node-1" and report.reason == pb.FAILURE_REASON_COMPUTE and report.plan_epoch == 3
+    assert report.detail == "RuntimeError: CUDA error: an illegal memory access"
+
+    # A newer plan is on its way: the failing task belonged to an epoch the coordinator has already abandoned.
+    agent._newest_epoch = 4
+    agent._task_failed(RuntimeError("cancelled with its epoch"))
+    agent._sender.shutdown(wait=True)
+    assert coordinator.reports.empty()
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_without_averaging_reports_it_at_its_first_commit(make_agent):
+    coordinator = _FakeCoordinator()
+    agent = make_agent("node-1", coordinator)
+    peer = make_agent("node-2", _FakeCoordinator())
+    total = agent.cfg.model.total_layers
+    plan = _plan(2, 0, total, [(0, total, agent)])
+    plan.stages[0].node_ids.append(peer.node_id)
+    plan.stages[0].addresses.append(peer.address)
+    plan.stages[0].regions.append("local")
+    agent._averaging_ready.set()  # hivemind failed to start: no averager
+    _start_worker(agent)
+    agent._on_order(pb.Order(plan=plan))
+    agent._on_order(pb.Order(commit=pb.CommitStep(plan_epoch=2, step=0)))
+
+    report = coordinator.reports.get(timeout=20)
+    assert report.reason == pb.FAILURE_REASON_AVERAGING and report.peer == "node-1"
+    assert "not available" in report.detail
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_swapping_stages_each_fetch_the_state_the_other_held(make_agent):
+    a, b = make_agent("node-a", _FakeCoordinator()), make_agent("node-b", _FakeCoordinator())
+    total = a.cfg.model.total_layers
+    cut = total // 2
+    for agent in (a, b):
+        agent._apply_plan(_plan(1, 0, total, [(0, cut, a), (cut, total, b)]))
+        runtime = agent.runtime
+        with torch.no_grad():  # stands for a trained step: its state differs from the seed's
+            for p in runtime.parameters():
+                p.add_(0.25)
+        runtime.load_full_state(dict(runtime.full_state()), 1)
+    held = {a.node_id: a.runtime.checksum(), b.node_id: b.runtime.checksum()}
+
+    # After a coordinator restart the planner swaps them; each applies the plan before the other has fetched.
+    swapped = _plan(2, 1, total, [(0, cut, b), (cut, total, a)])
+    a._apply_plan(swapped)
+    b._apply_plan(swapped)
+    a._load_state(pb.LoadState(plan_epoch=2, steps_done=1, source_address=b.address, expected_checksum=held["node-b"]))
+    b._load_state(pb.LoadState(plan_epoch=2, steps_done=1, source_address=a.address, expected_checksum=held["node-a"]))
+    assert (a.runtime.start, a.runtime.end, a.runtime.checksum()) == (cut, total, held["node-b"])
+    assert (b.runtime.start, b.runtime.end, b.runtime.checksum()) == (0, cut, held["node-a"])
+    assert a.state_epoch == b.state_epoch == 2
+
+    # A plan at the same step that gives the layers back finds them kept; one past that step lets them go.
+    a._apply_plan(_plan(3, 1, total, [(0, cut, a), (cut, total, b)]))
+    assert (a.runtime.start, a.runtime.checksum(), a.runtime.applied_step) == (0, held["node-a"], 0)
+    assert a.state_snapshot(1, (cut, total)) is not None  # the layers it loaded in epoch 2, kept for b
+    a._apply_plan(_plan(4, 2, total, [(0, cut, a), (cut, total, b)]))
+    assert a.state_snapshot(1, (cut, total)) is None
