@@ -159,7 +159,7 @@ def test_a_state_load_failing_its_checksum_is_reported_at_once(make_agent):
 
 
 @pytest.mark.timeout(30)
-def test_a_compute_error_is_reported_with_its_reason_and_a_stale_epochs_is_not(make_agent):
+def test_a_compute_error_is_reported_once_per_epoch_and_not_for_an_abandoned_epoch(make_agent):
     coordinator = _FakeCoordinator()
     agent = make_agent("node-1", coordinator)
     total = agent.cfg.model.total_layers
@@ -174,6 +174,11 @@ def test_a_compute_error_is_reported_with_its_reason_and_a_stale_epochs_is_not(m
     assert report.peer == "node-1" and report.reason == pb.FAILURE_REASON_COMPUTE and report.plan_epoch == 3
     assert report.detail == "RuntimeError: CUDA error: an illegal memory access"
 
+    # One report fails the epoch: the next failing task of it sends none.
+    ran = threading.Event()
+    agent._submit(2, broken, epoch=3)
+    agent._submit(2, ran.set, epoch=3)  # runs after it: one worker, same priority, queued later
+    assert ran.wait(20)
     # A newer plan is on its way: the failing task belonged to an epoch the coordinator has already abandoned.
     agent._newest_epoch = 4
     agent._task_failed(RuntimeError("cancelled with its epoch"))

@@ -154,6 +154,7 @@ class Agent:
         self.state_epoch = 0  # plan epoch whose LoadState this node completed
         self.held = HeldStates()  # layers a new plan moved this node away from, served until taken over
         self._newest_epoch = 0  # newest plan epoch ordered (the worker may not have applied it yet)
+        self._reported_epoch = 0  # plan epoch this node last reported itself failing in: one report fails it
         self.run_id = ""
         self._state_lock = threading.Lock()  # parameters change only under it (apply, load) and are read under it
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
@@ -404,9 +405,10 @@ class Agent:
         if plan is None:  # nothing to fail yet (e.g. timing the layers): the coordinator sees no profile
             log.error("task failed", exc_info=error)
             return
-        if plan.epoch != self._newest_epoch:
-            log.debug("task of an abandoned epoch failed: %r", error)
+        if plan.epoch != self._newest_epoch or plan.epoch == self._reported_epoch:
+            log.debug("task failed in plan epoch %d, abandoned or reported already: %r", plan.epoch, error)
             return
+        self._reported_epoch = plan.epoch
         report = self_report(self.node_id, error, plan.epoch, runtime.applied_step + 1 if runtime else 0)
         why = pb.FailureReason.Name(report.reason)
         log.warning(
