@@ -154,13 +154,13 @@ def test_codec_state_survives_replan_for_links_that_remain():
     plane = DataPlane("token", lambda: "me")
     powersgd = get_codec("powersgd:rank=2")
     for peer in ("stays", "goes"):
-        plane._encode(peer, f"{peer}:1", "forward", powersgd, torch.randn(16, 64))
+        plane.encode(peer, f"{peer}:1", "forward", powersgd, torch.randn(16, 64))
     kept = plane._codec_states[("stays", "stays:1", "forward")]
     assert kept[1].q is not None  # the warm start of the next encode on this link
     plane.reset_links({"stays"})
     assert plane._codec_states == {("stays", "stays:1", "forward"): kept}
     # A new codec on the link starts with fresh state instead of another codec's residual.
-    plane._encode("stays", "stays:1", "forward", get_codec("int8"), torch.randn(64))
+    plane.encode("stays", "stays:1", "forward", get_codec("int8"), torch.randn(64))
     assert plane._codec_states[("stays", "stays:1", "forward")] == ("int8:block=64", None)
     plane.close()
 
@@ -171,8 +171,8 @@ def test_a_microbatch_is_not_biased_by_the_previous_ones_residual(direction):
     topk = get_codec("topk:0.1")
     g = torch.Generator().manual_seed(3)
     first, second = torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
-    plane._encode("peer", "peer:1", direction, topk, first)
-    sent = topk.decode(plane._encode("peer", "peer:1", direction, topk, second), SHAPE, torch.float32)
+    plane.encode("peer", "peer:1", direction, topk, first)
+    sent = topk.decode(plane.encode("peer", "peer:1", direction, topk, second).payload, SHAPE, torch.float32)
     # Exactly what the second microbatch alone encodes to: nothing of the first one's unsent 90%.
     assert torch.equal(sent, topk.decode(topk.encode(second), SHAPE, torch.float32))
     plane.close()
