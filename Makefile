@@ -7,7 +7,7 @@ PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 proto
 	pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test proto clean
+.PHONY: venv demo test test-fast proto clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 		echo "chromium could not be installed: the browser test will skip"; fi
 	$(BIN)/python -m pytest -q
+
+# What needs no cluster: no coordinator, node, CLI or DHT processes; well under a minute.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not cluster"
 
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. geotrain/protocol/geotrain.proto

@@ -1,4 +1,5 @@
-"""Shared fixtures: run the CLI as a real process, and a local cluster with an in-process coordinator."""
+"""Shared helpers: run the CLI as a real process, a local cluster with an in-process coordinator, small-run
+settings, polling with a deadline, and the comparisons and RPC checks several test files make."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import torch
 
-from geotrain.config import RunConfig
+from geotrain.config import RunConfig, load_config
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
@@ -22,6 +26,45 @@ from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A multi-process run kept short: three steps of four microbatches, no evaluation, deaths noticed in 2.5 s.
+SMALL_RUN = [
+    "run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
+    "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", "scheduler.placement=uniform",
+]
+
+
+def small_run(*overrides: str) -> RunConfig:
+    """SMALL_RUN's configuration with `overrides` applied after it."""
+    return load_config(None, [*SMALL_RUN, *overrides])
+
+
+def as_set_flags(settings: list[str]) -> list[str]:
+    """`--set KEY=VALUE` command-line flags for each setting."""
+    return [arg for s in settings for arg in ("--set", s)]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def expect_status(code: grpc.StatusCode, text: str, call: Callable[[], Any]) -> None:
+    """call() fails with gRPC status `code` and details containing `text`."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, err.value.details()
+    assert text in err.value.details(), err.value.details()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll predicate until it returns something truthy (returned) or `timeout` seconds pass (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(interval)
+    return result
 
 
 def geotrain_env() -> dict[str, str]:
@@ -105,10 +148,4 @@ def local_cluster(
 @pytest.fixture
 def small_config() -> RunConfig:
     """A fast configuration for multi-process tests."""
-    from geotrain.config import load_config
-
-    return load_config(
-        None,
-        ["run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
-         "scheduler.heartbeat_timeout_s=2.5", "scheduler.heartbeat_interval_s=0.5", "scheduler.placement=uniform"],
-    )
+    return small_run()

@@ -55,6 +55,7 @@ def test_lr_schedule_and_clip():
     assert t.clip_coefficient(16.0) == pytest.approx(t.grad_clip / 4.0, rel=1e-6)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_cli_bad_value_is_one_line_exit_2():
     result = run_cli("train-local", "--set", "train.lr=7")
@@ -64,6 +65,7 @@ def test_cli_bad_value_is_one_line_exit_2():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_help_has_a_sentence_and_an_example():
     result = run_cli("--help")
@@ -73,6 +75,7 @@ def test_help_has_a_sentence_and_an_example():
         assert "example:" in out and f"geotrain {command}" in out, command
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_demo_refuses_more_stages_than_nodes():
     result = run_cli("demo", "--nodes", "2", "--stages", "3")

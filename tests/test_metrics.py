@@ -144,6 +144,7 @@ def _without_heartbeat_age(status: dict) -> dict:
     return status
 
 
+@pytest.mark.cluster
 def test_api_status_equals_cli_json(live_coordinator):
     address, token, url = live_coordinator
     cli = run_cli("status", "--coordinator", address, "--token", token, "--json", timeout=20)

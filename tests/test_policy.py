@@ -95,6 +95,13 @@ def test_auto_compresses_a_slow_link_and_relaxes_on_a_fast_one():
     assert policy.accepted_ids == {get_codec(s).codec_id for s in ("none", "fp16", "int8", "topk:0.1")}
 
 
+@pytest.mark.parametrize("kind", ["activations", "activation_grads"])
+@pytest.mark.parametrize("compute_s", [0.01, 0.05, 0.1])
+def test_auto_compresses_the_demos_emulated_link_both_ways(kind, compute_s):
+    # test_compression_e2e's eu-us link, 20 Mbit/s and 50 ms: 256 KiB raw take 105 ms, longer than a stage computes.
+    assert _drive(CodecPolicy(kind, "auto", dwell=1), 2.5e6, compute_s) != "none"
+
+
 def test_auto_takes_the_last_rung_when_nothing_fits():
     policy = CodecPolicy("activation_grads", "auto", dwell=1)
     assert _drive(policy, 1e3, 0.01) == "topk:0.1"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from geotrain.node.dataplane import DataPlane
 from geotrain.node.progress import ProgressReporter, progress_fields
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import geotrain_pb2 as pb
+from tests.conftest import wait_until
 
 
 class _Terminal(io.StringIO):
@@ -47,8 +47,7 @@ def test_terminal_gets_a_redrawn_status_line():
     out = _Terminal()
     reporter = ProgressReporter(_Node(), out, interval_s=0.05)
     reporter.start()
-    while out.getvalue().count("\r") < 2:
-        time.sleep(0.02)
+    wait_until(lambda: out.getvalue().count("\r") >= 2, 10, "two status lines", interval=0.02)
     reporter.stop()
     last = out.getvalue().rsplit("\r", 1)[1]
     assert "node-7  stage 1 (layers 2-3)  step 12" in last and "int8:block=64 4.0x" in last
@@ -59,7 +58,6 @@ def test_log_lines_when_not_a_terminal(caplog):
     caplog.set_level(logging.INFO, logger="geotrain.node.progress")
     reporter = ProgressReporter(_Node(), io.StringIO(), log_every_s=0.05)
     reporter.start()
-    while not caplog.records:
-        time.sleep(0.02)
+    wait_until(lambda: caplog.records, 10, "a progress log line", interval=0.02)
     reporter.stop()
     assert "progress node=node-7 epoch=3 stage=1 layers=2-3 steps=12" in caplog.records[0].getMessage()
