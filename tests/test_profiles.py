@@ -145,14 +145,14 @@ def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
         coordinator.report_profile(_report(node_id, links={"b" if node_id == "a" else "a": (100, 20)}))
     groups = [[coordinator.members["a"]], [coordinator.members["b"]]]
     ranges = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
-    coordinator._update_estimate(ranges, groups)
-    assert not coordinator._drifted()  # the estimate when the plan was made
+    coordinator.planning.update_estimate(ranges, groups)
+    assert not coordinator.planning.drifted()  # the estimate when the plan was made
     coordinator.report_profile(_report("a", links={"b": (90, 22)}))
-    coordinator._update_estimate(ranges, groups)
-    assert not coordinator._drifted(), "a few percent of measurement noise does not move layers"
+    coordinator.planning.update_estimate(ranges, groups)
+    assert not coordinator.planning.drifted(), "a few percent of measurement noise does not move layers"
     coordinator.report_profile(_report("a", links={"b": (0.5, 300)}))
     coordinator.report_profile(_report("b", links={"a": (0.5, 300)}))
-    coordinator._update_estimate(ranges, groups)
-    assert coordinator._drifted()
+    coordinator.planning.update_estimate(ranges, groups)
+    assert coordinator.planning.drifted()
     assert any(kind == "drift" for _, kind, _, _ in coordinator.store.events())
     coordinator.store.close()

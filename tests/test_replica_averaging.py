@@ -18,6 +18,7 @@ from geotrain.node.local import train_local
 from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.coordinator import Coordinator, Member
+from geotrain.scheduler.placement import hierarchical_allreduce
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import local_cluster
 
@@ -130,6 +131,7 @@ def _live_and_local(tmp_path, settings, averaging, wait_s, node_args=None):
     return plan, steps, max(float((state[k] - exact[k]).abs().max()) for k in state), summary
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(150)
 def test_two_by_two_run_with_powersgd_replica_averaging(tmp_path):
     plan, steps, diff, summary = _live_and_local(
@@ -199,6 +201,7 @@ def _all_reduces(averagers, regions, weights, name, hierarchical=True):
     ]
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("regions", "weights"),
@@ -227,6 +230,7 @@ def test_hierarchical_all_reduce_gives_every_replica_the_same_weighted_mean(aver
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_a_weight_one_sender_among_weight_zero_zeros_is_reproduced_exactly(averagers):
     # Phase C of the hierarchical all-reduce: one member sends its values with weight 1, the others zeros with
@@ -247,6 +251,7 @@ def test_a_weight_one_sender_among_weight_zero_zeros_is_reproduced_exactly(avera
     assert torch.equal(representable.float().double(), representable)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_powersgd_over_the_hierarchical_all_reduce_stays_bit_identical(averagers, request):
     codec = get_codec("powersgd:rank=2")
@@ -260,6 +265,7 @@ def test_powersgd_over_the_hierarchical_all_reduce_stays_bit_identical(averagers
         assert all(torch.equal(a, b) for a, b in zip(replica, grads[0]))
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_the_flat_all_reduce_leaves_the_same_float64_bits_on_every_replica(averagers, request):
     # Each replica's own value plus the reducer's delta differs in the last float64 bits for about a tenth of these
@@ -320,12 +326,9 @@ def test_sites_keep_first_appearance_and_member_order():
 )
 def test_coordinator_chooses_the_all_reduce_by_scheduler_allreduce(mode, placement, planned, regions, expected):
     cfg = load_config(None, [f"scheduler.allreduce={mode}", f"scheduler.placement={placement}"])
-    coordinator = Coordinator(cfg)
-    if planned is not None:
-        coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=planned)])
+    estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=planned)]) if planned is not None else None
     group = [Member(node_id=f"n{i}", address="x:1", region=r, joined_at=0.0, last_seen=0.0) for i, r in enumerate(regions)]
-    assert coordinator._hierarchical_allreduce(0, group) is expected
-    coordinator.store.close()
+    assert hierarchical_allreduce(cfg.scheduler.allreduce, estimate, 0, group) is expected
 
 
 def test_a_plan_made_before_the_profiles_switches_its_averaging_when_they_price_it():
@@ -333,15 +336,17 @@ def test_a_plan_made_before_the_profiles_switches_its_averaging_when_they_price_
     regions = ["eu", "eu", "us"]
     for i, region in enumerate(regions):
         coordinator.members[f"n{i}"] = Member(f"n{i}", "x:1", region, 0.0, 0.0)
-    coordinator.plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(node_ids=["n0", "n1", "n2"], regions=regions)])
-    assert not coordinator._averaging_changed()  # no estimate yet: flat, as planned
-    coordinator.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=True)])
-    assert coordinator._averaging_changed()
-    coordinator.plan.stages[0].hierarchical_allreduce = True
-    assert not coordinator._averaging_changed()
+    planning = coordinator.planning
+    planning.plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(node_ids=["n0", "n1", "n2"], regions=regions)])
+    assert not planning.averaging_changed()  # no estimate yet: flat, as planned
+    planning.estimate = SimpleNamespace(stages=[SimpleNamespace(hierarchical_allreduce=True)])
+    assert planning.averaging_changed()
+    planning.plan.stages[0].hierarchical_allreduce = True
+    assert not planning.averaging_changed()
     coordinator.store.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(90)
 def test_four_replicas_in_two_regions_average_region_by_region_and_equal_train_local(tmp_path):
     regions = {"node-1": "eu", "node-2": "us", "node-3": "eu", "node-4": "us"}

@@ -1,0 +1,261 @@
+"""Membership: who registered, where each member is in its lifecycle, and who is dead.
+
+Liveness runs on its own timer, so a silent node is declared dead whatever the step driver is doing (downloading
+a checkpoint, waiting for a plan). Every change wakes whoever waits on the shared condition.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from geotrain.config import SchedulerSection
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.state import RunStore
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[str, dict], None]
+
+
+class Lifecycle(enum.Enum):
+    """Where a member stands."""
+
+    JOINED = "joined"  # registered; measuring itself
+    PROFILED = "profiled"  # its profile is in; serves no stage
+    LOADING = "loading"  # the plan gives it a stage; it is taking up the plan and its stage's state
+    SERVING = "serving"  # runs the current plan with the committed state
+    RESTARTED = "restarted"  # a new incarnation of a node the plan counts on: its old one's work is lost
+    DEAD = "dead"
+
+
+@dataclass
+class Member:
+    """A node that registered."""
+
+    node_id: str
+    address: str
+    region: str
+    joined_at: float
+    last_seen: float
+    lifecycle: Lifecycle = Lifecycle.JOINED
+    plan_epoch: int = 0
+    state_epoch: int = 0
+    held: tuple[int, int] = (0, 0)  # layer range the node holds (0, 0: none)
+    applied_steps: int = 0
+    peer_id: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    links: list[pb.LinkCounter] = field(default_factory=list)
+    microbatches_per_s: float = 0.0
+    profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
+
+    @property
+    def alive(self) -> bool:
+        """Not declared dead."""
+        return self.lifecycle is not Lifecycle.DEAD
+
+    @property
+    def restarted(self) -> bool:
+        """A new incarnation the current plan has not taken up yet."""
+        return self.lifecycle is Lifecycle.RESTARTED
+
+
+class Membership:
+    """The members of one run, their liveness, and the condition every waiter of the coordinator waits on."""
+
+    def __init__(self, cfg: SchedulerSection, store: RunStore, orders: OrderQueues, on_event: EventSink) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.orders = orders
+        self._on_event = on_event
+        self.cond = threading.Condition()
+        self.members: dict[str, Member] = {}
+        self.stop_requested = threading.Event()
+        self._suspects: set[str] = set()
+        self._next_id = 1
+
+    # -- changes from RPC threads ---------------------------------------------------------------------------------
+
+    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str]) -> tuple[Member | None, bool]:
+        """Admit a registration: (the member, whether it is a returning id), or (None, True) when the id belongs
+        to a live node at that address."""
+        with self.cond:
+            node_id = request.node_id
+            existing = self.members.get(node_id) if node_id else None
+            # The same id from a new address is that node restarted (its old process is gone); from the same
+            # address while the old one still heartbeats, it is a second node claiming a live identity.
+            if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
+                return None, True
+            if not node_id:
+                while f"node-{self._next_id}" in self.members:
+                    self._next_id += 1
+                node_id = f"node-{self._next_id}"
+            now = time.monotonic()
+            member = Member(node_id, request.address, request.region or "local", now, now)
+            if request.layer_end:
+                member.held = (request.layer_start, request.layer_end)
+                member.applied_steps = request.applied_steps
+            if existing is not None and node_id in plan_nodes and not request.layer_end:
+                member.lifecycle = Lifecycle.RESTARTED
+            if existing is not None and existing.region == member.region:
+                # The node measures itself again, which takes a while; until its report arrives, what it measured
+                # before lets the re-plan on its return count it in.
+                member.profile = existing.profile
+                if member.lifecycle is Lifecycle.JOINED and member.profile is not None:
+                    member.lifecycle = Lifecycle.PROFILED
+            self.members[node_id] = member
+            self.orders.open(node_id)
+            self.cond.notify_all()
+        kind = "rejoin" if existing is not None else "join"
+        self.store.upsert_member(node_id, request.address, member.region, "alive")
+        self.store.event(kind, node_id, request.address)
+        self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
+        return member, existing is not None
+
+    def _silent(self, member: Member) -> bool:
+        """The member has missed more than two heartbeats (a restarted node may take its id back)."""
+        return time.monotonic() - member.last_seen > 2 * self.cfg.heartbeat_interval_s
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> bool:
+        """Note that a node is alive, which plan and state it runs, and what it measured; False if unknown or dead."""
+        with self.cond:
+            member = self.members.get(request.node_id)
+            if member is None or not member.alive:
+                return False
+            member.last_seen = time.monotonic()
+            member.plan_epoch = request.plan_epoch
+            # A heartbeat built before a StepApplied report may arrive after it; only a state load (a new
+            # state_epoch) moves a node's applied steps back.
+            if request.applied_step >= member.applied_steps or request.state_epoch != member.state_epoch:
+                member.applied_steps = request.applied_step
+            member.state_epoch = request.state_epoch
+            member.peer_id = request.dht_peer_id
+            member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
+            member.links = list(request.links)
+            member.microbatches_per_s = request.microbatches_per_s
+            self.cond.notify_all()
+        return True
+
+    def set_profile(self, request: pb.NodeProfileReport) -> None:
+        """Keep a node's latest (already checked) profile; KeyError for an unknown node."""
+        with self.cond:
+            member = self.members.get(request.node_id)
+            if member is None:
+                raise KeyError(request.node_id)
+            member.profile = request
+            if member.lifecycle is Lifecycle.JOINED:
+                member.lifecycle = Lifecycle.PROFILED
+            self.cond.notify_all()
+
+    def suspect(self, request: pb.FailureReport) -> None:
+        """A node's calls to a peer fail: the peer is dead if it is also late with its heartbeat."""
+        with self.cond:
+            peer = self.members.get(request.peer)
+            if peer is None or not peer.alive:
+                return
+            log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
+            self._suspects.add(request.peer)
+            self.cond.notify_all()
+
+    def note_applied(self, node_id: str, steps: int) -> None:
+        """A member reported applying a step (fresher than its next heartbeat)."""
+        member = self.members.get(node_id)
+        if member is not None:
+            member.applied_steps = steps
+
+    # -- lifecycle set by the plan ----------------------------------------------------------------------------------
+
+    def take_up(self, plan: pb.Plan) -> None:
+        """A new plan was sent: its nodes load it (and their stage's state where they lack it); nodes outside it
+        serve no stage."""
+        in_plan = {n for s in plan.stages for n in s.node_ids}
+        with self.cond:
+            for m in self.alive():
+                if m.node_id in in_plan:
+                    m.lifecycle = Lifecycle.LOADING
+                elif m.lifecycle in (Lifecycle.LOADING, Lifecycle.SERVING):
+                    m.lifecycle = Lifecycle.PROFILED if m.profile is not None else Lifecycle.JOINED
+
+    def serving(self, plan: pb.Plan) -> None:
+        """Every node of the plan runs it with the committed state."""
+        with self.cond:
+            for stage in plan.stages:
+                for n in stage.node_ids:
+                    member = self.members[n]
+                    member.held = (stage.layer_start, stage.layer_end)
+                    if member.alive:
+                        member.lifecycle = Lifecycle.SERVING
+
+    # -- liveness -------------------------------------------------------------------------------------------------
+
+    def alive(self) -> list[Member]:
+        """Members not declared dead."""
+        return [m for m in self.members.values() if m.alive]
+
+    def check_liveness(self) -> None:
+        """Declare dead the members that are silent past the timeout (or late and reported failing by peers)."""
+        now = time.monotonic()
+        died = []
+        with self.cond:
+            for member in self.members.values():
+                late = now - member.last_seen
+                suspect_late = member.node_id in self._suspects and late > 1.5 * self.cfg.heartbeat_interval_s
+                if member.alive and (late > self.cfg.heartbeat_timeout_s or suspect_late):
+                    member.lifecycle = Lifecycle.DEAD
+                    self._suspects.discard(member.node_id)
+                    self.orders.close(member.node_id)
+                    died.append((member, "peers report it failing" if suspect_late else f"no heartbeat for {late:.1f}s"))
+            if died:
+                self.cond.notify_all()
+        for member, why in died:
+            log.warning("node %s is dead: %s", member.node_id, why)
+            self.store.upsert_member(member.node_id, member.address, member.region, "dead")
+            self.store.event("dead", member.node_id, why)
+            self._on_event("dead", {"node_id": member.node_id})
+
+    def run_liveness(self, until: threading.Event) -> threading.Thread:
+        """Check liveness on a timer in a thread of its own until `until` is set."""
+        period = min(self.cfg.heartbeat_interval_s / 2, 0.5)
+
+        def loop() -> None:
+            while not until.wait(period):
+                self.check_liveness()
+
+        thread = threading.Thread(target=loop, name="liveness", daemon=True)
+        thread.start()
+        return thread
+
+    def lost(self) -> set[str]:
+        """Members whose state of the step in progress is gone: dead, or restarted as a new incarnation."""
+        return {m.node_id for m in self.members.values() if m.lifecycle in (Lifecycle.DEAD, Lifecycle.RESTARTED)}
+
+    def wait(
+        self,
+        predicate: Callable[[], bool],
+        what: str,
+        timeout_s: float,
+        step_nodes: Callable[[], list[str]] | None = None,
+    ) -> None:
+        """Block until predicate() holds (evaluated under the condition); RunAborted on stop or timeout. While a
+        step is in progress (step_nodes gives its nodes), StepFailed when one of them is lost, or on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not predicate():
+                if self.stop_requested.is_set():
+                    raise RunAborted("stopped")
+                if step_nodes is not None:
+                    lost = self.lost() & set(step_nodes())
+                    if lost:
+                        raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    error = StepFailed if step_nodes is not None else RunAborted
+                    raise error(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                self.cond.wait(min(remaining, 0.1))

@@ -1,0 +1,172 @@
+"""Placement as pure functions of members and plans: layer ranges, who serves which stage, the cost model's estimate,
+drift, how replicas average, and where a node's state comes from. No waits, no orders, no SQLite here (petals
+keeps block selection pure the same way); scheduler.replan acts on what these decide.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from geotrain.config import RunConfig
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler import costmodel
+from geotrain.scheduler.membership import Member
+from geotrain.scheduler.profiles import planner_inputs
+
+Ranges = list[tuple[int, int]]
+Groups = list[list[Member]]
+
+
+def split_layers(total_layers: int, n_stages: int) -> Ranges:
+    """Contiguous [start, end) ranges of near-equal size, larger ones first."""
+    if not 1 <= n_stages <= total_layers:
+        raise ValueError(f"cannot split {total_layers} layers into {n_stages} stages")
+    base, extra = divmod(total_layers, n_stages)
+    ranges, start = [], 0
+    for i in range(n_stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def plan_nodes(plan: pb.Plan | None) -> list[str]:
+    """Every node of a plan, stage by stage."""
+    return [n for s in plan.stages for n in s.node_ids] if plan else []
+
+
+def plan_ranges(plan: pb.Plan | None) -> Ranges:
+    """A plan's layer ranges, stage by stage."""
+    return [(s.layer_start, s.layer_end) for s in plan.stages] if plan else []
+
+
+def stage_ranges(plan: pb.Plan | None, cfg: RunConfig, n_alive: int) -> Ranges:
+    """The plan's layer ranges (state stays where it is); without a plan, the layers split evenly."""
+    if plan is not None:
+        return plan_ranges(plan)
+    total = cfg.model.total_layers
+    return split_layers(total, min(total, cfg.scheduler.stages or n_alive))
+
+
+def assign_groups(ranges: Ranges, alive: list[Member], plan: pb.Plan | None, excluded: set[str], cap: int) -> Groups:
+    """Nodes per stage: nodes keep their stage, returning nodes take the stage they hold, empty stages take
+    spares (oldest first), then the rest become replicas up to `cap` per stage (excluded nodes stay spares)."""
+    previous = {n: s.index for s in plan.stages for n in s.node_ids} if plan else {}
+    groups: Groups = [[] for _ in ranges]
+    unplaced = []
+    for m in sorted(alive, key=lambda m: m.joined_at):
+        if m.node_id in previous and previous[m.node_id] < len(ranges):
+            groups[previous[m.node_id]].append(m)
+        elif m.held in ranges:
+            groups[ranges.index(m.held)].append(m)
+        else:
+            unplaced.append(m)
+    for group in groups:
+        if not group and unplaced:
+            group.append(unplaced.pop(0))
+    for m in unplaced:
+        if m.node_id in excluded:
+            continue
+        smallest = min(groups, key=len)
+        if len(smallest) < cap:
+            smallest.append(m)
+    return groups
+
+
+def can_grow(plan: pb.Plan | None, alive: list[Member], excluded: set[str], measured: bool, cap: int) -> bool:
+    """Some live node serves no stage (and, for the planner, has reported its profile) and could serve one: the
+    planner decides where it helps (measured), else a stage has room for another replica."""
+    if plan is None:
+        return False
+    placed = set(plan_nodes(plan)) | excluded
+    spare = any(m.node_id not in placed and (m.profile is not None or not measured) for m in alive)
+    return spare and (measured or any(len(s.node_ids) < cap for s in plan.stages))
+
+
+def step_shape(cfg: RunConfig, model: costmodel.ModelProfile) -> dict[str, Any]:
+    """A step as the planner and the cost model see it: microbatches, their size, the data heads' window, and how
+    replicas may average (scheduler.allreduce, and PowerSGD's rank where the nodes reported the parameter shapes
+    that size its factors)."""
+    train = cfg.train
+    return {
+        "microbatches": train.microbatches,
+        "microbatch_size": train.microbatch_size,
+        "inflight": train.inflight,
+        "allreduce": cfg.scheduler.allreduce,
+        "replica_rank": cfg.compression.replica_rank if model.layer_param_shapes is not None else None,
+    }
+
+
+def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan | None:
+    """The cost model's estimate of a layout, once every node in it has reported a profile."""
+    members = [m for g in groups for m in g]
+    if any(m.profile is None for m in members):
+        return None
+    nodes, model, network = planner_inputs(members, cfg)
+    index = {n.node_id: i for i, n in enumerate(nodes)}
+    cm = costmodel.CostModel(nodes=nodes, model=model, network=network, **step_shape(cfg, model))
+    stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
+    return cm.plan(stages, {}) if cm.feasible(stages) else None
+
+
+def slowdown(estimate_s: float, planned_s: float) -> float:
+    """How much slower re-measured profiles put a plan than its estimate when it was made (0.25 = 25%)."""
+    return estimate_s / planned_s - 1
+
+
+def hierarchical_allreduce(mode: str, estimate: costmodel.Plan | None, index: int, group: list[Member]) -> bool:
+    """Whether stage `index`'s replicas average region by region (scheduler.allreduce): under auto where the cost
+    model's estimate of the plan (any placement) prices it faster, which needs the nodes' profiles; under
+    hierarchical wherever it differs from a flat all-reduce."""
+    if mode == "hierarchical":
+        per_region = Counter(m.region for m in group)
+        return len(per_region) > 1 and max(per_region.values()) > 1
+    if mode == "auto" and estimate is not None:
+        return estimate.stages[index].hierarchical_allreduce
+    return False
+
+
+def averaging_changed(
+    plan: pb.Plan, members: dict[str, Member], mode: str, estimate: costmodel.Plan | None
+) -> bool:
+    """Whether a stage's replicas now ought to average the other way than the plan has them (the profiles that
+    price it came in after the plan was made)."""
+    return any(
+        stage.hierarchical_allreduce != hierarchical_allreduce(mode, estimate, i, [members[n] for n in stage.node_ids])
+        for i, stage in enumerate(plan.stages)
+    )
+
+
+def holders(alive: list[Member], rng: tuple[int, int], steps_done: int) -> list[Member]:
+    """Live nodes holding exactly this layer range at the committed step."""
+    return [m for m in alive if m.held == rng and m.applied_steps == steps_done]
+
+
+@dataclass(frozen=True)
+class StateSources:
+    """Where each node that lacks its stage's committed state gets it."""
+
+    from_peers: dict[str, tuple[str, str]]  # node id -> (a live holder's address, expected checksum or '')
+    reshaped: list[int]  # stages whose range no live node holds whole: they load from a checkpoint
+
+
+def state_sources(
+    ranges: Ranges, groups: Groups, current: Ranges, alive: list[Member], steps_done: int, recorded: dict[int, str]
+) -> StateSources:
+    """For the layout (ranges, groups) at steps_done: the nodes that load from a live holder of their range, and
+    the stages that no live node holds whole (the plan moved layers, or a stage lost every copy). `current` is the
+    current plan's ranges, `recorded` its stages' checksums at the committed step."""
+    from_peers: dict[str, tuple[str, str]] = {}
+    reshaped = []
+    for i, (rng, group) in enumerate(zip(ranges, groups)):
+        have = holders(alive, rng, steps_done)
+        if not have:
+            reshaped.append(i)
+            continue
+        checksum = recorded.get(current.index(rng), "") if rng in current else ""
+        for m in group:
+            if m not in have:
+                from_peers[m.node_id] = (have[0].address, checksum)
+    return StateSources(from_peers, reshaped)

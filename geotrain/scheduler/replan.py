@@ -1,0 +1,284 @@
+"""Plan epochs: when the plan no longer fits the members, make the next one and install it.
+
+With scheduler.placement = measured, the planner makes the first plan from the nodes' profiles and every later one
+(after a death, a return, or a node joining) from the current plan, moving as few layers as it can; layers that
+move travel through a checkpoint of the committed step. Otherwise the first plan splits layers evenly and later
+ones keep the ranges and only reassign nodes. Installing a plan bumps the epoch, which drops every uncommitted
+gradient on every node, gives each node that lacks its stage's state a source, and waits until every node of the
+plan runs it with the committed state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from geotrain.config import RunConfig
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler import costmodel, placement
+from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.membership import EventSink, Member, Membership
+from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.planner import PlannerConfig
+from geotrain.scheduler.planner import plan as plan_stages
+from geotrain.scheduler.profiles import planner_inputs
+from geotrain.scheduler.recovery import Recovery
+from geotrain.scheduler.state import RunStore
+
+log = logging.getLogger(__name__)
+
+# A re-plan keeps the current layers unless moving them is estimated this much faster: profiles measured at
+# different times differ by several percent, and a smaller margin moves layers back and forth on that noise.
+_REPLAN_TOLERANCE = 0.1
+# Re-measured links that make the current plan's estimate this much slower than when it was made start a re-plan.
+_DRIFT_REPLAN = 0.25
+
+
+class Planning:
+    """The current plan, the cost model's view of it, and the making of the next one."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        membership: Membership,
+        orders: OrderQueues,
+        store: RunStore,
+        recovery: Recovery,
+        on_event: EventSink,
+    ) -> None:
+        self.cfg = cfg
+        self.membership = membership
+        self.orders = orders
+        self.store = store
+        self.recovery = recovery
+        self._on_event = on_event
+        plan_hex = store.get("plan")
+        self.plan: pb.Plan | None = pb.Plan.FromString(bytes.fromhex(plan_hex)) if plan_hex else None
+        self.dirty = True  # a failed step or drift: the next step needs a new epoch
+        self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
+        self._planned_step_s: float | None = None  # its estimated step time when the plan was made
+        self.excluded: set[str] = set()  # nodes the planner left out: they stay spares
+        self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
+
+    # -- is the plan still right? ---------------------------------------------------------------------------------
+
+    def _replans_measured(self) -> bool:
+        """Whether every plan comes from the planner over measured profiles. A plan after the first may move
+        layers, and a moved layer's state travels through a checkpoint, so without a checkpoint store only the
+        first plan is the planner's and later ones keep its layer ranges."""
+        return self.cfg.scheduler.placement == "measured" and self.recovery.checkpoints is not None
+
+    def _replica_cap(self, n: int) -> int:
+        return self.cfg.scheduler.replicas or n
+
+    def is_current(self) -> bool:
+        """The plan's nodes are all alive in the incarnation it counts on, and no spare could join it."""
+        alive = self.membership.alive()
+        nodes = set(placement.plan_nodes(self.plan))
+        return (
+            not self.dirty
+            and nodes <= {m.node_id for m in alive}
+            and not nodes & self.membership.lost()
+            and not placement.can_grow(
+                self.plan, alive, self.excluded, self._replans_measured(), self._replica_cap(len(self.membership.members))
+            )
+        )
+
+    def after_commit(self) -> None:
+        """Re-estimate the plan once newer profiles of its nodes are in; a drifted estimate, or averaging that
+        ought to switch, makes the next step re-plan."""
+        if self.plan is None or not self._profiles_changed():
+            return
+        members = self.membership.members
+        self.update_estimate(placement.plan_ranges(self.plan), [[members[n] for n in s.node_ids] for s in self.plan.stages])
+        self.dirty |= self.drifted() or self.averaging_changed()
+
+    def _profiles_changed(self) -> bool:
+        """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
+        members = self.membership.members
+        return any(members[n].profile is not self._estimated_from.get(n) for n in placement.plan_nodes(self.plan))
+
+    def update_estimate(self, ranges: placement.Ranges, groups: placement.Groups) -> None:
+        """Price a layout with the cost model (None until every node of it has reported a profile)."""
+        self._estimated_from = {m.node_id: m.profile for g in groups for m in g}
+        self.estimate = placement.estimate(self.cfg, ranges, groups)
+        if self.estimate is not None:
+            self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
+
+    def drifted(self) -> bool:
+        """Whether re-measured profiles put the current plan's estimate so far above what it was when the plan was
+        made that the planner should look again (it moves layers only where that pays: _REPLAN_TOLERANCE)."""
+        if not self._replans_measured() or self.estimate is None:
+            return False
+        if self._planned_step_s is None:  # the plan's profiles came in after it was made
+            self._planned_step_s = self.estimate.step_seconds
+            return False
+        slower = placement.slowdown(self.estimate.step_seconds, self._planned_step_s)
+        if slower <= _DRIFT_REPLAN:
+            return False
+        why = f"re-measured profiles put the plan {100 * slower:.0f}% slower than estimated when it was made"
+        log.info("re-planning: %s", why)
+        self.store.event("drift", detail=why)
+        return True
+
+    def averaging_changed(self) -> bool:
+        """Whether a stage's replicas now ought to average the other way than the plan has them."""
+        assert self.plan is not None
+        return placement.averaging_changed(
+            self.plan, self.membership.members, self.cfg.scheduler.allreduce, self.estimate
+        )
+
+    # -- making the next plan --------------------------------------------------------------------------------------
+
+    def _assign(self, ranges: placement.Ranges) -> placement.Groups:
+        alive = self.membership.alive()
+        return placement.assign_groups(ranges, alive, self.plan, self.excluded, self._replica_cap(len(alive)))
+
+    def _layout(self) -> tuple[placement.Ranges, placement.Groups]:
+        """Layer ranges and their nodes: the planner's over measured profiles (see the module docstring), else the
+        current ranges (an even split at first) with nodes reassigned."""
+        if self.cfg.scheduler.placement == "measured" and (self.plan is None or self._replans_measured()):
+            if self.plan is None:
+                self.membership.wait(
+                    lambda: all(m.profile is not None for m in self.membership.alive()),
+                    "node profiles",
+                    self.cfg.scheduler.step_timeout_s,
+                )
+                self._probe_regions()
+            return self._planned_layout()
+        ranges = placement.stage_ranges(self.plan, self.cfg, len(self.membership.alive()))
+        return ranges, self._assign(ranges)
+
+    def _planned_layout(self) -> tuple[placement.Ranges, placement.Groups]:
+        """The planner's layout over the live nodes that reported a profile (a node still measuring waits for
+        the next plan), starting from the current plan's estimate when there is one."""
+        previous = None
+        if self.plan is not None and self.estimate is not None:
+            previous = replace(self.estimate, excluded={n: "left out before" for n in self.excluded})
+        while True:
+            candidates = [m for m in self.membership.alive() if m.profile is not None]
+            try:
+                nodes, model, network = planner_inputs(candidates, self.cfg)
+                planned = plan_stages(
+                    nodes=nodes,
+                    model=model,
+                    network=network,
+                    **placement.step_shape(self.cfg, model),
+                    config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
+                    previous=previous,
+                )
+                break
+            except ValueError as e:  # too few nodes, or too little memory among them
+                timeout = self.cfg.scheduler.rejoin_timeout_s
+                log.warning("no plan from %d node(s): %s; waiting up to %.0fs for others", len(candidates), e, timeout)
+                ids = {m.node_id for m in candidates}
+                profiled = lambda: {m.node_id for m in self.membership.alive() if m.profile is not None}  # noqa: E731
+                self.membership.wait(lambda: profiled() != ids, "a node to plan with", timeout)
+        for node_id, why in planned.excluded.items():
+            if node_id not in self.excluded:
+                log.info("%s serves no stage: %s", node_id, why)
+                self.store.event("excluded", node_id, why)
+        self.excluded = set(planned.excluded)
+        members = self.membership.members
+        return [(s.start, s.end) for s in planned.stages], [[members[n] for n in s.node_ids] for s in planned.stages]
+
+    def _probe_regions(self) -> None:
+        """Have one node of each region measure its link to one node of every other region, so the planner sees
+        measured links between regions rather than defaults; waits for the reports (a missing one keeps defaults)."""
+        first: dict[str, Member] = {}
+        for m in sorted(self.membership.alive(), key=lambda m: m.node_id):
+            first.setdefault(m.region, m)
+        asked: dict[str, list[Member]] = {}
+        regions = sorted(first)
+        for i, a in enumerate(regions):
+            for b in regions[i + 1 :]:
+                asked.setdefault(first[a].node_id, []).append(first[b])
+        for node_id, peers in asked.items():
+            order = pb.ProbePeers(
+                node_ids=[p.node_id for p in peers],
+                addresses=[p.address for p in peers],
+                regions=[p.region for p in peers],
+            )
+            self.orders.send([node_id], pb.Order(probe_peers=order))
+
+        def measured() -> bool:
+            for node_id, peers in asked.items():
+                member = self.membership.members[node_id]
+                links = {link.peer for link in member.profile.links} if member.profile else set()
+                if member.alive and not {p.node_id for p in peers} <= links:
+                    return False
+            return True
+
+        try:
+            self.membership.wait(measured, "links between regions", self.cfg.scheduler.step_timeout_s / 4)
+        except RunAborted as e:
+            if self.membership.stop_requested.is_set():
+                raise
+            log.warning("planning with default links between regions: %s", e)
+
+    def replan(self, steps_done: int) -> int:
+        """Install the next plan epoch at steps_done; returns the step the run continues from (earlier after a
+        rollback). StepFailed when a node of the new plan is lost before it takes the plan up."""
+        ranges, groups = self._layout()
+        if any(not g for g in groups):
+            log.warning("a stage has no node; waiting up to %.0fs for one", self.cfg.scheduler.rejoin_timeout_s)
+            self.membership.wait(
+                lambda: all(self._assign(ranges)), "a node for every stage", self.cfg.scheduler.rejoin_timeout_s
+            )
+            groups = self._assign(ranges)
+        self.update_estimate(ranges, groups)
+        self._planned_step_s = self.estimate.step_seconds if self.estimate is not None else None
+        loads, steps_done = self.recovery.sources(ranges, groups, self.plan, self.membership.alive(), steps_done)
+        epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
+        members = self.membership.members
+        multi = [m.node_id for g in groups if len(g) > 1 for m in g]
+        self.membership.wait(
+            lambda: all(members[n].peer_id or not members[n].alive for n in multi),
+            "replicas' averaging peers",
+            self.cfg.scheduler.step_timeout_s,
+        )
+        if any(not members[n].alive for n in multi):
+            raise StepFailed("a node died while the plan was being made")
+        mode = self.cfg.scheduler.allreduce
+        plan = pb.Plan(epoch=epoch, total_layers=self.cfg.model.total_layers, steps_done=steps_done)
+        for i, ((start, end), group) in enumerate(zip(ranges, groups)):
+            plan.stages.add(
+                index=i,
+                layer_start=start,
+                layer_end=end,
+                node_ids=[m.node_id for m in group],
+                addresses=[m.address for m in group],
+                regions=[m.region for m in group],
+                peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
+                hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
+            )
+        self.plan = plan
+        self.membership.take_up(plan)
+        self.store.put("plan", plan.SerializeToString().hex())
+        self.store.put("plan_epoch", str(epoch))
+        self.orders.send([m.node_id for m in self.membership.alive()], pb.Order(plan=plan))
+        for node_id, (address, checksum) in loads.items():
+            load = pb.LoadState(plan_epoch=epoch, steps_done=steps_done, source_address=address, expected_checksum=checksum)
+            self.orders.send([node_id], pb.Order(load_state=load))
+        nodes = placement.plan_nodes(plan)
+        self.membership.wait(
+            lambda: all(
+                members[n].plan_epoch == epoch
+                and members[n].applied_steps == steps_done
+                and (n not in loads or members[n].state_epoch == epoch)
+                for n in nodes
+            ),
+            "nodes to take up the plan",
+            self.cfg.scheduler.step_timeout_s,
+            lambda: nodes,
+        )
+        self.membership.serving(plan)
+        self.dirty = False
+        detail = "; ".join(
+            f"stage {s.index} layers {s.layer_start}-{s.layer_end - 1}: {', '.join(s.node_ids)}"
+            + (" (averaging region by region)" if s.hierarchical_allreduce else "")
+            for s in plan.stages
+        )
+        self.store.event("plan", detail=f"epoch {epoch}: {detail}")
+        self._on_event("plan", {"plan": plan})
+        return steps_done

@@ -1,0 +1,247 @@
+"""The step driver: one synchronous training step under a fixed plan (DESIGN.md "One training step").
+
+Microbatch ids go to the data heads (stage-0 replicas) in proportion to their measured speed; each head reports
+every microbatch done once its backward has passed through every stage; then the step is committed in two rounds:
+every replica averages its stage's gradients with its groupmates and reports their squared norm, so clipping
+equals single-process clipping; the decision (clip factor, learning rate) is recorded in SQLite, then every
+replica applies the same optimizer step and reports a checksum of its parameters, which replicas must agree on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from geotrain.config import RunConfig
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler import placement
+from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.membership import EventSink, Membership
+from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.state import RunStore, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+class StepPhase(enum.Enum):
+    """Where the step in progress stands."""
+
+    IDLE = "idle"  # no step in progress (waiting for nodes, re-planning, or done)
+    DISPATCHED = "dispatched"  # microbatch ids sent to the data heads
+    MICROBATCHES_DONE = "microbatches_done"  # every microbatch's backward reached stage 0
+    NORMS_IN = "norms_in"  # every replica averaged its gradients and reported their norm
+    DECIDED = "decided"  # clip factor and learning rate recorded: a restarted coordinator completes the step
+    APPLIED = "applied"  # every replica applied the step and reported its checksum
+    COMMITTED = "committed"  # the step is in the run's history
+    EVALUATING = "evaluating"  # validation after a committed step
+
+
+def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
+    """Share microbatch ids 0..M-1 among data heads in proportion to speed (largest remainder; equal if unknown)."""
+    heads = list(speeds)
+    if any(v <= 0 for v in speeds.values()):
+        speeds = {h: 1.0 for h in heads}
+    total = sum(speeds.values())
+    exact = {h: microbatches * speeds[h] / total for h in heads}
+    counts = {h: int(exact[h]) for h in heads}
+    for h in sorted(heads, key=lambda h: (counts[h] - exact[h], heads.index(h)))[: microbatches - sum(counts.values())]:
+        counts[h] += 1
+    shares, next_id = {}, 0
+    for h in heads:
+        shares[h] = list(range(next_id, next_id + counts[h]))
+        next_id += counts[h]
+    return shares
+
+
+@dataclass
+class StepProgress:
+    """What the coordinator has heard about the step in progress."""
+
+    step: int
+    plan_epoch: int = -1
+    done: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+
+
+class StepDriver:
+    """Runs steps: dispatches microbatches, collects reports, decides, and commits."""
+
+    def __init__(
+        self, cfg: RunConfig, membership: Membership, orders: OrderQueues, store: RunStore, on_event: EventSink
+    ) -> None:
+        self.cfg = cfg
+        self.membership = membership
+        self.orders = orders
+        self.store = store
+        self._on_event = on_event
+        self.progress = StepProgress(step=-1)
+        self.phase = StepPhase.IDLE
+
+    def _enter(self, phase: StepPhase, step: int) -> None:
+        self.phase = phase
+        self._on_event("phase", {"step": step, "phase": phase.value})
+
+    def idle(self) -> None:
+        """No step is in progress."""
+        self.phase = StepPhase.IDLE
+
+    def _begin(self, step: int, plan_epoch: int) -> None:
+        with self.membership.cond:
+            self.progress = StepProgress(step=step, plan_epoch=plan_epoch)
+
+    # -- reports (called from RPC threads) -----------------------------------------------------------------------
+
+    def _current(self, step: int, epoch: int) -> bool:
+        """A report belongs to the step in progress under its plan epoch (others are from an abandoned epoch)."""
+        return step == self.progress.step and epoch == self.progress.plan_epoch
+
+    def microbatch_done(self, request: pb.MicrobatchDoneRequest) -> None:
+        """A data head finished a microbatch's backward."""
+        with self.membership.cond:
+            if self._current(request.step, request.plan_epoch):
+                self.progress.done.setdefault(request.microbatch, (request.loss, list(request.path)))
+                self.membership.cond.notify_all()
+
+    def eval_done(self, request: pb.EvalDoneRequest) -> None:
+        """A last stage computed a validation loss."""
+        with self.membership.cond:
+            if self._current(request.step, request.plan_epoch):
+                self.progress.eval_losses[request.microbatch] = request.loss
+                self.membership.cond.notify_all()
+
+    def grad_norm(self, request: pb.GradNormRequest) -> None:
+        """A stage replica's squared gradient norm for the step being committed."""
+        with self.membership.cond:
+            if self._current(request.step, request.plan_epoch):
+                self.progress.norms[request.node_id] = request.sq_norm
+                self.membership.cond.notify_all()
+
+    def step_applied(self, request: pb.StepAppliedRequest) -> None:
+        """A stage replica applied the step."""
+        with self.membership.cond:
+            if request.step == self.progress.step:
+                self.progress.checksums[request.node_id] = request.checksum
+                self.membership.note_applied(request.node_id, request.step + 1)
+                self.membership.cond.notify_all()
+
+    # -- driving -------------------------------------------------------------------------------------------------
+
+    def _heads(self, plan: pb.Plan) -> dict[str, float]:
+        members = self.membership.members
+        return {h: members[h].microbatches_per_s for h in plan.stages[0].node_ids}
+
+    def run_step(self, step: int, plan: pb.Plan) -> StepRecord:
+        """Train step `step` under `plan` and commit it; StepFailed if it cannot complete under this plan."""
+        t0 = time.monotonic()
+        total = self.cfg.train.microbatches
+        timeout = self.cfg.scheduler.step_timeout_s
+        nodes = placement.plan_nodes(plan)
+        in_step = lambda: nodes  # noqa: E731
+        wait = self.membership.wait
+        self._begin(step, plan.epoch)
+        for head, ids in assign_microbatches(self._heads(plan), total).items():
+            if ids:
+                start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
+                self.orders.send([head], pb.Order(start_step=start))
+        self._enter(StepPhase.DISPATCHED, step)
+        wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
+        self._enter(StepPhase.MICROBATCHES_DONE, step)
+
+        self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
+        wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
+        self._enter(StepPhase.NORMS_IN, step)
+        norms = self.progress.norms
+        for stage in plan.stages:
+            if len({norms[n] for n in stage.node_ids}) != 1:
+                raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
+        total_sq = sum(norms[s.node_ids[0]] for s in plan.stages)
+        clip = self.cfg.train.clip_coefficient(total_sq)
+        lr = self.cfg.train.lr_at(step, self.cfg.run.steps)
+        losses = [loss for loss, _ in self.progress.done.values()]
+        seconds = time.monotonic() - t0
+        record = StepRecord(
+            step=step,
+            loss=sum(losses) / len(losses),
+            val_loss=None,
+            tokens_per_s=self.cfg.tokens_per_step / seconds,
+            seconds=seconds,
+            plan_epoch=plan.epoch,
+        )
+        # Decided before any node applies it: a restarted coordinator completes this step instead of redoing it.
+        self.store.put("decided", json.dumps({"record": asdict(record), "clip": clip, "lr": lr}))
+        self._enter(StepPhase.DECIDED, step)
+        self.orders.send(nodes, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=clip, lr=lr)))
+        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
+        # takes up the committed state with the next plan.
+        wait(
+            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
+            f"step {step}'s checksums",
+            timeout,
+        )
+        self._enter(StepPhase.APPLIED, step)
+        self.store.commit_step(record, self._stage_checksums(plan))
+        self._enter(StepPhase.COMMITTED, step)
+        return record
+
+    def finish_decided(self, plan: pb.Plan) -> int | None:
+        """After a coordinator restart: complete a step whose decision was recorded but not its commit; returns
+        the steps done after it (None when there was none)."""
+        decided = self.store.get("decided")
+        if decided is None:
+            return None
+        data = json.loads(decided)
+        record = StepRecord(**data["record"])
+        step = record.step
+        ranges = placement.plan_ranges(plan)
+        log.info("completing step %d, decided before the restart", step)
+
+        def holders_at(steps: int) -> list[list[str]]:
+            alive = self.membership.alive()
+            return [[m.node_id for m in placement.holders(alive, rng, steps)] for rng in ranges]
+
+        self.membership.wait(
+            lambda: all(a or b for a, b in zip(holders_at(step), holders_at(step + 1))),
+            "the nodes of the decided step to return",
+            self.cfg.scheduler.rejoin_timeout_s,
+        )
+        self._begin(step, plan.epoch)
+        behind = [n for ns in holders_at(step) for n in ns]
+        self.orders.send(behind, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=data["clip"], lr=data["lr"])))
+        self.membership.wait(
+            lambda: all(n in self.progress.checksums for n in behind),
+            "the decided step's apply",
+            self.cfg.scheduler.step_timeout_s,
+        )
+        self.store.commit_step(record, {})
+        return step + 1
+
+    def _stage_checksums(self, plan: pb.Plan) -> dict[int, str]:
+        """Each stage's parameter checksum; replicas of a stage must agree."""
+        result: dict[int, str] = {}
+        for stage in plan.stages:
+            sums = {self.progress.checksums[n] for n in stage.node_ids if n in self.progress.checksums}
+            if len(sums) > 1:
+                raise RunAborted(f"replicas of stage {stage.index} disagree on their parameters")
+            if sums:
+                result[stage.index] = sums.pop()
+        return result
+
+    def evaluate(self, step: int, plan: pb.Plan) -> float:
+        """Validation loss after `step`, over run.eval_microbatches computed by the pipeline."""
+        n = self.cfg.run.eval_microbatches
+        with self.membership.cond:
+            self.progress.eval_losses = {}
+        self._enter(StepPhase.EVALUATING, step)
+        for head, ids in assign_microbatches(self._heads(plan), n).items():
+            if ids:
+                self.orders.send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
+        nodes = placement.plan_nodes(plan)
+        self.membership.wait(
+            lambda: len(self.progress.eval_losses) == n, "validation", self.cfg.scheduler.step_timeout_s, lambda: nodes
+        )
+        return sum(self.progress.eval_losses.values()) / n
