@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
-
 from geotrain.config import RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel
@@ -85,18 +83,10 @@ def can_grow(plan: pb.Plan | None, alive: list[Member], excluded: set[str], meas
     return spare and (measured or any(len(s.node_ids) < cap for s in plan.stages))
 
 
-def step_shape(cfg: RunConfig, model: costmodel.ModelProfile) -> dict[str, Any]:
-    """A step as the planner and the cost model see it: microbatches, their size, the data heads' window, and how
-    replicas may average (scheduler.allreduce, and PowerSGD's rank where the nodes reported the parameter shapes
-    that size its factors)."""
-    train = cfg.train
-    return {
-        "microbatches": train.microbatches,
-        "microbatch_size": train.microbatch_size,
-        "inflight": train.inflight,
-        "allreduce": cfg.scheduler.allreduce,
-        "replica_rank": cfg.compression.replica_rank if model.layer_param_shapes is not None else None,
-    }
+def step_shape(cfg: RunConfig, model: costmodel.ModelProfile) -> costmodel.StepShape:
+    """A step as the planner and the cost model see it; PowerSGD's rank only where the nodes reported the parameter
+    shapes that size its factors."""
+    return costmodel.StepShape.from_config(cfg, param_shapes_known=model.layer_param_shapes is not None)
 
 
 def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan | None:
@@ -106,7 +96,7 @@ def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan |
         return None
     nodes, model, network = planner_inputs(members, cfg)
     index = {n.node_id: i for i, n in enumerate(nodes)}
-    cm = costmodel.CostModel(nodes=nodes, model=model, network=network, **step_shape(cfg, model))
+    cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=step_shape(cfg, model))
     stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
     return cm.plan(stages, {}) if cm.feasible(stages) else None
 

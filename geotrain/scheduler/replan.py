@@ -163,7 +163,7 @@ class Planning:
                     nodes=nodes,
                     model=model,
                     network=network,
-                    **placement.step_shape(self.cfg, model),
+                    shape=placement.step_shape(self.cfg, model),
                     config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
                     previous=previous,
                 )

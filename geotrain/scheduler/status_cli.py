@@ -64,8 +64,9 @@ def render_status(reply: pb.StatusReply) -> str:
     """The human-readable status: run figures, plan, nodes, links and the latest events."""
     val = f"  val {reply.val_loss:.4f}" if any(p.has_val_loss for p in reply.history) else ""
     eta = _duration(reply.eta_s) if reply.state == "training" and reply.step else "n/a"
+    phase = f" ({reply.phase})" if reply.phase and reply.phase != "idle" else ""
     lines = [
-        f"run {reply.state}: step {reply.step}/{reply.steps}  loss {reply.loss:.4f}{val}  "
+        f"run {reply.state}{phase}: step {reply.step}/{reply.steps}  loss {reply.loss:.4f}{val}  "
         f"{reply.tokens_per_s:,.0f} tokens/s  time left {eta}  failures {reply.failures}",
         f"plan epoch {reply.plan_epoch}: {len(reply.stages)} stage(s), bottleneck {reply.bottleneck or 'n/a'}",
     ]
@@ -79,7 +80,7 @@ def render_status(reply: pb.StatusReply) -> str:
             str(n.stage) if n.stage >= 0 else "-",
             f"{n.layer_start}-{n.layer_end - 1}" if n.stage >= 0 else "-",
             n.role,
-            "alive" if n.alive else "dead",
+            n.lifecycle or ("alive" if n.alive else "dead"),
             f"{n.microbatches_per_s:.2f}",
             f"{n.last_heartbeat_s:.1f}s ago",
             _bytes(n.bytes_received),

@@ -36,7 +36,7 @@ function setText(id, text) {
 
 function renderFigures(s) {
   const hasVal = s.history.some((p) => p.has_val_loss);
-  setText("state", s.state);
+  setText("state", s.phase && s.phase !== "idle" ? `${s.state} (${s.phase})` : s.state);
   setText("step", `${num(s.step)} / ${num(s.steps)}`);
   setText("loss", s.history.length ? s.loss.toFixed(4) : "n/a");
   setText("val-loss", hasVal ? s.val_loss.toFixed(4) : "n/a");
