@@ -4,23 +4,36 @@ protocol (tls)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal
+import sqlite3
 import sys
 import tempfile
+import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from geotrain import __version__
-from geotrain.config import ConfigError, RunConfig, load_config
+from geotrain.config import MODEL_METADATA_KEY, ConfigError, ModelSection, RunConfig, load_config
 
 if TYPE_CHECKING:
     from geotrain.protocol.tls import TlsFiles
+    from geotrain.scheduler.local import LocalNodes
 
 log = logging.getLogger("geotrain")
+
+# Exit codes (README, "Exit codes"). A service manager restarts on any of them but 0.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run or the command failed: run aborted, token refused, coordinator unreachable or incompatible
+EXIT_USAGE = 2  # refused before starting: a bad flag, config value, file or address
+EXIT_INTERNAL = 70  # a bug in geotrain (sysexits' EX_SOFTWARE): the traceback is printed, to be reported
+EXIT_INTERRUPTED = 130  # stopped by SIGINT or SIGTERM
 
 EXAMPLES = {
     "coordinator": "geotrain coordinator --config run.toml --listen 0.0.0.0:7000 --token $TOKEN",
@@ -37,6 +50,17 @@ class UsageError(Exception):
     """A command-line problem: one line to stderr, exit code 2."""
 
 
+class CommandFailed(Exception):
+    """The command ran and failed for a reason outside geotrain (a peer, the network): one line, exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse's own print the usage first, several lines)."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _config(args: argparse.Namespace, **forced: Any) -> RunConfig:
     overrides = list(args.set or []) + [f"{k}={v}" for k, v in forced.items() if v is not None]
     return load_config(args.config, overrides)
@@ -46,7 +70,84 @@ def _tls(args: argparse.Namespace) -> TlsFiles | None:
     """The run's TLS files named by --tls-dir, checked; None (plaintext) without it."""
     from geotrain.protocol.tls import TlsFiles
 
-    return TlsFiles.load(args.tls_dir) if args.tls_dir else None
+    if not args.tls_dir:
+        return None
+    try:
+        return TlsFiles.load(args.tls_dir)
+    except ValueError as e:  # load's way of naming a missing or mismatched file
+        raise UsageError(str(e)) from None
+
+
+def _token(args: argparse.Namespace) -> str:
+    """The run token from --token or GEOTRAIN_TOKEN."""
+    from geotrain.protocol.auth import resolve_token
+
+    try:
+        return resolve_token(args.token)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _listen(listen: str, flag: str) -> str:
+    """A listen address checked (bindable, not taken) and its host resolved to an IP address, before anything
+    starts."""
+    from geotrain.protocol.transport import ListenError, check_listen
+
+    try:
+        return check_listen(listen)
+    except ListenError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _resolvable(address: str, flag: str) -> None:
+    """Refuse an address that is not HOST:PORT; fail when its host has no address (a typo, or no network)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{flag} takes HOST:PORT, got {address!r}")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise CommandFailed(f"{flag} {address}: cannot resolve {host}: {e.strerror}") from None
+
+
+def _writable_file(path: str | None, flag: str) -> None:
+    """Refuse an output file that could not be written, before a run spends hours to produce it."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create {parent}: {e.strerror}") from None
+    if Path(path).is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: not a writable file path")
+
+
+def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> None:
+    """Refuse a state dir that holds a run unless resuming, and a resume whose [model] differs from the saved
+    run's (its checkpoints cannot load: the run would wait forever); record this run's [model] otherwise."""
+    from geotrain.scheduler.state import STORE_FILE, RunStore
+
+    if not state_dir:
+        return
+    try:
+        store = RunStore(Path(state_dir) / STORE_FILE)
+    except (OSError, sqlite3.Error) as e:
+        raise UsageError(f"--state-dir {state_dir}: {e}") from None
+    try:
+        committed = store.committed_steps()
+        if committed and not resume:
+            raise UsageError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
+        differing = store.adopt_model(dataclasses.asdict(cfg.model), check=resume)
+    finally:
+        store.close()
+    if differing:
+        raise UsageError(
+            f"--resume: the run in {state_dir} was started with another [model]: "
+            + ", ".join(f"model.{key} {saved} there, {ours} here" for key, saved, ours in differing)
+        )
 
 
 def _out(as_json: bool):
@@ -91,11 +192,16 @@ class ProgressPrinter:
         print(text, file=self.stream, flush=True)
 
 
-def _save_final(path: str, state: dict[str, Any], out) -> None:
+def _save_final(path: str, state: dict[str, Any], model: ModelSection, out) -> None:
+    """Write the model as safetensors, its [model] section in the metadata so it loads without the run config."""
     from safetensors.torch import save_file
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    metadata = {MODEL_METADATA_KEY: json.dumps(dataclasses.asdict(model))}
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=metadata)
+    except OSError as e:
+        raise CommandFailed(f"cannot write the final model to {path}: {e.strerror}") from None
     print(f"saved the final model to {path}", file=out, flush=True)
 
 
@@ -117,9 +223,15 @@ def _finish(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _run_coordinator(
-    cfg: RunConfig, token: str, listen: str, args: argparse.Namespace, on_listening: Callable[[int], None] | None = None
+    cfg: RunConfig,
+    token: str,
+    listen: str,
+    args: argparse.Namespace,
+    on_listening: Callable[[int, threading.Event], None] | None = None,
+    stop_reason: Callable[[], str | None] = lambda: None,
 ) -> int:
-    """Serve a coordinator until its run ends; shared by `coordinator` and `demo`."""
+    """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (stop_reason: why the command
+    set stop_requested itself, if it did)."""
     from geotrain.node.data import Corpus
     from geotrain.scheduler.coordinator import RunAborted
     from geotrain.scheduler.http import StatusHttpServer
@@ -127,33 +239,43 @@ def _run_coordinator(
 
     out = _out(args.json)
     tls = _tls(args)
+    listen = _listen(listen, "--listen")
+    http_listen = _listen(args.http, "--http") if args.http != "off" else None
+    _writable_file(args.save_final, "--save-final")
+    _check_state_dir(cfg, args.state_dir, args.resume)
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
     process = CoordinatorProcess(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
     )
     coordinator = process.coordinator
-    http = StatusHttpServer(coordinator.status, args.http) if args.http != "off" else None
+    http = StatusHttpServer(coordinator.status, http_listen) if http_listen is not None else None
     _install_signal_handlers(coordinator.stop_requested.set)
     print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{process.port}", file=out, flush=True)
     try:
         if on_listening is not None:
-            on_listening(process.port)
+            on_listening(process.port, coordinator.stop_requested)
         process.server.start()
         if http is not None:
-            print(f"status page at http://{args.http.rsplit(':', 1)[0]}:{http.start()}/", file=out, flush=True)
+            try:
+                http_port = http.start()
+            except OSError as e:
+                raise UsageError(f"--http: cannot listen on {args.http}: {e.strerror}") from None
+            print(f"status page at http://{args.http.rsplit(':', 1)[0]}:{http_port}/", file=out, flush=True)
         try:
             summary = coordinator.run()
         except RunAborted as e:
-            print(f"geotrain: run aborted: {e}", file=sys.stderr, flush=True)
-            coordinator.shutdown_nodes(f"run aborted: {e}")
-            return 130 if coordinator.stop_requested.is_set() else 1
+            why = stop_reason()
+            print(f"geotrain: {why or f'run aborted: {e}'}", file=sys.stderr, flush=True)
+            coordinator.shutdown_nodes(f"run aborted: {why or e}")
+            return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
         if args.save_final:
             assert coordinator.plan is not None
-            _save_final(args.save_final, fetch_model_state(coordinator.plan, token, summary.steps, tls), out)
+            state = fetch_model_state(coordinator.plan, token, summary.steps, tls)
+            _save_final(args.save_final, state, cfg.model, out)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
-        return 0
+        return EXIT_OK
     finally:
         if http is not None:
             if http.serving:
@@ -165,40 +287,37 @@ def _run_coordinator(
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """geotrain coordinator."""
-    from geotrain.protocol.auth import resolve_token
-
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
-    return _run_coordinator(cfg, resolve_token(args.token), args.listen, args)
+    return _run_coordinator(cfg, _token(args), args.listen, args)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """geotrain status."""
-    from geotrain.protocol.auth import resolve_token
     from geotrain.scheduler.status_cli import run_status
 
-    return run_status(
-        args.coordinator, resolve_token(args.token), as_json=args.json, watch=args.watch, tls=_tls(args)
-    )
+    return run_status(args.coordinator, _token(args), as_json=args.json, watch=args.watch, tls=_tls(args))
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
-    from geotrain.protocol.auth import resolve_token
     from geotrain.scheduler.local import exit_with_parent
 
+    token, tls = _token(args), _tls(args)
+    _resolvable(args.coordinator, "--coordinator")
     options = NodeOptions(
         coordinator=args.coordinator,
-        token=resolve_token(args.token),
-        listen=args.listen,
+        token=token,
+        listen=_listen(args.listen, "--listen"),
         advertise=args.advertise,
         node_id=args.node_id,
         region=args.region,
         slowdown=args.slowdown,
         bandwidth_mbps=args.bandwidth_mbps,
         latency_ms=args.latency_ms,
-        tls=_tls(args),
+        tls=tls,
+        give_up_after_s=args.give_up_after,
     )
     exit_with_parent()
     agent = Agent(options)
@@ -209,10 +328,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         agent.run()
     except NodeError as e:
         print(f"geotrain: {e}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_FAILED
     finally:
         progress.stop()
-    return 0
+    return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -220,6 +339,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from geotrain.protocol.auth import TOKEN_ENV, new_token
     from geotrain.scheduler.local import Chaos, LocalNodes
 
+    if args.nodes < 1:
+        raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
     stages = args.nodes if args.stages is None else args.stages
     if stages > args.nodes:
         raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
@@ -230,15 +351,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = _config(args, **forced)
     if cfg.scheduler.stages > cfg.model.total_layers:
         raise UsageError(f"--stages {cfg.scheduler.stages} exceeds the model's {cfg.model.total_layers} layers")
-    chaos = Chaos.parse(args.chaos) if args.chaos else None
+    try:
+        chaos = Chaos.parse(args.chaos) if args.chaos else None
+    except ValueError as e:  # parse's way of naming what is wrong
+        raise UsageError(str(e)) from None
     torch_threads()
     token = os.environ.get(TOKEN_ENV) or new_token()
     work_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
     if not args.state_dir:
         args.state_dir = str(work_dir / "state")  # checkpoints let a stage that lost every node come back
     nodes: LocalNodes | None = None
+    failed: list[str] = []  # why the demo stopped its own coordinator
 
-    def launch(port: int) -> None:
+    def launch(port: int, stop: threading.Event) -> None:
         nonlocal nodes
         nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args))
         for i in range(args.nodes):
@@ -246,14 +371,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
         if chaos is not None:
             chaos.start(nodes, _out(args.json))
+        threading.Thread(target=_watch_nodes, args=(nodes, stop, failed), name="node-watch", daemon=True).start()
 
     try:
-        return _run_coordinator(cfg, token, "127.0.0.1:0", args, on_listening=launch)
+        return _run_coordinator(
+            cfg, token, "127.0.0.1:0", args, on_listening=launch, stop_reason=lambda: failed[0] if failed else None
+        )
     finally:
         if chaos is not None:
             chaos.stop()
         if nodes is not None:
             nodes.stop_all()
+
+
+def _watch_nodes(nodes: LocalNodes, stop: threading.Event, failed: list[str]) -> None:
+    """Stop the demo's coordinator (appending why to `failed`) once every local node has exited with an error: it
+    would otherwise wait for them forever. Nodes the chaos monkey SIGKILLed do not count: they come back."""
+    while not stop.wait(0.5):
+        procs = dict(nodes.procs)
+        if procs and all(p.poll() is not None and p.returncode > 0 for p in procs.values()):
+            node_id = sorted(procs)[0]
+            log_file = nodes.log_dir / f"{node_id}.log"
+            lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+            failed.append(
+                f"every local node exited with an error; {node_id}'s last words ({log_file}): "
+                + (lines[-1] if lines else "none")
+            )
+            stop.set()
+            return
 
 
 def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -277,14 +422,37 @@ def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     return flags
 
 
+def _is_number(text: str, at_least: float, above: bool = False) -> bool:
+    """Whether text is a finite number >= at_least (> at_least with `above`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and (value > at_least if above else value >= at_least)
+
+
+def _number(at_least: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= at_least (> at_least with `above`)."""
+
+    def parse(text: str) -> float:
+        if not _is_number(text, at_least, above):
+            raise argparse.ArgumentTypeError(f"expected a number {'>' if above else '>='} {at_least:g}, got {text!r}")
+        return float(text)
+
+    return parse
+
+
+def _slowdowns(value: str) -> str:
+    """Check a --slowdowns value: comma-separated factors, each at least 1."""
+    if not all(_is_number(v, 1.0) for v in value.split(",") if v) or not value.strip(","):
+        raise argparse.ArgumentTypeError(f"expected factors >= 1 separated by commas, e.g. 1,3, got {value!r}")
+    return value
+
+
 def _uplink(value: str) -> str:
     """Check an --uplink value: Mbit/s, optionally /one-way ms, both positive numbers (the latency may be 0)."""
     mbps, _, ms = value.partition("/")
-    try:
-        ok = float(mbps) > 0 and (not ms or float(ms) >= 0)
-    except ValueError:
-        ok = False
-    if not ok:
+    if not (_is_number(mbps, 0.0, above=True) and (not ms or _is_number(ms, 0.0))):
         raise argparse.ArgumentTypeError(f"--uplink takes MBPS or MBPS/MS, e.g. 20/50, got {value!r}")
     return value
 
@@ -314,30 +482,34 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     if args.save_final:
         _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, out)
     _finish(summary, args.json)
-    return 0
+    return EXIT_OK
 
 
 def cmd_tls_init(args: argparse.Namespace) -> int:
     """geotrain tls init."""
     from geotrain.protocol.tls import KEY_FILE, init_run_tls
 
-    init_run_tls(args.dir)
+    try:
+        init_run_tls(args.dir)
+    except ValueError as e:  # init_run_tls's way of refusing to overwrite a run's files
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write TLS files to {args.dir}: {e.strerror}") from None
     print(
         f"wrote a new run CA, certificate and key to {args.dir}: give the directory to the coordinator and every "
         f"node (--tls-dir); {KEY_FILE} is as secret as the run token",
         flush=True,
     )
-    return 0
+    return EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """geotrain plan."""
-    from geotrain.node.model import VOCAB
     from geotrain.scheduler.plan_cli import run_plan
 
     cfg = _config(args)
     m = cfg.model
-    model = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": VOCAB}
+    model = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": m.vocab}
     return run_plan(
         args.cluster, model, cfg.train.microbatches, cfg.train.microbatch_size, as_json=args.json,
         stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight, allreduce=cfg.scheduler.allreduce,
@@ -350,7 +522,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="geotrain",
         description="Train one model across heterogeneous computers joined over the internet.",
         epilog="Quick start: geotrain demo",
@@ -361,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--config", help="run config TOML file (defaults otherwise)")
     common.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
 
@@ -393,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--http-linger",
-            type=float,
+            type=_number(0.0),
             default=0.0,
             metavar="SECONDS",
             help="keep the status page up this long after the run ends (default 0)",
@@ -417,9 +589,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
     p.add_argument("--region", default="", help="region label used by the planner")
-    p.add_argument("--slowdown", type=float, default=1.0, help="emulate a slower machine: compute takes F times as long")
-    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulate this egress bandwidth to every peer")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="emulate this one-way latency to every peer")
+    p.add_argument(
+        "--slowdown", type=_number(1.0), default=1.0, help="emulate a slower machine: compute takes F times as long"
+    )
+    p.add_argument("--bandwidth-mbps", type=_number(0.0), default=0.0, help="emulate this egress bandwidth to every peer")
+    p.add_argument("--latency-ms", type=_number(0.0), default=0.0, help="emulate this one-way latency to every peer")
+    p.add_argument(
+        "--give-up-after", type=_number(0.0, above=True), default=60.0, metavar="SECONDS",
+        help="exit (code 1) when the coordinator has been unreachable this long (default 60)",
+    )
     tls_option(p)
     p.set_defaults(func=cmd_join)
 
@@ -437,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--regions", metavar="eu,us", help="give the local nodes these regions in turn (for emulation.links)"
     )
     p.add_argument(
-        "--slowdowns", metavar="1,3", help="give the local nodes these --slowdown factors in turn (unequal machines)"
+        "--slowdowns", metavar="1,3", type=_slowdowns, help="give the local nodes these --slowdown factors in turn (unequal machines)"
     )
     p.add_argument(
         "--uplink", metavar="MBPS[/MS]", type=_uplink,
@@ -488,13 +666,29 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command == "demo" and args.nodes < 1:
-        parser.error("--nodes must be at least 1")
+    if args.log_level != "debug":
+        # gRPC's C core logs its own lines (bind and TLS handshake failures) beside the one-line errors said here.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         return args.func(args)
-    except (ConfigError, UsageError, ValueError) as e:
-        print(f"geotrain: error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, UsageError) as e:
+        print(f"geotrain: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except CommandFailed as e:
+        print(f"geotrain: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("geotrain: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"geotrain: internal error (exit code {EXIT_INTERNAL}): a bug in geotrain {__version__}; please report it "
+            "with the traceback above",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

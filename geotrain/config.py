@@ -7,9 +7,11 @@ node needs only the coordinator's address and the token. Every field has a defau
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +21,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from geotrain.compression import CodecError, get_codec
-from geotrain.compression.policy import check_spec
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.protocol.probe import MAX_PROBE_BYTES
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+MODEL_METADATA_KEY = "geotrain.model"
+"""The safetensors metadata key under which a saved model (--save-final) keeps its [model] section, as JSON."""
 
 
 def _bounded(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:
@@ -39,7 +42,8 @@ def _check_bounds(obj: Any, section: str) -> None:
     for f in dataclasses.fields(obj):
         lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
         value = getattr(obj, f.name)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        # Written as "not inside" so that NaN, which compares false with every bound, fails too.
+        if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
             allowed = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
             raise ConfigError(f"{section}.{f.name} must be in {allowed}, got {value!r}")
 
@@ -71,6 +75,11 @@ class ModelSection:
         _check_bounds(self, "model")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads must divide model.d_model ({self.d_model}), got {self.n_heads}")
+
+    @property
+    def vocab(self) -> int:
+        """Token ids: the model reads bytes."""
+        return 256
 
     @property
     def total_layers(self) -> int:
@@ -124,6 +133,11 @@ class TrainSection:
             return 1.0
         return min(1.0, self.grad_clip / (math.sqrt(total_sq_norm) + 1e-6))
 
+    def clip_coefficient_from(self, sq_norm_parts: Iterable[float]) -> float:
+        """clip_coefficient of the squared norms of every gradient tensor of the model, added exactly (math.fsum):
+        the same float whichever stages reported which parts, in whatever order."""
+        return self.clip_coefficient(math.fsum(sq_norm_parts))
+
 
 @dataclass(kw_only=True)
 class SchedulerSection:
@@ -164,6 +178,12 @@ class SchedulerSection:
             )
 
 
+_NO_CODEC = "none"
+# protocol.probe.MAX_PROBE_BYTES (a test checks they agree): importing it loads torch through protocol.framing,
+# which `geotrain --help`, `plan` and `status` must not pay for.
+MAX_PROBE_BYTES = 64 << 20
+
+
 @dataclass(kw_only=True)
 class CompressionSection:
     """[compression]: the codec for each kind of traffic (see geotrain.compression)."""
@@ -183,6 +203,12 @@ class CompressionSection:
         for f in dataclasses.fields(self):
             if not getattr(self, f.name):
                 raise ConfigError(f"compression.{f.name} must name a codec, e.g. 'none' or 'int8'")
+        if all(getattr(self, f.name).strip() == _NO_CODEC for f in dataclasses.fields(self)):
+            return  # the default needs no codec machinery, which loads torch (seconds) for `plan` and `--help`
+        from geotrain.compression import CodecError, get_codec
+        from geotrain.compression.policy import check_spec
+
+        for f in dataclasses.fields(self):
             try:
                 check_spec(f.name, getattr(self, f.name))
             except CodecError as e:
@@ -199,6 +225,10 @@ class CompressionSection:
     @property
     def replica_rank(self) -> int | None:
         """PowerSGD's rank when replicas average low-rank factors, None when they average raw gradients."""
+        if self.replica_grads.strip() == _NO_CODEC:
+            return None
+        from geotrain.compression import get_codec
+
         codec = get_codec(self.replica_grads)
         return codec.param if codec.base_name == "powersgd" else None
 
@@ -223,8 +253,8 @@ class EmulationSection:
             mbps, latency = (float(v) for v in shape.split("/"))
         except ValueError:
             raise ConfigError(f"emulation.links entry {entry!r} must look like 'eu-us=20/50' (Mbit/s / ms)") from None
-        if mbps < 0 or latency < 0:
-            raise ConfigError(f"emulation.links entry {entry!r} must not be negative")
+        if not (0 <= mbps < math.inf and 0 <= latency < math.inf):
+            raise ConfigError(f"emulation.links entry {entry!r} must have finite, non-negative numbers")
         return frozenset((a.strip(), b.strip())), mbps, latency
 
     def link(self, region_a: str, region_b: str) -> tuple[float, float] | None:
@@ -386,3 +416,14 @@ def from_proto(msg: pb.RunConfig) -> RunConfig:
             value = getattr(section_msg, f.name)
             raw[name][f.name] = list(value) if typing.get_origin(hints[f.name]) is list else value
     return build_config(raw)
+
+
+def saved_model_config(path: str | Path) -> ModelSection:
+    """The [model] section a safetensors file written by --save-final records, to load it without the run config."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        recorded = (f.metadata() or {}).get(MODEL_METADATA_KEY)
+    if recorded is None:
+        raise ConfigError(f"{path} records no [model] section (metadata key {MODEL_METADATA_KEY!r})")
+    return build_config({"model": json.loads(recorded)}).model

@@ -42,6 +42,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.tls import tls_mismatch
 from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 
@@ -288,13 +289,23 @@ class Agent:
             try:
                 return call()
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise NodeError(f"the coordinator refused the run token ({e.details()})") from None
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
+                self._check_tls_matches()
                 if time.monotonic() > deadline or self.stopped.is_set():
                     raise NodeError(f"coordinator {self.options.coordinator} unreachable: {e.details()}") from None
                 log.debug("coordinator unreachable, retrying in %.1fs", backoff)
                 self.stopped.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _check_tls_matches(self) -> None:
+        """Raise NodeError when the coordinator answers but not in this node's TLS (or plaintext): gRPC reports that
+        as the coordinator being unavailable, and retrying cannot help."""
+        problem = tls_mismatch(self.options.coordinator, self.options.tls)
+        if problem is not None:
+            raise NodeError(f"the coordinator {problem}")
 
     def _orders_loop(self) -> None:
         while not self.stopped.is_set():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import threading
@@ -24,6 +25,10 @@ MD_NONCE = "x-geotrain-nonce"
 MD_MAC = "x-geotrain-mac"
 MAX_SKEW_S = 60.0
 TOKEN_ENV = "GEOTRAIN_TOKEN"
+# A peer retrying with a wrong token calls many times a second: its first refusal is logged, then one a minute.
+REFUSAL_LOG_INTERVAL_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def resolve_token(token: str | None) -> str:
@@ -110,21 +115,63 @@ class ReplayGuard:
             return True
 
 
-def _rejecting_handler(handler: Any, message: str) -> Any:
-    """A handler of the same streaming kind as `handler` that answers UNAUTHENTICATED."""
+class RefusalLog:
+    """Logs refused calls at most once per peer host per interval, so a misconfigured node cannot flood the log."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S, max_peers: int = 4096) -> None:
+        self._interval_s = interval_s
+        self._max_peers = max_peers
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def refused(self, peer: str, method: str, node_id: str, why: str, now: float | None = None) -> bool:
+        """Note one refused call from `peer` (gRPC's "ipv4:HOST:PORT"); True when it was logged."""
+        now = time.monotonic() if now is None else now
+        host = peer_host(peer)
+        with self._lock:
+            last = self._last.pop(host, None)
+            if last is not None and now - last < self._interval_s:
+                self._last[host] = last
+                return False
+            self._last[host] = now
+            while len(self._last) > self._max_peers:
+                self._last.popitem(last=False)
+        log.warning(
+            "refused %s from %s (node id %r): %s; further refusals from %s are logged at most once every %.0fs",
+            method, host, node_id, why, host, self._interval_s,
+        )
+        return True
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"): one per machine, not connection."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    host, sep, _ = address.rpartition(":")
+    return (host if sep else address).strip("[]")
+
+
+def _rejecting_handler(handler: Any, message: str, on_refused: Callable[[str], None], aio: bool = False) -> Any:
+    """A handler of the same streaming kind as `handler` that answers UNAUTHENTICATED (on_refused hears the peer);
+    with `aio`, a coroutine for grpc.aio servers, whose abort must be awaited."""
 
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+        on_refused(context.peer())
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    async def abort_aio(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        on_refused(context.peer())
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    refuse = abort_aio if aio else abort
     if handler is None:
         return None
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
+        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class ServerAuth(grpc.ServerInterceptor):
@@ -134,6 +181,7 @@ class ServerAuth(grpc.ServerInterceptor):
         self._token = token
         self._max_skew_s = max_skew_s
         self._replays = ReplayGuard(2 * max_skew_s)
+        self.refusals = RefusalLog()
 
     def check(self, method: str, metadata: dict[str, str], now: float | None = None) -> str | None:
         """None if the call is authentic, else why not."""
@@ -154,9 +202,25 @@ class ServerAuth(grpc.ServerInterceptor):
         return None
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: D102
+        return self.admit(continuation(handler_call_details), handler_call_details)
+
+    def admit(self, handler: Any, handler_call_details: grpc.HandlerCallDetails, aio: bool = False) -> Any:
+        """`handler` for an authentic call, else a handler of its kind that refuses it (with `aio`, for grpc.aio)."""
         metadata = {k: v for k, v in handler_call_details.invocation_metadata if isinstance(v, str)}
         problem = self.check(handler_call_details.method, metadata)
-        handler = continuation(handler_call_details)
         if problem is None:
             return handler
-        return _rejecting_handler(handler, problem)
+        method, node_id = handler_call_details.method, metadata.get(MD_NODE, "")
+        return _rejecting_handler(
+            handler, problem, lambda peer: self.refusals.refused(peer, method, node_id, problem), aio
+        )
+
+
+class AioServerAuth(grpc.aio.ServerInterceptor):
+    """ServerAuth for a grpc.aio server: the same checks, replay window and refusal log."""
+
+    def __init__(self, token: str, max_skew_s: float = MAX_SKEW_S) -> None:
+        self.auth = ServerAuth(token, max_skew_s)
+
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: D102
+        return self.auth.admit(await continuation(handler_call_details), handler_call_details, aio=True)

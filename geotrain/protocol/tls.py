@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +151,56 @@ def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
         digital_signature=not cert_sign, key_cert_sign=cert_sign, crl_sign=cert_sign, content_commitment=False,
         key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False,
     )
+
+
+# The first byte of a TLS record that answers a ClientHello: a handshake message (ServerHello) or an alert.
+_TLS_REPLY_TYPES = (0x16, 0x15)
+
+
+def tls_mismatch(address: str, files: TlsFiles | None, timeout_s: float = 3.0) -> str | None:
+    """What keeps this process's TLS settings (`files`, None: plaintext) from talking to the server at host:port, or
+    None when nothing does (or it cannot be reached). gRPC reports all of these as the server being unavailable."""
+    speaks = speaks_tls(address, timeout_s)
+    if speaks is None or (speaks == (files is not None) and not speaks):
+        return None
+    if files is None:
+        return f"{address} speaks TLS: pass the run's --tls-dir"
+    if not speaks:
+        return f"{address} does not speak TLS: leave out --tls-dir"
+    if not _signed_by_run_ca(address, files, timeout_s):
+        return f"{address} presents a certificate the run's CA did not sign: another run's --tls-dir?"
+    return None
+
+
+def _signed_by_run_ca(address: str, files: TlsFiles, timeout_s: float) -> bool:
+    """Whether the TLS server at host:port presents a certificate for RUN_TLS_NAME signed by the run's CA (True
+    when it cannot be told: only a failed check of the server's certificate says no)."""
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context(cadata=files.ca.decode())
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=RUN_TLS_NAME):
+                return True
+    except ssl.SSLCertVerificationError:
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def speaks_tls(address: str, timeout_s: float = 3.0) -> bool | None:
+    """Whether the server at host:port answers a TLS ClientHello with TLS; None when it cannot be reached."""
+    host, _, port = address.rpartition(":")
+    hello = ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), hello, server_hostname=RUN_TLS_NAME)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass  # the ClientHello is in `hello`, waiting for an answer this probe reads itself
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            sock.sendall(hello.read())
+            reply = sock.recv(3)
+    except (OSError, ValueError):
+        return None
+    # A TLS record starts with its type and version 3.x; a plaintext HTTP/2 server answers with a frame instead.
+    return len(reply) >= 2 and reply[0] in _TLS_REPLY_TYPES and reply[1] == 3

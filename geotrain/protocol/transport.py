@@ -3,7 +3,9 @@ UNAVAILABLE."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -11,7 +13,7 @@ from typing import TypeVar
 
 import grpc
 
-from geotrain.protocol.auth import ClientAuth, ServerAuth
+from geotrain.protocol.auth import AioServerAuth, ClientAuth, ServerAuth
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ _OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
+# Without SO_REUSEPORT a second server on a taken port fails instead of sharing its connections.
+_SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> grpc.Channel:
@@ -45,22 +49,74 @@ def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsF
     return grpc.intercept_channel(channel, ClientAuth(token, node_id))
 
 
+class ListenError(OSError):
+    """A server cannot bind its listen address (taken, not this host's, or not an address)."""
+
+
+def check_listen(listen: str) -> str:
+    """`listen` with its host resolved to an IP address, checked to be bindable; raises ListenError naming why not
+    (gRPC itself only says "Failed to bind", and hivemind takes no host names)."""
+    host, sep, port_text = listen.rpartition(":")
+    try:
+        port = int(port_text)
+        if not sep or not 0 <= port < 65536:
+            raise ValueError
+    except ValueError:
+        raise ListenError(f"listen address must be HOST:PORT with a port in 0..65535, got {listen!r}") from None
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ListenError(f"cannot listen on {listen}: {e.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a TIME_WAIT port is free
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise ListenError(f"cannot listen on {listen}: {why}") from None
+    address = sockaddr[0]
+    return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+
+
 def make_server(token: str, listen: str, max_workers: int = 32, tls: TlsFiles | None = None) -> tuple[grpc.Server, int]:
     """A started-later server bound to `listen` (port 0 picks one); returns it and the bound port."""
+    listen = check_listen(listen)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[ServerAuth(token)],
-        options=_OPTIONS,
+        options=_SERVER_OPTIONS,
     )
-    if tls is not None:
-        # Mutual TLS: a client without the run's files cannot get as far as the auth interceptor.
-        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True)
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
+    return server, _add_port(server, listen, tls)
+
+
+def make_aio_server(
+    token: str, listen: str, thread_pool: futures.Executor, tls: TlsFiles | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """make_server for grpc.aio, with the same auth, TLS and limits; call it on the event loop it will serve on.
+    Its async handlers run on that loop, its plain (blocking) ones on thread_pool."""
+    listen = check_listen(listen)
+    server = grpc.aio.server(thread_pool, interceptors=[AioServerAuth(token)], options=_SERVER_OPTIONS)
+    return server, _add_port(server, listen, tls)
+
+
+def _add_port(server: grpc.Server | grpc.aio.Server, listen: str, tls: TlsFiles | None) -> int:
+    """Bind `listen` (a checked address) with the run's TLS if any; the bound port, or ListenError."""
+    try:
+        if tls is not None:
+            # Mutual TLS: a client without the run's files cannot get as far as the auth interceptor.
+            creds = grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+            )
+            port = server.add_secure_port(listen, creds)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0  # taken between the check and the bind
     if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    return server, port
+        raise ListenError(f"cannot listen on {listen}")
+    return port
 
 
 def call_with_retry(

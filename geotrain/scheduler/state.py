@@ -12,6 +12,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+STORE_FILE = "run.sqlite"
+"""The run store's file name in a coordinator's --state-dir."""
+_MODEL_KEY = "model_config"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -82,6 +87,18 @@ class RunStore:
         """Set a value of the meta table."""
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def adopt_model(self, model: dict[str, Any], check: bool) -> list[tuple[str, Any, Any]]:
+        """Record the run's [model] section; with `check` (resuming), first return (key, saved, given) for every key
+        whose value differs from the saved run's, and record nothing if any does."""
+        saved = json.loads(self.get(_MODEL_KEY) or "{}")
+        if check and saved:
+            differing = [(k, saved.get(k), model.get(k)) for k in sorted(saved.keys() | model.keys())]
+            differing = [d for d in differing if d[1] != d[2]]
+            if differing:
+                return differing
+        self.put(_MODEL_KEY, json.dumps(model))
+        return []
 
     def commit_step(self, record: StepRecord, checksums: dict[int, str]) -> None:
         """Record a committed step (and clear its pending decision) in one transaction; a step is committed once."""

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.tls import TlsFiles
+from geotrain.protocol.tls import TlsFiles, tls_mismatch
 from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,12 @@ def render_status(reply: pb.StatusReply) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _error(address: str, e: grpc.RpcError) -> str:
+def _error(address: str, e: grpc.RpcError, tls: TlsFiles | None) -> str:
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        # gRPC says "unavailable" (Socket closed, handshake failed) for a TLS mismatch too, which retrying cannot fix.
+        problem = tls_mismatch(address, tls)
+        if problem is not None:
+            return f"geotrain: cannot get status: the coordinator {problem}"
     return f"geotrain: cannot get status from {address}: {e.code().name}: {e.details()}"
 
 
@@ -129,7 +134,7 @@ def run_status(
         try:
             out.write(_snapshot(address, token, as_json, tls))
         except grpc.RpcError as e:
-            print(_error(address, e), file=sys.stderr, flush=True)
+            print(_error(address, e, tls), file=sys.stderr, flush=True)
             return 1
         out.flush()
         return 0
@@ -139,7 +144,7 @@ def run_status(
                 text = _snapshot(address, token, as_json, tls)
             except grpc.RpcError as e:
                 # A watched coordinator may be restarting: say so in place and keep polling.
-                text = _error(address, e) + "\n"
+                text = _error(address, e, tls) + "\n"
             out.write(_CLEAR + text)
             out.flush()
             time.sleep(WATCH_INTERVAL_S)
