@@ -334,6 +334,9 @@ class Agent:
         if kind == "shutdown":
             log.info("coordinator ends the run: %s", order.shutdown.reason)
             self.stopped.set()
+            if order.shutdown.aborted:
+                # A failed run is not this node's success: exit non-zero, so a service manager restarts it.
+                raise NodeError(f"the coordinator ended the run: {order.shutdown.reason}")
             return True
         if kind == "probe_peers":
             probe = order.probe_peers

@@ -366,10 +366,12 @@ class ApplyStep(_message.Message):
     def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "aborted")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    aborted: bool
+    def __init__(self, reason: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers")
