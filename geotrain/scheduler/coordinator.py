@@ -151,8 +151,8 @@ class Coordinator:
         log.debug("profile of %s: %d link(s)", request.node_id, len(request.links))
 
     def report_failure(self, request: pb.FailureReport) -> None:
-        """A node's calls to a peer fail: the peer is dead if it is also late with its heartbeat."""
-        self.membership.suspect(request)
+        """A node's calls to a peer fail, or a node cannot take part in a plan epoch (FailureReport)."""
+        self.membership.report_failure(request)
 
     def order_stream(self, node_id: str, is_active: Callable[[], bool]) -> Iterator[pb.Order]:
         """The orders for one node, as long as its stream is open; KeyError for an unknown node."""

@@ -24,6 +24,15 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[str, dict], None]
 
 
+@dataclass(frozen=True)
+class Scope:
+    """What a wait inside a plan epoch depends on: losing one of these nodes, or one reporting that it cannot take
+    part in the epoch, fails the step at once."""
+
+    epoch: int
+    nodes: tuple[str, ...]
+
+
 class Lifecycle(enum.Enum):
     """Where a member stands."""
 
@@ -55,6 +64,8 @@ class Member:
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
+    failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
+    failure: str = ""  # why, as it reported
 
     @property
     def alive(self) -> bool:
@@ -130,6 +141,11 @@ class Membership:
             if member is None or not member.alive:
                 return False
             member.last_seen = time.monotonic()
+            # Waiters watch these (and the peer id); a heartbeat that changes none of them wakes nobody, so a
+            # thousand idle members cost the step driver nothing.
+            changed = (request.plan_epoch, request.applied_step, request.state_epoch, request.dht_peer_id) != (
+                member.plan_epoch, member.applied_steps, member.state_epoch, member.peer_id
+            )
             member.plan_epoch = request.plan_epoch
             # A heartbeat built before a StepApplied report may arrive after it; only a state load (a new
             # state_epoch) moves a node's applied steps back.
@@ -140,7 +156,8 @@ class Membership:
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
             member.links = list(request.links)
             member.microbatches_per_s = request.microbatches_per_s
-            self.cond.notify_all()
+            if changed:
+                self.cond.notify_all()
         return True
 
     def set_profile(self, request: pb.NodeProfileReport) -> None:
@@ -154,15 +171,24 @@ class Membership:
                 member.lifecycle = Lifecycle.PROFILED
             self.cond.notify_all()
 
-    def suspect(self, request: pb.FailureReport) -> None:
-        """A node's calls to a peer fail: the peer is dead if it is also late with its heartbeat."""
+    def report_failure(self, request: pb.FailureReport) -> None:
+        """A node's calls to a peer fail (the peer is dead if it is also late with its heartbeat), or a node reports
+        that it cannot take part in a plan epoch (its step fails at once instead of at the step timeout)."""
+        own = request.peer == request.node_id and request.reason != pb.FAILURE_REASON_UNSPECIFIED
         with self.cond:
             peer = self.members.get(request.peer)
             if peer is None or not peer.alive:
                 return
-            log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
-            self._suspects.add(request.peer)
+            if own:
+                peer.failed_epoch, peer.failure = request.plan_epoch, request.detail
+            else:
+                log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
+                self._suspects.add(request.peer)
             self.cond.notify_all()
+        if own:
+            why = f"{pb.FailureReason.Name(request.reason)} in plan epoch {request.plan_epoch}: {request.detail}"
+            log.warning("node %s cannot take part: %s", request.node_id, why)
+            self.store.event("node_failure", request.node_id, why)
 
     def note_applied(self, node_id: str, steps: int) -> None:
         """A member reported applying a step (fresher than its next heartbeat)."""
@@ -236,26 +262,27 @@ class Membership:
         """Members whose state of the step in progress is gone: dead, or restarted as a new incarnation."""
         return {m.node_id for m in self.members.values() if m.lifecycle in (Lifecycle.DEAD, Lifecycle.RESTARTED)}
 
-    def wait(
-        self,
-        predicate: Callable[[], bool],
-        what: str,
-        timeout_s: float,
-        step_nodes: Callable[[], list[str]] | None = None,
-    ) -> None:
-        """Block until predicate() holds (evaluated under the condition); RunAborted on stop or timeout. While a
-        step is in progress (step_nodes gives its nodes), StepFailed when one of them is lost, or on timeout."""
+    def wait(self, predicate: Callable[[], bool], what: str, timeout_s: float, scope: Scope | None = None) -> None:
+        """Block until predicate() holds (evaluated under the condition); RunAborted on stop or timeout. Inside a
+        plan epoch (scope), StepFailed when a node of it is lost or reports failing in that epoch, or on timeout."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while not predicate():
                 if self.stop_requested.is_set():
                     raise RunAborted("stopped")
-                if step_nodes is not None:
-                    lost = self.lost() & set(step_nodes())
-                    if lost:
-                        raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
+                if scope is not None:
+                    self._check_scope(scope)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    error = StepFailed if step_nodes is not None else RunAborted
+                    error = StepFailed if scope is not None else RunAborted
                     raise error(f"timed out after {timeout_s:.0f}s waiting for {what}")
                 self.cond.wait(min(remaining, 0.1))
+
+    def _check_scope(self, scope: Scope) -> None:
+        lost = self.lost() & set(scope.nodes)
+        if lost:
+            raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
+        for n in scope.nodes:
+            member = self.members.get(n)
+            if member is not None and member.failed_epoch == scope.epoch:
+                raise StepFailed(f"node {n} cannot take part: {member.failure}")

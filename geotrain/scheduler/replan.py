@@ -17,7 +17,7 @@ from geotrain.config import RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.errors import RunAborted, StepFailed
-from geotrain.scheduler.membership import EventSink, Member, Membership
+from geotrain.scheduler.membership import EventSink, Member, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.planner import PlannerConfig
 from geotrain.scheduler.planner import plan as plan_stages
@@ -270,7 +270,7 @@ class Planning:
             ),
             "nodes to take up the plan",
             self.cfg.scheduler.step_timeout_s,
-            lambda: nodes,
+            Scope(epoch, tuple(nodes)),
         )
         self.membership.serving(plan)
         self.dirty = False

@@ -19,7 +19,7 @@ from geotrain.config import RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.errors import RunAborted, StepFailed
-from geotrain.scheduler.membership import EventSink, Membership
+from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore, StepRecord
 
@@ -141,7 +141,7 @@ class StepDriver:
         total = self.cfg.train.microbatches
         timeout = self.cfg.scheduler.step_timeout_s
         nodes = placement.plan_nodes(plan)
-        in_step = lambda: nodes  # noqa: E731
+        in_step = Scope(plan.epoch, tuple(nodes))
         wait = self.membership.wait
         self._begin(step, plan.epoch)
         for head, ids in assign_microbatches(self._heads(plan), total).items():
@@ -240,8 +240,10 @@ class StepDriver:
         for head, ids in assign_microbatches(self._heads(plan), n).items():
             if ids:
                 self.orders.send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
-        nodes = placement.plan_nodes(plan)
         self.membership.wait(
-            lambda: len(self.progress.eval_losses) == n, "validation", self.cfg.scheduler.step_timeout_s, lambda: nodes
+            lambda: len(self.progress.eval_losses) == n,
+            "validation",
+            self.cfg.scheduler.step_timeout_s,
+            Scope(plan.epoch, tuple(placement.plan_nodes(plan))),
         )
         return sum(self.progress.eval_losses.values()) / n
