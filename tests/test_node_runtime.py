@@ -4,6 +4,7 @@ reports sent at once, and state hand-over when a plan swaps stages."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import queue
 import threading
 import time
@@ -85,6 +86,28 @@ def test_encodes_on_one_link_from_many_threads_leave_the_state_a_single_thread_w
     assert codec.most_active == 1
     assert float(state.q) == 3.0 * n_threads * per_thread  # every encode saw the state the one before it left
     assert float(plane._codec_states[("node-3", "127.0.0.1:2", "forward")][1].q) == 3.0
+
+
+# -- replica averaging's streams --------------------------------------------------------------------------------
+
+
+def test_a_sender_closes_its_stream_to_a_reducer_once_it_holds_the_parts_it_expects():
+    from geotrain.node.averaging import _take_then_close
+
+    closed = []
+
+    async def replies():  # a reducer's stream, which (in hivemind) would end only when the reducer closes it
+        try:
+            for part in range(5):
+                yield part
+        finally:
+            closed.append(True)
+
+    async def read(n: int) -> list[int]:
+        return [part async for part in _take_then_close(replies(), n)]
+
+    assert asyncio.run(read(3)) == [0, 1, 2] and closed == [True]
+    assert asyncio.run(read(9)) == [0, 1, 2, 3, 4]  # fewer than expected: hivemind's runner then reports the rest
 
 
 # -- agents in this process -------------------------------------------------------------------------------------
