@@ -259,3 +259,32 @@ def test_two_nodes_swapping_stages_each_fetch_the_state_the_other_held(make_agen
     assert a.state_snapshot(1, (cut, total)) is not None  # the layers it loaded in epoch 2, kept for b
     a._apply_plan(_plan(4, 2, total, [(0, cut, a), (cut, total, b)]))
     assert a.state_snapshot(1, (cut, total)) is None
+
+
+@pytest.mark.timeout(30)
+def test_fetch_state_refuses_an_empty_layer_range_and_says_which_layers_it_lacks(make_agent):
+    import grpc
+
+    from geotrain.protocol import geotrain_pb2_grpc as rpc
+    from geotrain.protocol.transport import make_channel
+
+    agent = make_agent("node-a", _FakeCoordinator())
+    total = agent.cfg.model.total_layers
+    agent._apply_plan(_plan(1, 0, total, [(0, total, agent)]))
+    channel = make_channel(agent.address, agent.options.token, lambda: "node-b")
+    try:
+        stub = rpc.StageStub(channel)
+        for request, code, message in [
+            (pb.FetchStateRequest(steps_done=0, layer_start=3, layer_end=1), grpc.StatusCode.INVALID_ARGUMENT,
+             "empty layer range [3, 1)"),
+            (pb.FetchStateRequest(steps_done=0, layer_start=0, layer_end=1), grpc.StatusCode.FAILED_PRECONDITION,
+             "this node holds no layers [0, 1) after 0 steps"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.FetchState(request, timeout=10))
+            assert (err.value.code(), err.value.details()) == (code, message)
+        # Its whole stage at step 0 it does hold.
+        whole = pb.FetchStateRequest(steps_done=0, layer_start=0, layer_end=total)
+        assert framing.read_state(stub.FetchState(whole, timeout=10)).keys() == dict(agent.runtime.full_state()).keys()
+    finally:
+        channel.close()

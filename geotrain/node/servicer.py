@@ -83,6 +83,9 @@ class StageServicer(rpc.StageServicer):
 
     def FetchState(self, request, context):  # noqa: D102, N802
         layers = (request.layer_start, request.layer_end) if request.layer_end else None
+        if layers is not None and request.layer_start >= request.layer_end:
+            empty = f"empty layer range [{request.layer_start}, {request.layer_end})"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, empty)
         snapshot = self.handler.state_snapshot(request.steps_done, layers)
         if snapshot is None:
             which = f"layers [{request.layer_start}, {request.layer_end})" if layers else "state"
