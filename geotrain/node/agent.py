@@ -469,7 +469,8 @@ class Agent:
                 self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
             else:
                 if self.runtime is not None:
-                    self.held.keep(self.runtime)  # whoever takes these layers over may still fetch them from here
+                    # Whoever takes these layers over may still fetch them from here.
+                    self.held.keep(self.runtime, plan.steps_done)
                 # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
                 # unless this node still holds the layers at the committed step from an earlier plan.
                 self.runtime = None if layers is None else (

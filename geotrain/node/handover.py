@@ -22,9 +22,10 @@ class HeldStates:
     def __init__(self) -> None:
         self._held: dict[LayerRange, StageRuntime] = {}
 
-    def keep(self, runtime: StageRuntime) -> None:
-        """Keep a runtime the node is moving away from; one that never applied a step is the seed's, not kept."""
-        if runtime.applied_step >= 0:
+    def keep(self, runtime: StageRuntime, steps_done: int) -> None:
+        """Keep a runtime the node is moving away from if it holds the run's committed step (steps_done); one that
+        never applied a step is the seed's, which any node rebuilds."""
+        if runtime.applied_step >= 0 and runtime.applied_step + 1 == steps_done:
             runtime.reset_step()  # its uncommitted gradients and activations belong to an abandoned epoch
             self._held[(runtime.start, runtime.end)] = runtime
 
