@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import socket
 import threading
@@ -752,23 +753,25 @@ class Agent:
         assert runtime is not None and plan is not None
         if order.plan_epoch != plan.epoch:
             return
-        count = runtime.mean_gradients(order.step)
         stage = plan.stages[self.stage_index]
-        if len(stage.node_ids) > 1:
+        if len(stage.node_ids) == 1:
+            runtime.mean_gradients(order.step)
+        else:
             if not self._averaging_ready.wait(_RPC_DEADLINE_S) or self.averager is None:
                 raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
             try:
-                self._average_with_replicas(runtime, plan, stage, order.step, count)
+                self._average_with_replicas(runtime, plan, stage, order.step)
             except Exception as e:
                 why = f"averaging with the stage's replicas failed: {e!r}"
                 raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
+        parts = runtime.grad_sq_norm_parts()
         request = pb.GradNormRequest(
-            node_id=self.node_id, step=order.step, sq_norm=runtime.grad_sq_norm(), plan_epoch=plan.epoch
+            node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch
         )
         self._report(self.coordinator.GradNorm, request)
 
     def _average_with_replicas(
-        self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int, count: int
+        self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int
     ) -> None:
         """Replace the step's gradients by their weighted mean over the stage's replicas."""
         from geotrain.node.averaging import group_id, replica_all_reduce
@@ -778,20 +781,19 @@ class Agent:
             self.averager,
             list(stage.peer_ids),
             list(stage.regions),
-            float(count),
+            float(runtime.counted(step)),
             lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
             hierarchical=stage.hierarchical_allreduce,
+            presummed=self._low_rank is None,
         )
         if self._low_rank is not None:
+            runtime.mean_gradients(step)
             self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
             return
-        # float64 copies: hivemind reduces in float32 and returns deltas; x64 + delta lies close enough to the
-        # reducer's float32 average that all_reduce rounds it back to exactly that on every replica (in float32,
-        # x32 + delta would round differently on each), so replicas stay bit-identical.
-        grads = [g.double() for g in runtime.gradients()]
-        all_reduce(0, grads)
-        for g, averaged in zip(runtime.gradients(), grads):
-            g.copy_(averaged)
+        # The replicas' float64 sums, added exactly by the all-reduce: the mean train-local computes. hivemind
+        # returns deltas; x64 + delta lies close enough to the reducer's float32 mean that all_reduce rounds it back
+        # to exactly that on every replica, so replicas stay bit-identical.
+        runtime.mean_gradients(step, lambda sums: all_reduce(0, sums))
 
     def _apply(self, order: pb.ApplyStep) -> None:
         runtime = self.runtime

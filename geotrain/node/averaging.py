@@ -25,6 +25,7 @@ from typing import AsyncIterator, NamedTuple  # noqa: UP035 - hivemind detects s
 import torch
 from hivemind import DHT
 from hivemind.averaging.allreduce import AllReduceRunner, AllreduceException
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2PContext, PeerID, ServicerBase, StubBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter
@@ -50,6 +51,44 @@ class Job(NamedTuple):
     peers: Sequence[str]
     tensors: Sequence[torch.Tensor]
     weight: float
+    presummed: bool = False  # float64 tensors holding weight x mean, summed exactly (_PresummedRunner)
+
+
+class _SumAccumulator:
+    """Takes the place of TensorPartReducer's float32 accumulator, which rounds every addition in the order parts
+    arrive. Parts here are replicas' float64 sums of float32 gradients (weight x mean): adding them in float64 is
+    exact wherever each replica's own sums were (node.stage), so the total does not depend on the order; it is
+    divided by the total weight and rounded to float32 once, as train-local rounds its mean."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.total = torch.zeros(shape, dtype=torch.float64)
+
+    def add_(self, part: torch.Tensor, alpha: float) -> None:  # noqa: ARG002 - the weight is already in the part
+        self.total.add_(part)
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        # On the float32 grid, so that each replica's x + (average - x) rounds back to these bits (_round_to_float32).
+        return self.total.div_(denominator).float().double()
+
+
+class _PresummedReducer(TensorPartReducer):
+    """hivemind's reducer (waiting, part order, failed senders) with _SumAccumulator for its arithmetic."""
+
+    def reset_accumulators(self) -> None:  # noqa: D102
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index])
+
+
+class _PresummedRunner(AllReduceRunner):
+    """AllReduceRunner whose reducer sums presummed parts exactly (_SumAccumulator)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        unused, self.tensor_part_reducer = self.tensor_part_reducer, _PresummedReducer(
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
+        )
+        unused.finished.set()  # it never takes a part: finalising it would warn that parts were missing
 
 
 class ReplicaAverager(ServicerBase):
@@ -90,7 +129,9 @@ class ReplicaAverager(ServicerBase):
 
     async def _average_all(self, jobs: Sequence[Job]) -> None:
         tasks = [
-            asyncio.ensure_future(self._average(j.gid, [PeerID.from_base58(p) for p in j.peers], j.tensors, j.weight))
+            asyncio.ensure_future(
+                self._average(j.gid, [PeerID.from_base58(p) for p in j.peers], j.tensors, j.weight, j.presummed)
+            )
             for j in jobs
         ]
         try:
@@ -105,11 +146,11 @@ class ReplicaAverager(ServicerBase):
             future.cancel()
 
     async def _average(
-        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float
+        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float, presummed: bool
     ) -> None:
         future = self._runner_future(gid)
         try:
-            runner = AllReduceRunner(
+            runner = (_PresummedRunner if presummed else AllReduceRunner)(
                 p2p=self._p2p,
                 servicer_type=type(self),
                 prefix=_NAMESPACE,
@@ -226,16 +267,32 @@ def replica_all_reduce(
     weight: float,
     gid: Callable[[int, str], bytes],
     hierarchical: bool,
+    presummed: bool = False,
 ) -> AllReduce:
     """The stage's all_reduce(round, tensors) for this replica: region by region when asked and the sites make it
     differ from one flat group (several sites, one of them with several replicas), else one flat group.
-    gid(round, part) names each all-reduce's group."""
+    gid(round, part) names each all-reduce's group. With `presummed` the tensors hold weight x mean (this replica's
+    float64 sums): one flat group adds them exactly, in any order; region by region they become means first, and
+    each site's mean rounds to float32 on the way, so that mode is not exact."""
     sites = sites_of(peers, regions)
     if hierarchical and len(sites) > 1 and max(map(len, sites)) > 1:
-        return HierarchicalAllReduce(averager, sites, weight, gid)
+        by_sites = HierarchicalAllReduce(averager, sites, weight, gid)
+        if not presummed:
+            return by_sites
+
+        def of_sums(round_: int, tensors: list[torch.Tensor]) -> None:
+            if weight:  # with no microbatch the sums are zeros, which phase A weighs by 0
+                for t in tensors:
+                    t.div_(weight)
+            by_sites(round_, tensors)
+
+        return of_sums
 
     def flat(round_: int, tensors: list[torch.Tensor]) -> None:
-        averager.average(gid(round_, ""), peers, tensors, weight)
+        if presummed:
+            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed=True)])
+        else:
+            averager.average(gid(round_, ""), peers, tensors, weight)
         for t in tensors:
             _round_to_float32(t)
 

@@ -47,7 +47,7 @@ def train_local(
             runtime.forward((step, mb), x)
             step_losses.append(runtime.loss_backward((step, mb), y)[0])
         runtime.mean_gradients(step)
-        runtime.apply(step, t.clip_coefficient(runtime.grad_sq_norm()), t.lr_at(step, cfg.run.steps))
+        runtime.apply(step, t.clip_coefficient_from(runtime.grad_sq_norm_parts()), t.lr_at(step, cfg.run.steps))
         losses.append(sum(step_losses) / len(step_losses))
         record: dict[str, Any] = {"step": step, "loss": losses[-1], "seconds": time.monotonic() - t0}
         if step == cfg.run.steps - 1 or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):

@@ -2,11 +2,20 @@
 
 Pure torch, no networking: the agent feeds it tensors and ships what it returns. `train-local` runs the same class
 holding every layer, which is what makes the pipeline equal to single-process training.
+
+Microbatches reach a stage in any order and are split among its replicas, while train-local takes them 0..M-1;
+float32 accumulation in arrival order made runs drift from train-local over hundreds of steps. So each
+microbatch's float32 gradient is added into a float64 sum: a float32 value has 24 significant bits, so such sums
+are exact, hence the same in any order and over any split among replicas, as long as one element's contributions
+span fewer than 29 - log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which
+changes the float32 mean only when it lies that close to a float32 rounding boundary. The mean is rounded to
+float32 once, after the division.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +37,11 @@ class _Pending:
 
 @dataclass
 class StepGradients:
-    """Which microbatches of a step this stage has counted in its parameter gradients."""
+    """Which microbatches of a step this stage has counted, and their parameter gradients summed in float64."""
 
     step: int
     counted: set[int] = field(default_factory=set)
+    sums: list[torch.Tensor] = field(default_factory=list)  # per parameter; empty until a microbatch is counted
 
 
 class StageRuntime:
@@ -95,9 +105,16 @@ class StageRuntime:
                 return None
             (grad_in,) = torch.autograd.grad(root, pending.inputs, root_grad)
             return grad_in
-        torch.autograd.backward(root, root_grad)
+        params = self.parameters()
+        wrt = params if self.is_first else [*params, pending.inputs]
+        grads = torch.autograd.grad(root, wrt, root_grad, allow_unused=True)
+        if not self.grads.sums:
+            self.grads.sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        for total, g in zip(self.grads.sums, grads):
+            if g is not None:
+                total.add_(g)
         self.grads.counted.add(microbatch)
-        return None if self.is_first else pending.inputs.grad
+        return None if self.is_first else grads[-1]
 
     def reset_step(self) -> None:
         """Drop every uncommitted gradient and kept activation: a new plan epoch redoes the step from scratch."""
@@ -123,23 +140,34 @@ class StageRuntime:
         """The stage's parameters in a fixed order."""
         return list(self.layers.parameters())
 
-    def mean_gradients(self, step: int) -> int:
-        """Turn summed gradients into the mean over the microbatches counted; returns that count (the weight)."""
+    def mean_gradients(self, step: int, reduce: Callable[[list[torch.Tensor]], None] | None = None) -> int:
+        """Set every parameter's gradient to the float32 rounding of a float64 mean and return the microbatches
+        counted: the mean of this stage's sums, or what `reduce` leaves in place of the sums (the mean over every
+        replica's microbatches)."""
         count = self.counted(step)
-        for p in self.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif count:
-                p.grad.div_(count)
+        params = self.parameters()
+        if count and not self.grads.sums:
+            raise ValueError(f"step {step}'s gradients are already averaged")
+        sums = self.grads.sums if count else [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        if reduce is not None:
+            reduce(sums)  # in place: a failed all-reduce fails the plan epoch, which redoes the step from scratch
+        elif count:
+            for total in sums:
+                total.div_(count)
+        for p, mean in zip(params, sums):
+            p.grad = mean.to(p.dtype)
+        if count:
+            self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors, in parameter order (after mean_gradients every parameter has one)."""
         return [p.grad for p in self.parameters()]
 
-    def grad_sq_norm(self) -> float:
-        """Squared L2 norm of the gradients."""
-        return sum(float(g.double().pow(2).sum()) for g in self.gradients())
+    def grad_sq_norm_parts(self) -> list[float]:
+        """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
+        (TrainConfig.clip_coefficient_from adds everyone's parts exactly)."""
+        return [float(g.double().pow(2).sum()) for g in self.gradients()]
 
     def apply(self, step: int, clip_coef: float, lr: float) -> None:
         """Scale gradients by clip_coef and take the optimizer step."""
