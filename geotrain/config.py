@@ -152,6 +152,7 @@ class SchedulerSection:
     checkpoint_every: int = _bounded(10, 0, 10**9, "steps between checkpoints (needs a state dir); 0 = only at the end")
     keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")
     rejoin_timeout_s: float = _bounded(60.0, 0.0, 86400.0, "how long a stage without nodes waits for one to join")
+    max_members: int = _bounded(10000, 1, 10**6, "nodes the coordinator admits at most, dead ones included")
     placement: str = field(
         default="measured",
         metadata={"doc": "measured: the planner places stages by the nodes' profiles; uniform: equal layer counts"},

@@ -35,6 +35,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_PROTOCOL_VERSION: _ClassVar[RejectReason]
     REJECT_REASON_RUN_FINISHED: _ClassVar[RejectReason]
     REJECT_REASON_DUPLICATE_NODE: _ClassVar[RejectReason]
+    REJECT_REASON_BAD_REQUEST: _ClassVar[RejectReason]
+    REJECT_REASON_FULL: _ClassVar[RejectReason]
 
 class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +64,8 @@ REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_PROTOCOL_VERSION: RejectReason
 REJECT_REASON_RUN_FINISHED: RejectReason
 REJECT_REASON_DUPLICATE_NODE: RejectReason
+REJECT_REASON_BAD_REQUEST: RejectReason
+REJECT_REASON_FULL: RejectReason
 FAILURE_REASON_UNSPECIFIED: FailureReason
 FAILURE_REASON_STATE: FailureReason
 FAILURE_REASON_AVERAGING: FailureReason

@@ -30,7 +30,7 @@ from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.errors import RunAborted, StepFailed
-from geotrain.scheduler.membership import EventSink, Member, Membership
+from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
 from geotrain.scheduler.recovery import Recovery, StateFetcher
@@ -42,6 +42,9 @@ from geotrain.scheduler.stepdriver import StepDriver
 __all__ = ["Coordinator", "EventSink", "Member", "RunAborted", "RunSummary", "StepFailed"]
 
 log = logging.getLogger(__name__)
+
+# How stale the status may be between events: heartbeat ages and link counters move without one.
+_STATUS_MAX_AGE_S = 0.5
 
 
 @dataclass
@@ -80,18 +83,30 @@ class Coordinator:
         self.store = store or RunStore()
         self.dht_peers = dht_peers or []
         self.run_id = run_id
-        self._on_event = on_event or (lambda kind, data: None)
+        self._sink = on_event or (lambda kind, data: None)
         self.orders = OrderQueues()
         self.membership = Membership(cfg.scheduler, self.store, self.orders, self._on_event)
         self.recovery = Recovery(checkpoints, fetch_state, self.store, self._on_event)
         self.planning = Planning(cfg, self.membership, self.orders, self.store, self.recovery, self._on_event)
         self.driver = StepDriver(cfg, self.membership, self.orders, self.store, self._on_event)
+        self._status_lock = threading.Lock()
+        self._status: pb.StatusReply | None = None  # rendered at most every _STATUS_MAX_AGE_S, and after events
+        self._status_at = 0.0
         self.step = self.store.committed_steps()
         self.finished = False
         self.state = "waiting"
         self.failures = 0
         self.recoveries: list[float] = []
         self._failed_at: float | None = None
+
+    def _on_event(self, kind: str, data: dict[str, Any]) -> None:
+        """Every part reports what happened here: the status is rendered anew, and the caller's sink hears it."""
+        self._status = None
+        self._sink(kind, data)
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self._status = None
 
     @property
     def members(self) -> dict[str, Member]:
@@ -126,11 +141,10 @@ class Coordinator:
             )
         if self.finished:
             return pb.RegisterReply(accepted=False, reason=pb.REJECT_REASON_RUN_FINISHED, message="the run is over")
-        member, _ = self.membership.admit(request, set(placement.plan_nodes(self.plan)))
-        if member is None:
-            return pb.RegisterReply(
-                accepted=False, reason=pb.REJECT_REASON_DUPLICATE_NODE, message=f"node {request.node_id} is already live"
-            )
+        try:
+            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)))
+        except Rejected as e:
+            return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
         return pb.RegisterReply(
             accepted=True,
             node_id=member.node_id,
@@ -189,7 +203,7 @@ class Coordinator:
         try:
             return self._train()
         except RunAborted as e:
-            self.state = "aborted"
+            self._set_state("aborted")
             self.store.event("aborted", detail=str(e))
             raise
         finally:
@@ -201,7 +215,7 @@ class Coordinator:
         need = self.cfg.scheduler.min_nodes
         log.info("waiting for %d node(s)", need)
         self.membership.wait(lambda: len(self.membership.alive()) >= need, f"{need} nodes to join", float("inf"))
-        self.state = "training"
+        self._set_state("training")
         if self.plan is not None:
             self.step = self.driver.finish_decided(self.plan) or self.step
         first_step = self.step
@@ -222,7 +236,7 @@ class Coordinator:
             self._on_event("step", {"record": record, "of": self.cfg.run.steps})
         if self.recovery.checkpoint_due(self.step):
             self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
-        self.state = "done"
+        self._set_state("done")
         history = self.store.steps()
         train_s = sum(r.seconds for r in history if r.step >= first_step)
         vals = [r.val_loss for r in history if r.val_loss is not None]
@@ -285,8 +299,14 @@ class Coordinator:
         )
 
     def status(self) -> pb.StatusReply:
-        """A snapshot of the run for `geotrain status`, the status page and /metrics."""
-        return render(self.snapshot())
+        """The run's status for `geotrain status`, the status page and /metrics (do not modify it: it is shared).
+        Rendered again only after an event or when older than _STATUS_MAX_AGE_S, so that however many viewers
+        ask, the coordinator reads SQLite and copies its members a few times a second at most."""
+        with self._status_lock:
+            now = time.monotonic()
+            if self._status is None or now - self._status_at > _STATUS_MAX_AGE_S:
+                self._status, self._status_at = render(self.snapshot()), now
+            return self._status
 
     def shutdown_nodes(self, reason: str, grace_s: float = 3.0) -> None:
         """Tell every live node the run is over and give their order streams a moment to deliver it."""

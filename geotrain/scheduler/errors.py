@@ -7,3 +7,7 @@ class RunAborted(RuntimeError):
 
 class StepFailed(RuntimeError):
     """The step in progress cannot complete under the current plan (a node died, replicas disagree)."""
+
+
+class ReportRefused(ValueError):
+    """A report that contradicts the plan (wrong sender, path or numbers): refused, and nothing changes."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 from geotrain.config import SchedulerSection
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore
 
@@ -31,6 +33,32 @@ class Scope:
 
     epoch: int
     nodes: tuple[str, ...]
+
+
+class Rejected(Exception):
+    """A registration the coordinator turns down, with the reason the node is told."""
+
+    def __init__(self, reason: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# libp2p peer ids are about 52 characters; a node reports counters for the links it sends on, a few per neighbour.
+_PEER_ID_CHARS = 128
+_LINKS = 1024
+# Ids, regions and addresses end up in plans, logs and the status page: short, printable, no spaces.
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def _check_registration(request: pb.RegisterRequest) -> None:
+    """Rejected(BAD_REQUEST) unless the id (if any), region (if any) and address are well-formed."""
+    for what, value in (("node id", request.node_id), ("region", request.region)):
+        if value and not _NAME.fullmatch(value):
+            raise Rejected(pb.REJECT_REASON_BAD_REQUEST, f"{what} must be 1-64 of A-Z a-z 0-9 . _ : -")
+    host, _, port = request.address.rpartition(":")
+    if not (_HOST.fullmatch(host) and port.isdigit() and 0 < int(port) < 65536):
+        raise Rejected(pb.REJECT_REASON_BAD_REQUEST, f"address must be HOST:PORT, got {request.address[:80]!r}")
 
 
 class Lifecycle(enum.Enum):
@@ -94,16 +122,18 @@ class Membership:
 
     # -- changes from RPC threads ---------------------------------------------------------------------------------
 
-    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str]) -> tuple[Member | None, bool]:
-        """Admit a registration: (the member, whether it is a returning id), or (None, True) when the id belongs
-        to a live node at that address."""
+    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str]) -> Member:
+        """Admit a registration (a new node, or a known id returning); Rejected with the reason otherwise."""
+        _check_registration(request)
         with self.cond:
             node_id = request.node_id
             existing = self.members.get(node_id) if node_id else None
             # The same id from a new address is that node restarted (its old process is gone); from the same
             # address while the old one still heartbeats, it is a second node claiming a live identity.
             if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
-                return None, True
+                raise Rejected(pb.REJECT_REASON_DUPLICATE_NODE, f"node {node_id} is already live")
+            if existing is None and len(self.members) >= self.cfg.max_members:
+                raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
             if not node_id:
                 while f"node-{self._next_id}" in self.members:
                     self._next_id += 1
@@ -128,7 +158,7 @@ class Membership:
         self.store.upsert_member(node_id, request.address, member.region, "alive")
         self.store.event(kind, node_id, request.address)
         self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
-        return member, existing is not None
+        return member
 
     def _silent(self, member: Member) -> bool:
         """The member has missed more than two heartbeats (a restarted node may take its id back)."""
@@ -136,6 +166,10 @@ class Membership:
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> bool:
         """Note that a node is alive, which plan and state it runs, and what it measured; False if unknown or dead."""
+        if not (math.isfinite(request.microbatches_per_s) and request.microbatches_per_s >= 0):
+            raise ReportRefused(f"heartbeat from {request.node_id} refused: its speed is not a finite number >= 0")
+        if len(request.dht_peer_id) > _PEER_ID_CHARS or len(request.links) > _LINKS:
+            raise ReportRefused(f"heartbeat from {request.node_id} refused: oversized peer id or link list")
         with self.cond:
             member = self.members.get(request.node_id)
             if member is None or not member.alive:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import NoReturn
 
 from geotrain.config import RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
-from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore, StepRecord
@@ -37,6 +39,19 @@ class StepPhase(enum.Enum):
     APPLIED = "applied"  # every replica applied the step and reported its checksum
     COMMITTED = "committed"  # the step is in the run's history
     EVALUATING = "evaluating"  # validation after a committed step
+
+
+# Checksums are hex digests (sha256: 64 characters); anything much longer is not one.
+_CHECKSUM_CHARS = 128
+
+
+def _refuse(node_id: str, why: str) -> NoReturn:
+    raise ReportRefused(f"report from {node_id} refused: {why}")
+
+
+def _check_finite(node_id: str, what: str, values: list[float], non_negative: bool = False) -> None:
+    if not all(math.isfinite(v) and (v >= 0 or not non_negative) for v in values):
+        _refuse(node_id, f"its {what} is not a finite{' non-negative' if non_negative else ''} number")
 
 
 def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
@@ -58,10 +73,14 @@ def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str
 
 @dataclass
 class StepProgress:
-    """What the coordinator has heard about the step in progress."""
+    """What the coordinator has heard about the step in progress, and who may tell it what."""
 
     step: int
     plan_epoch: int = -1
+    stages: tuple[frozenset[str], ...] = ()  # the plan's nodes, stage by stage
+    issued: dict[int, str] = field(default_factory=dict)  # microbatch id -> the data head it was issued to
+    eval_issued: dict[int, str] = field(default_factory=dict)  # validation microbatch id -> its data head
+    appliers: frozenset[str] = frozenset()  # the nodes that apply the step
     done: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)
@@ -90,9 +109,10 @@ class StepDriver:
         """No step is in progress."""
         self.phase = StepPhase.IDLE
 
-    def _begin(self, step: int, plan_epoch: int) -> None:
+    def _begin(self, step: int, plan: pb.Plan, appliers: list[str]) -> None:
         with self.membership.cond:
-            self.progress = StepProgress(step=step, plan_epoch=plan_epoch)
+            stages = tuple(frozenset(s.node_ids) for s in plan.stages)
+            self.progress = StepProgress(step=step, plan_epoch=plan.epoch, stages=stages, appliers=frozenset(appliers))
 
     # -- reports (called from RPC threads) -----------------------------------------------------------------------
 
@@ -101,33 +121,68 @@ class StepDriver:
         return step == self.progress.step and epoch == self.progress.plan_epoch
 
     def microbatch_done(self, request: pb.MicrobatchDoneRequest) -> None:
-        """A data head finished a microbatch's backward."""
+        """A data head finished a microbatch's backward; ReportRefused unless it is the head the microbatch was
+        issued to and the path runs through one node of each stage of the plan, starting at it."""
         with self.membership.cond:
-            if self._current(request.step, request.plan_epoch):
-                self.progress.done.setdefault(request.microbatch, (request.loss, list(request.path)))
-                self.membership.cond.notify_all()
+            progress = self.progress
+            if not self._current(request.step, request.plan_epoch):
+                return
+            head = progress.issued.get(request.microbatch)
+            if head != request.node_id:
+                _refuse(request.node_id, f"microbatch {request.microbatch} of step {request.step} was not issued to it")
+            path = list(request.path)
+            if len(path) != len(progress.stages) or path[0] != head or any(
+                n not in nodes for n, nodes in zip(path, progress.stages)
+            ):
+                _refuse(request.node_id, f"microbatch {request.microbatch}'s path {path} does not follow the plan")
+            _check_finite(request.node_id, "loss", [request.loss])
+            progress.done.setdefault(request.microbatch, (request.loss, path))
+            self.membership.cond.notify_all()
 
     def eval_done(self, request: pb.EvalDoneRequest) -> None:
-        """A last stage computed a validation loss."""
+        """A last stage computed a validation loss; ReportRefused unless it serves the last stage and the
+        microbatch was issued for validation."""
         with self.membership.cond:
-            if self._current(request.step, request.plan_epoch):
-                self.progress.eval_losses[request.microbatch] = request.loss
-                self.membership.cond.notify_all()
+            progress = self.progress
+            if not self._current(request.step, request.plan_epoch):
+                return
+            if request.microbatch not in progress.eval_issued or request.node_id not in progress.stages[-1]:
+                _refuse(request.node_id, f"validation microbatch {request.microbatch} is not its to score")
+            _check_finite(request.node_id, "validation loss", [request.loss])
+            progress.eval_losses.setdefault(request.microbatch, request.loss)
+            self.membership.cond.notify_all()
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
-        """A stage replica's squared gradient norm for the step being committed."""
+        """A stage replica's squared gradient norm for the step being committed, once; ReportRefused from a node
+        outside the plan, with a negative or non-finite number, or contradicting its earlier report."""
         with self.membership.cond:
-            if self._current(request.step, request.plan_epoch):
-                self.progress.norms[request.node_id] = request.sq_norm
-                self.membership.cond.notify_all()
+            progress = self.progress
+            if not self._current(request.step, request.plan_epoch):
+                return
+            if request.node_id not in progress.appliers:
+                _refuse(request.node_id, f"it serves no stage of plan epoch {request.plan_epoch}")
+            _check_finite(request.node_id, "squared gradient norm", [request.sq_norm], non_negative=True)
+            earlier = progress.norms.setdefault(request.node_id, request.sq_norm)
+            if earlier != request.sq_norm:
+                _refuse(request.node_id, f"a second, different gradient norm for step {request.step}")
+            self.membership.cond.notify_all()
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
-        """A stage replica applied the step."""
+        """A stage replica applied the step, once; ReportRefused from a node that was not told to apply it, or
+        with another checksum than it reported before."""
         with self.membership.cond:
-            if request.step == self.progress.step:
-                self.progress.checksums[request.node_id] = request.checksum
-                self.membership.note_applied(request.node_id, request.step + 1)
-                self.membership.cond.notify_all()
+            progress = self.progress
+            if request.step != progress.step:
+                return
+            if request.node_id not in progress.appliers:
+                _refuse(request.node_id, f"it was not told to apply step {request.step}")
+            if not request.checksum or len(request.checksum) > _CHECKSUM_CHARS:
+                _refuse(request.node_id, "the checksum is empty or too long")
+            earlier = progress.checksums.setdefault(request.node_id, request.checksum)
+            if earlier != request.checksum:
+                _refuse(request.node_id, f"a second, different checksum for step {request.step}")
+            self.membership.note_applied(request.node_id, request.step + 1)
+            self.membership.cond.notify_all()
 
     # -- driving -------------------------------------------------------------------------------------------------
 
@@ -143,8 +198,11 @@ class StepDriver:
         nodes = placement.plan_nodes(plan)
         in_step = Scope(plan.epoch, tuple(nodes))
         wait = self.membership.wait
-        self._begin(step, plan.epoch)
-        for head, ids in assign_microbatches(self._heads(plan), total).items():
+        self._begin(step, plan, nodes)
+        shares = assign_microbatches(self._heads(plan), total)
+        with self.membership.cond:
+            self.progress.issued = {mb: head for head, ids in shares.items() for mb in ids}
+        for head, ids in shares.items():
             if ids:
                 start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
                 self.orders.send([head], pb.Order(start_step=start))
@@ -209,8 +267,8 @@ class StepDriver:
             "the nodes of the decided step to return",
             self.cfg.scheduler.rejoin_timeout_s,
         )
-        self._begin(step, plan.epoch)
         behind = [n for ns in holders_at(step) for n in ns]
+        self._begin(step, plan, behind)
         self.orders.send(behind, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=data["clip"], lr=data["lr"])))
         self.membership.wait(
             lambda: all(n in self.progress.checksums for n in behind),
@@ -234,10 +292,12 @@ class StepDriver:
     def evaluate(self, step: int, plan: pb.Plan) -> float:
         """Validation loss after `step`, over run.eval_microbatches computed by the pipeline."""
         n = self.cfg.run.eval_microbatches
+        shares = assign_microbatches(self._heads(plan), n)
         with self.membership.cond:
             self.progress.eval_losses = {}
+            self.progress.eval_issued = {mb: head for head, ids in shares.items() for mb in ids}
         self._enter(StepPhase.EVALUATING, step)
-        for head, ids in assign_microbatches(self._heads(plan), n).items():
+        for head, ids in shares.items():
             if ids:
                 self.orders.send([head], pb.Order(evaluate=pb.Evaluate(step=step, microbatches=ids)))
         self.membership.wait(

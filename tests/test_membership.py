@@ -1,0 +1,108 @@
+"""Admission and liveness on the coordinator, in this process: malformed or excess registrations are turned down
+with a reason and leave nothing behind, heartbeats with bad numbers are refused, members die on the timer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from geotrain.config import load_config
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler.coordinator import Coordinator
+from geotrain.scheduler.errors import ReportRefused
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _register(c: Coordinator, node_id: str = "", address: str = "127.0.0.1:1", region: str = "") -> pb.RegisterReply:
+    return c.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=address, region=region))
+
+
+@pytest.mark.parametrize(
+    ("node_id", "address", "region"),
+    [
+        ("\x00", "127.0.0.1:1", ""),
+        ("a" * 65, "127.0.0.1:1", ""),
+        ("with space", "127.0.0.1:1", ""),
+        ("", "x" * 100_000, ""),
+        ("", "no-port", ""),
+        ("", "127.0.0.1:0", ""),
+        ("", "127.0.0.1:65536", ""),
+        ("", "127.0.0.1:http", ""),
+        ("", "<script>:80", ""),
+        ("", "127.0.0.1:1", "eu\nus"),
+    ],
+)
+def test_malformed_registrations_are_turned_down_and_leave_nothing(node_id, address, region):
+    c = Coordinator(load_config(None, []))
+    reply = _register(c, node_id, address, region)
+    assert not reply.accepted and reply.reason == pb.REJECT_REASON_BAD_REQUEST
+    assert len(reply.message) < 200 and "\n" not in reply.message
+    assert c.members == {} and c.store.events() == []
+    c.store.close()
+
+
+def test_well_formed_names_are_admitted():
+    c = Coordinator(load_config(None, []))
+    for node_id, address in (("node-1", "127.0.0.1:7001"), ("gpu.box_2", "host.example.org:7001"), ("", "[::1]:7001")):
+        assert _register(c, node_id, address, "eu-west").accepted
+    c.store.close()
+
+
+def test_registrations_beyond_max_members_are_turned_down():
+    c = Coordinator(load_config(None, ["scheduler.max_members=100"]))
+    replies = [_register(c, address=f"127.0.0.1:{1000 + i}") for i in range(1000)]
+    assert sum(r.accepted for r in replies) == 100
+    assert {r.reason for r in replies if not r.accepted} == {pb.REJECT_REASON_FULL}
+    assert len(c.members) == 100
+    assert _register(c, node_id="node-1", address="127.0.0.2:1").accepted, "a known id may still come back"
+    c.store.close()
+
+
+@pytest.mark.parametrize("field", ["speed", "peer id", "links"])
+def test_heartbeats_with_bad_fields_are_refused_and_change_nothing(field):
+    c = Coordinator(load_config(None, []))
+    node_id = _register(c).node_id
+    bad = {
+        "speed": {"microbatches_per_s": float("inf")},
+        "peer id": {"dht_peer_id": "p" * 10_000},
+        "links": {"links": [pb.LinkCounter(peer="x")] * 2000},
+    }[field]
+    with pytest.raises(ReportRefused, match=f"heartbeat from {node_id} refused"):
+        c.heartbeat(pb.HeartbeatRequest(node_id=node_id, plan_epoch=7, **bad))
+    assert c.members[node_id].plan_epoch == 0 and c.members[node_id].microbatches_per_s == 0.0
+    c.store.close()
+
+
+def test_silent_members_are_declared_dead_on_the_timer_without_a_step_waiting():
+    c = Coordinator(load_config(None, ["scheduler.heartbeat_interval_s=0.1", "scheduler.heartbeat_timeout_s=0.3"]))
+    node_id = _register(c).node_id
+    stop = threading.Event()
+    c.membership.run_liveness(stop)
+    try:
+        wait_until(lambda: not c.members[node_id].alive, 5, "the silent node to be declared dead")
+    finally:
+        stop.set()
+    assert c.members[node_id].lifecycle.value == "dead"
+    assert [k for _, k, _, _ in c.store.events()] == ["join", "dead"]
+    c.store.close()
+
+
+def test_the_status_is_rendered_a_few_times_a_second_however_often_it_is_asked(monkeypatch):
+    c = Coordinator(load_config(None, []))
+    _register(c)
+    taken = []
+    snapshot = c.snapshot
+    monkeypatch.setattr(c, "snapshot", lambda: taken.append(1) or snapshot())
+    started = time.monotonic()
+    replies = [c.status() for _ in range(3000)]
+    elapsed = time.monotonic() - started
+    assert len(taken) <= 1 + elapsed / 0.5
+    assert all(r.nodes[0].node_id == "node-1" for r in replies)
+    _register(c)  # an event: the next status shows it at once
+    assert [n.node_id for n in c.status().nodes] == ["node-1", "node-2"]
+    c.store.close()
