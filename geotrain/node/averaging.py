@@ -215,8 +215,8 @@ def _close_streams_after_last_part(runner: AllReduceRunner) -> None:
     hivemind's reducer closes the stream after sending its last part, and its p2p daemon can then reset the stream
     while those last parts are still on their way: the sender counts fewer parts than it expects ("peer sent 11
     parts, but we expected 13"), keeps its own values for the rest ("received 85% results"), and the replicas
-    disagree. That failed about 1 step in 60 of a clean 2x2 run, and 4 of 300 back-to-back all-reduces of a stage's
-    gradients between two averagers. With the sender closing first, once nothing is in flight, and the reducer
+    disagree. That failed 6 steps in 200 of a clean 2x2 run (bench/replica_failures.py), and 4 of 300 back-to-back
+    all-reduces of a stage's gradients between two averagers; 0 of each since. With the sender closing first, once nothing is in flight, and the reducer
     holding the stream open until then (ReplicaAverager.rpc_aggregate_part), no stream closes on data."""
     stub_for = runner._get_peer_stub
 
