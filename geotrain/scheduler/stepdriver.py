@@ -83,6 +83,7 @@ class StepProgress:
     appliers: frozenset[str] = frozenset()  # the nodes that apply the step
     done: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
+    norm_parts: dict[str, list[float]] = field(default_factory=dict)  # each gradient tensor's squared norm
     checksums: dict[str, str] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
 
@@ -161,10 +162,13 @@ class StepDriver:
                 return
             if request.node_id not in progress.appliers:
                 _refuse(request.node_id, f"it serves no stage of plan epoch {request.plan_epoch}")
-            _check_finite(request.node_id, "squared gradient norm", [request.sq_norm], non_negative=True)
-            earlier = progress.norms.setdefault(request.node_id, request.sq_norm)
-            if earlier != request.sq_norm:
+            parts = list(request.sq_norm_parts)
+            _check_finite(request.node_id, "squared gradient norm", [request.sq_norm, *parts], non_negative=True)
+            reported = (request.sq_norm, parts)
+            earlier = (progress.norms.get(request.node_id), progress.norm_parts.get(request.node_id))
+            if earlier[0] is not None and earlier != reported:
                 _refuse(request.node_id, f"a second, different gradient norm for step {request.step}")
+            progress.norms[request.node_id], progress.norm_parts[request.node_id] = reported
             self.membership.cond.notify_all()
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
@@ -217,8 +221,9 @@ class StepDriver:
         for stage in plan.stages:
             if len({norms[n] for n in stage.node_ids}) != 1:
                 raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
-        total_sq = sum(norms[s.node_ids[0]] for s in plan.stages)
-        clip = self.cfg.train.clip_coefficient(total_sq)
+        # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
+        parts = self.progress.norm_parts
+        clip = self.cfg.train.clip_coefficient_from(p for s in plan.stages for p in parts[s.node_ids[0]])
         lr = self.cfg.train.lr_at(step, self.cfg.run.steps)
         losses = [loss for loss, _ in self.progress.done.values()]
         seconds = time.monotonic() - t0
