@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -168,9 +168,10 @@ class Coordinator:
         """A node's calls to a peer fail, or a node cannot take part in a plan epoch (FailureReport)."""
         self.membership.report_failure(request)
 
-    def order_stream(self, node_id: str, is_active: Callable[[], bool]) -> Iterator[pb.Order]:
-        """The orders for one node, as long as its stream is open; KeyError for an unknown node."""
-        return self.orders.stream(node_id, is_active)
+    def order_stream(self, node_id: str) -> AsyncIterator[pb.Order]:
+        """The orders for one node, as long as its stream is open (iterated on the server's event loop); KeyError
+        for an unknown node."""
+        return self.orders.stream(node_id)
 
     # -- reports (called from RPC threads) ----------------------------------------------------------------------
 

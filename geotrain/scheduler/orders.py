@@ -1,68 +1,101 @@
-"""Per-node order queues: the coordinator puts orders, each node's open Orders stream takes them.
+"""Per-node order queues: the coordinator's threads put orders, each node's open Orders stream takes them.
 
-A node that registers again gets a fresh queue, which ends the stream of its previous incarnation. A shutdown
-broadcast waits until every stream has taken its order, or until a deadline.
+The streams are async generators on the gRPC server's event loop, so an open stream holds no thread: a stream with
+nothing to deliver awaits an asyncio.Event that a sender sets through loop.call_soon_threadsafe. A node that
+registers again gets a fresh queue, which ends the stream of its previous incarnation. A shutdown broadcast waits
+until every stream has taken its order, or until a deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
 
 from geotrain.protocol import geotrain_pb2 as pb
 
-# A stream re-checks that its peer is still there this often when no order comes.
-_IDLE_CHECK_S = 0.25
+
+class _Queue:
+    """One incarnation's orders, and how to wake the streams that wait on them."""
+
+    def __init__(self) -> None:
+        self.orders: deque[pb.Order] = deque()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when a stream first attaches
+        self.ready = asyncio.Event()  # binds to the loop of the first stream that waits on it
+
+    def wake(self) -> None:
+        """Wake its streams (from any thread); a no-op before a stream attached or once the loop closed."""
+        if self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.ready.set)
+            except RuntimeError:  # the server's loop is closed: there is no stream left to wake
+                pass
 
 
 class OrderQueues:
-    """One queue of orders per node, safe to use from any thread."""
+    """One queue of orders per node: send and broadcast from any thread, streams on an event loop."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queues: dict[str, deque[pb.Order]] = {}
+        self._queues: dict[str, _Queue] = {}
 
     def open(self, node_id: str) -> None:
         """Give node_id a fresh, empty queue (a new incarnation: orders for the old one are void)."""
         with self._cond:
-            self._queues[node_id] = deque()
+            old = self._queues.get(node_id)
+            self._queues[node_id] = _Queue()
             self._cond.notify_all()
+        if old is not None:
+            old.wake()
 
     def close(self, node_id: str) -> None:
         """Drop node_id's queue: its stream ends (the node is dead)."""
         with self._cond:
-            self._queues.pop(node_id, None)
+            old = self._queues.pop(node_id, None)
             self._cond.notify_all()
+        if old is not None:
+            old.wake()
 
     def send(self, node_ids: list[str], order: pb.Order) -> None:
         """Queue order for each node that has a queue."""
+        woken = []
         with self._cond:
             for node_id in node_ids:
                 queue = self._queues.get(node_id)
                 if queue is not None:
-                    queue.append(order)
-            self._cond.notify_all()
+                    queue.orders.append(order)
+                    woken.append(queue)
+        for queue in woken:
+            queue.wake()
 
-    def stream(self, node_id: str, is_active: Callable[[], bool]) -> Iterator[pb.Order]:
-        """node_id's orders as they come, until the stream closes, the queue is replaced or dropped, or a shutdown
-        order has been handed out; KeyError for a node without a queue."""
+    def stream(self, node_id: str) -> AsyncIterator[pb.Order]:
+        """node_id's orders as they come, until the stream is cancelled, the queue is replaced or dropped, or a
+        shutdown order has been handed out; KeyError (now, not when iterated) for a node without a queue."""
         with self._cond:
             queue = self._queues.get(node_id)
         if queue is None:
             raise KeyError(node_id)
-        while is_active():
+        return self._deliver(node_id, queue)
+
+    async def _deliver(self, node_id: str, queue: _Queue) -> AsyncIterator[pb.Order]:
+        with self._cond:
+            queue.loop = asyncio.get_running_loop()
+        while True:
             with self._cond:
-                while not queue and self._queues.get(node_id) is queue:
-                    if not self._cond.wait(_IDLE_CHECK_S):
-                        break
                 if self._queues.get(node_id) is not queue:
                     return
-                order = queue.popleft() if queue else None
-                if order is not None:
+                if queue.orders:
+                    order = queue.orders.popleft()
                     self._cond.notify_all()  # a shutdown broadcast waits for queues to drain
+                else:
+                    # Cleared while the queue is seen empty under the lock: a send after this appends first and
+                    # then sets the event, so no order is missed.
+                    order = None
+                    queue.ready.clear()
             if order is None:
+                await queue.ready.wait()
                 continue
             yield order
             if order.WhichOneof("kind") == "shutdown":
@@ -73,7 +106,7 @@ class OrderQueues:
         self.send(node_ids, pb.Order(shutdown=pb.Shutdown(reason=reason)))
         deadline = time.monotonic() + grace_s
         with self._cond:
-            while any(self._queues.get(n) for n in node_ids):
+            while any(q.orders for n in node_ids if (q := self._queues.get(n)) is not None):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -16,85 +21,168 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.probe import serve_probe
-from geotrain.protocol.transport import TlsFiles, make_channel, make_server
+from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
+from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_ID = "coordinator"
 _FETCH_DEADLINE_S = 300.0
+# Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
+# event loop, which holds every order stream and heartbeat, is never among them.
+_BLOCKING_WORKERS = 8
+T = TypeVar("T")
 
 
 class CoordinatorServicer(rpc.CoordinatorServicer):
-    """Serves the Coordinator service for one Coordinator."""
+    """Serves the Coordinator service for one Coordinator on a grpc.aio server.
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    Order streams and the fast in-memory reports (which take the membership condition only briefly) run on the
+    event loop, so an open stream or a heartbeat holds no thread; calls that touch SQLite or files, or may block,
+    run on the bounded pool `blocking`.
+    """
+
+    def __init__(self, coordinator: Coordinator, blocking: Executor) -> None:
         self.c = coordinator
+        self._blocking = blocking
 
-    def Register(self, request, context):  # noqa: D102, N802
-        return self.c.register(request)
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
 
-    def Heartbeat(self, request, context):  # noqa: D102, N802
-        return self.c.heartbeat(request)
+    async def Register(self, request, context):  # noqa: D102, N802
+        return await self._off_loop(self.c.register, request)
 
-    def Orders(self, request, context):  # noqa: D102, N802
+    async def _refusable(self, context: grpc.aio.ServicerContext, fn: Callable[[Any], T], request: Any) -> T:
+        """fn(request) on the loop; a report the coordinator refuses (it contradicts the plan, or is malformed)
+        answers INVALID_ARGUMENT with the reason."""
         try:
-            yield from self.c.order_stream(request.node_id, context.is_active)
+            return fn(request)
+        except ReportRefused as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Heartbeat(self, request, context):  # noqa: D102, N802
+        return await self._refusable(context, self.c.heartbeat, request)
+
+    async def Orders(self, request, context):  # noqa: D102, N802
+        try:
+            orders = self.c.order_stream(request.node_id)
         except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
+        async for order in orders:
+            yield order
 
-    def MicrobatchDone(self, request, context):  # noqa: D102, N802
-        self.c.microbatch_done(request)
+    async def MicrobatchDone(self, request, context):  # noqa: D102, N802
+        await self._refusable(context, self.c.microbatch_done, request)
         return pb.Ack()
 
-    def EvalDone(self, request, context):  # noqa: D102, N802
-        self.c.eval_done(request)
+    async def EvalDone(self, request, context):  # noqa: D102, N802
+        await self._refusable(context, self.c.eval_done, request)
         return pb.Ack()
 
-    def GradNorm(self, request, context):  # noqa: D102, N802
-        self.c.grad_norm(request)
+    async def GradNorm(self, request, context):  # noqa: D102, N802
+        await self._refusable(context, self.c.grad_norm, request)
         return pb.Ack()
 
-    def StepApplied(self, request, context):  # noqa: D102, N802
-        self.c.step_applied(request)
+    async def StepApplied(self, request, context):  # noqa: D102, N802
+        await self._refusable(context, self.c.step_applied, request)
         return pb.Ack()
 
-    def Status(self, request, context):  # noqa: D102, N802
-        return self.c.status()
+    async def Status(self, request, context):  # noqa: D102, N802
+        return await self._off_loop(self.c.status)
 
-    def ReportFailure(self, request, context):  # noqa: D102, N802
-        self.c.report_failure(request)
+    async def ReportFailure(self, request, context):  # noqa: D102, N802
+        await self._refusable(context, self.c.report_failure, request)
         return pb.Ack()
 
-    def FetchCheckpoint(self, request, context):  # noqa: D102, N802
-        state = self.c.checkpoint_state(request.layer_start, request.layer_end, request.steps_done)
+    async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
+        state = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
         if not state:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
-                          f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
-        yield from framing.state_chunks(state.items())
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
+                                f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
+        chunks = framing.state_chunks(state.items())
+        # Each chunk copies up to a MiB out of a tensor: made on the pool, one at a time, as the stream is read.
+        while (chunk := await self._off_loop(next, chunks, None)) is not None:
+            yield chunk
 
-    def ReportProfile(self, request, context):  # noqa: D102, N802
+    async def ReportProfile(self, request, context):  # noqa: D102, N802
         try:
-            self.c.report_profile(request)
+            await self._off_loop(self.c.report_profile, request)
         except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
         return pb.Ack()
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802
+        # A plain handler: grpc.aio runs it on the server's thread pool, with a blocking request iterator.
         return serve_probe(request_iterator, context)
+
+
+class AioServerThread:
+    """A grpc.aio server on an event loop in a thread of its own, used from ordinary threads as grpc.Server is:
+    start(), and stop(grace), whose result's wait(timeout) waits for the server and its loop to end. `make` builds
+    the server on that loop, given the bounded pool its blocking calls run on."""
+
+    def __init__(
+        self, make: Callable[[Executor], Awaitable[tuple[grpc.aio.Server, int]]], name: str, blocking_workers: int
+    ) -> None:
+        self._blocking = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix=f"{name}-blocking")
+        self._loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+        try:
+            self._server, self.port = asyncio.run_coroutine_threadsafe(make(self._blocking), self._loop).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
+
+    def _serve(self) -> None:
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+            self._blocking.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+
+    def start(self) -> None:
+        """Start serving."""
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop serving (calls still running after `grace` seconds are cancelled), then end the loop; the event is
+        set once it has ended."""
+
+        async def stop_then_end() -> None:
+            try:
+                await self._server.stop(grace)
+            finally:
+                self._loop.stop()
+
+        if not self._stopped.is_set():
+            try:
+                asyncio.run_coroutine_threadsafe(stop_then_end(), self._loop)
+            except RuntimeError:  # stopped already: the loop is closed
+                pass
+        return self._stopped
 
 
 def make_coordinator_server(
     coordinator: Coordinator, token: str, listen: str, tls: TlsFiles | None = None
-) -> tuple[grpc.Server, int]:
+) -> tuple[AioServerThread, int]:
     """A server for `coordinator` bound to `listen` (not yet started); returns it and its port."""
-    server, port = make_server(token, listen, max_workers=64, tls=tls)
-    rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
-    return server, port
+
+    async def make(blocking: Executor) -> tuple[grpc.aio.Server, int]:
+        server, port = make_aio_server(token, listen, blocking, tls)
+        rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, blocking), server)
+        return server, port
+
+    server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)
+    return server, server.port
 
 
 def fetch_stage_state(
