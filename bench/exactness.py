@@ -2,8 +2,9 @@
 same run trains in one process, and the largest parameter difference between the two is printed.
 
 One JSON line per run: nodes, stages, steps, kill_after (the step after which a replica was killed, or null),
-max_abs_diff, wall_s. Run: python bench/exactness.py [--steps 300] [--layouts 3x3,4x2] [--kill]
-A layout NxS is N nodes serving S stages (4x2: two stages of two replicas).
+regions, max_abs_diff, wall_s. Run: python bench/exactness.py [--steps 300] [--layouts 3x3,4x2] [--kill STEP]
+[--regions eu,us --set scheduler.allreduce=hierarchical]. A layout NxS is N nodes serving S stages (4x2: two stages
+of two replicas); --regions deals the nodes into those regions in turn.
 """
 
 from __future__ import annotations
@@ -39,20 +40,29 @@ def tiny_config(steps: int, stages: int, *overrides: str) -> RunConfig:
 
 
 def local_reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """train-local's final parameters for cfg."""
-    runtime, _ = train_local(cfg)
+    """train-local's final parameters for cfg, computed on one thread like the nodes LocalNodes starts (LayerNorm's
+    parameter gradients depend on the thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runtime, _ = train_local(cfg)
+    finally:
+        torch.set_num_threads(threads)
     return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
-def distributed(cfg: RunConfig, n_nodes: int, log_dir: Path, kill_after: int | None) -> dict[str, torch.Tensor]:
-    """Train cfg on n_nodes local node processes (SIGKILLing the last stage's second replica once step kill_after is
-    committed); returns the final parameters."""
+def distributed(
+    cfg: RunConfig, n_nodes: int, log_dir: Path, kill_after: int | None, regions: list[str]
+) -> dict[str, torch.Tensor]:
+    """Train cfg on n_nodes local node processes dealt into `regions` (SIGKILLing the last stage's second replica
+    once step kill_after is committed); returns the final parameters."""
     cfg.scheduler.min_nodes = n_nodes
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
     token = new_token()
     host = CoordinatorProcess(cfg, token, "127.0.0.1:0")
     coordinator = host.coordinator
-    nodes = LocalNodes(f"127.0.0.1:{host.port}", token, log_dir)
+    node_args = {f"node-{i + 1}": ["--region", regions[i % len(regions)]] for i in range(n_nodes)} if regions else None
+    nodes = LocalNodes(f"127.0.0.1:{host.port}", token, log_dir, node_args)
     host.server.start()
 
     def kill() -> None:
@@ -80,6 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layouts", default="3x3,4x2", help="comma-separated NODESxSTAGES (default 3x3,4x2)")
     parser.add_argument("--kill", type=int, default=None, help="kill a replica after this step (replicated layouts)")
+    parser.add_argument("--regions", default="", help="comma-separated regions the nodes are dealt into")
     parser.add_argument("--set", action="append", default=[], help="extra config settings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -88,11 +99,12 @@ def main() -> None:
             n_nodes, stages = map(int, layout.split("x"))
             kill_after = args.kill if n_nodes > stages else None
             started = time.monotonic()
-            state = distributed(tiny_config(args.steps, stages, *args.set), n_nodes, Path(tmp), kill_after)
+            regions = [r for r in args.regions.split(",") if r]
+            state = distributed(tiny_config(args.steps, stages, *args.set), n_nodes, Path(tmp), kill_after, regions)
             exact = local_reference(tiny_config(args.steps, stages, *args.set))
             diff = max(float((state[k] - exact[k]).abs().max()) for k in exact)
             print(json.dumps({"nodes": n_nodes, "stages": stages, "steps": args.steps, "kill_after": kill_after,
-                              "max_abs_diff": diff, "wall_s": round(time.monotonic() - started, 1)}), flush=True)
+                              "regions": regions, "max_abs_diff": diff, "wall_s": round(time.monotonic() - started, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ replica runs (one with a replica killed) that end bit-identical to train-local."
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,6 +28,18 @@ _TINY = [
 
 def _tiny(*overrides: str) -> RunConfig:
     return load_config(None, [*SMALL_RUN, *_TINY, *overrides])
+
+
+@contextmanager
+def _one_compute_thread() -> Iterator[None]:
+    """Compute as the test's nodes do (OMP_NUM_THREADS=1): LayerNorm's weight and bias gradients are summed in
+    per-thread chunks, so a process with another thread count computes other bits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _gradients(runtime: StageRuntime, corpus: Corpus, microbatches: list[int], reduce=None) -> list[torch.Tensor]:
@@ -110,7 +124,8 @@ def _run_against_local(tmp_path, n_nodes: int, stages: int, kill_after: int | No
     assert summary.steps == 300
     if kill_after is not None:
         assert victim not in {n for stage in plan.stages for n in stage.node_ids}
-    runtime, _ = train_local(_tiny(*settings))
+    with _one_compute_thread():
+        runtime, _ = train_local(_tiny(*settings))
     return max_diff(state, {name: p.detach() for name, p in runtime.named_state()})
 
 
