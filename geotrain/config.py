@@ -61,25 +61,75 @@ class RunSection:
         _check_bounds(self, "run")
 
 
+MODEL_FAMILIES = ("byte-gpt", "llama")
+
+# Keys only the llama family reads: a byte-gpt run that sets one would silently train another model than it says.
+_LLAMA_ONLY = ("n_kv_heads", "mlp_width", "vocab_size", "rope_base", "norm_eps", "tie_embeddings", "init_from")
+
+
 @dataclass(kw_only=True)
 class ModelSection:
-    """[model]: the byte-level GPT of the model zoo."""
+    """[model]: which model of the zoo (geotrain.node.model) and its sizes."""
 
     n_layers: int = _bounded(4, 1, 1024, "transformer blocks")
     d_model: int = _bounded(128, 8, 65536, "width")
     n_heads: int = _bounded(4, 1, 1024, "attention heads; must divide d_model")
     seq_len: int = _bounded(64, 2, 65536, "tokens (bytes) per sample")
     dropout: float = _bounded(0.0, 0.0, 0.0, "dropout is off: pipeline stages must recompute identically")
+    family: str = field(default="byte-gpt", metadata={"doc": "byte-gpt (the zero-setup byte-level GPT) or llama"})
+    n_kv_heads: int = _bounded(0, 0, 1024, "llama: key/value heads (grouped-query attention); 0 = n_heads")
+    mlp_width: int = _bounded(0, 0, 1 << 20, "llama: SwiGLU hidden width; 0 = 8/3 d_model rounded up to 64")
+    vocab_size: int = _bounded(0, 0, 1 << 24, "llama: token ids; 0 = 256, the bytes of the default corpus")
+    rope_base: float = _bounded(10000.0, 1.0, 1e12, "llama: base (theta) of the rotary position embeddings")
+    norm_eps: float = _bounded(1e-5, 1e-12, 0.1, "llama: RMSNorm epsilon")
+    tie_embeddings: bool = field(
+        default=False,
+        metadata={"doc": "llama: the head starts as a copy of the embedding, then trains apart (see node/llama.py)"},
+    )
+    init_from: str = field(
+        default="",
+        metadata={"doc": "llama: a Hugging Face-format checkpoint directory to start from; nodes read it at this path"},
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "model")
+        if self.family not in MODEL_FAMILIES:
+            raise ConfigError(f"model.family must be one of {', '.join(MODEL_FAMILIES)}, got {self.family!r}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads must divide model.d_model ({self.d_model}), got {self.n_heads}")
+        if self.family == "byte-gpt":
+            defaults = ModelSection.__dataclass_fields__
+            for key in _LLAMA_ONLY:
+                if getattr(self, key) != defaults[key].default:
+                    raise ConfigError(f"model.{key} applies to model.family = 'llama' only")
+            return
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head width, d_model / n_heads = {self.head_dim}")
 
     @property
     def vocab(self) -> int:
-        """Token ids: the model reads bytes."""
-        return 256
+        """Token ids: bytes for byte-gpt (and a llama without vocab_size), else vocab_size."""
+        return self.vocab_size or 256
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or one per query head."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """Hidden width of a block's MLP: 4 d_model for byte-gpt; mlp_width or about 8/3 d_model for llama (SwiGLU's
+        three matrices then hold as many parameters as two of 4 d_model)."""
+        if self.family == "byte-gpt":
+            return 4 * self.d_model
+        return self.mlp_width or -(-8 * self.d_model // (3 * 64)) * 64
 
     @property
     def total_layers(self) -> int:

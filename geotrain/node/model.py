@@ -1,4 +1,5 @@
-"""The model zoo: a byte-level GPT built as an ordered list of layers, so any contiguous range is a stage.
+"""The model zoo: the families behind node/family.py's interface, chosen by model.family, and the byte-level GPT,
+built as an ordered list of layers, so any contiguous range is a stage.
 
 Layer 0 embeds bytes and positions, layers 1..n are transformer blocks, the last layer is the final norm and the
 output head. Each layer is initialised from (seed, layer index) alone, so a stage builds only its own layers and
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from geotrain.config import ModelSection
+from geotrain.node.family import ModelFamily
+from geotrain.node.llama import Llama
 
 VOCAB = 256
 
@@ -76,16 +79,29 @@ def _init_weights(module: nn.Module, n_layers: int) -> None:
         nn.init.normal_(p, mean=0.0, std=std)
 
 
-def build_layer(cfg: ModelSection, index: int, seed: int) -> nn.Module:
-    """Layer `index` of the model's layer list, initialised from (seed, index)."""
-    last = cfg.total_layers - 1
-    if not 0 <= index <= last:
-        raise ValueError(f"layer index {index} outside 0..{last}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 100_003 + index)
-        layer: nn.Module = Embedding(cfg) if index == 0 else Head(cfg) if index == last else Block(cfg)
+class ByteGPT(ModelFamily):
+    """The byte-level GPT: the zero-setup default."""
+
+    name = "byte-gpt"
+
+    def construct(self, cfg: ModelSection, index: int) -> nn.Module:  # noqa: D102
+        return Embedding(cfg) if index == 0 else Head(cfg) if index == cfg.total_layers - 1 else Block(cfg)
+
+    def initialise(self, layer: nn.Module, cfg: ModelSection, index: int, seed: int) -> None:  # noqa: D102
         _init_weights(layer, cfg.n_layers)
-    return layer
+
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (ByteGPT(), Llama())}
+
+
+def family_of(cfg: ModelSection) -> ModelFamily:
+    """The family model.family names."""
+    return FAMILIES[cfg.family]
+
+
+def build_layer(cfg: ModelSection, index: int, seed: int) -> nn.Module:
+    """Layer `index` of the model's layer list, initialised from (seed, index) (or read from model.init_from)."""
+    return family_of(cfg).build_layer(cfg, index, seed)
 
 
 class GPT(nn.Module):
