@@ -19,9 +19,11 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import auth_metadata
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.service import fetch_model_state
-from tests.conftest import local_cluster
+from tests.conftest import expect_status, local_cluster
 
 FORWARD = "/geotrain.v1.Stage/Forward"
+
+pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nodes
 
 
 def _chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_overrides) -> list[pb.TensorChunk]:
@@ -34,13 +36,6 @@ def _chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_overrides) -> 
         else:
             setattr(header, key, value)
     return list(framing.chunk_tensor(header, payload, ref, chunk_bytes=64 << 10))
-
-
-def _expect(code: grpc.StatusCode, text: str, call) -> None:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    assert err.value.code() == code, err.value.details()
-    assert text in err.value.details(), err.value.details()
 
 
 @pytest.mark.timeout(120)
@@ -70,12 +65,12 @@ def test_bad_requests_are_rejected_and_change_nothing(small_config, tmp_path):
 
         # Wrong token.
         bad_stub = rpc.StageStub(make_channel(address, "not-the-token", lambda: "tester"))
-        _expect(grpc.StatusCode.UNAUTHENTICATED, "wrong token", lambda: bad_stub.Forward(iter(_chunks(activation, ref)), timeout=10))
+        expect_status(grpc.StatusCode.UNAUTHENTICATED, "wrong token", lambda: bad_stub.Forward(iter(_chunks(activation, ref)), timeout=10))
         # Replayed request: the same proof twice.
         raw = rpc.StageStub(grpc.insecure_channel(address))
         proof = auth_metadata(cluster.token, FORWARD, "tester")
         raw.Forward(iter(_chunks(activation, ref)), metadata=proof, timeout=10)
-        _expect(grpc.StatusCode.UNAUTHENTICATED, "replayed", lambda: raw.Forward(iter(_chunks(activation, ref)), metadata=proof, timeout=10))
+        expect_status(grpc.StatusCode.UNAUTHENTICATED, "replayed", lambda: raw.Forward(iter(_chunks(activation, ref)), metadata=proof, timeout=10))
         # Wrong protocol version, at the coordinator: a typed reject reason.
         coordinator = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: ""))
         reply = coordinator.Register(pb.RegisterRequest(protocol_version=999, address="127.0.0.1:1"), timeout=10)
@@ -83,30 +78,32 @@ def test_bad_requests_are_rejected_and_change_nothing(small_config, tmp_path):
         assert "protocol" in reply.message
         # Tensor of the wrong shape, of the wrong dtype.
         wrong = torch.randn(shape[0], shape[1], shape[2] + 1)
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, "expected shape", lambda: forward(_chunks(wrong, ref)))
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, "expected float32", lambda: forward(_chunks(activation.half(), ref)))
+        expect_status(grpc.StatusCode.INVALID_ARGUMENT, "expected shape", lambda: forward(_chunks(wrong, ref)))
+        expect_status(grpc.StatusCode.INVALID_ARGUMENT, "expected float32",
+                      lambda: forward(_chunks(activation.half(), ref)))
         # A frame that claims far more bytes than any activation.
-        _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the limit",
-                lambda: forward(_chunks(activation, ref, payload_bytes=8 << 30)))
+        expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the limit",
+                      lambda: forward(_chunks(activation, ref, payload_bytes=8 << 30)))
         # A truncated chunk stream.
-        _expect(grpc.StatusCode.DATA_LOSS, "truncated", lambda: forward(_chunks(activation, ref)[:-1]))
+        expect_status(grpc.StatusCode.DATA_LOSS, "truncated", lambda: forward(_chunks(activation, ref)[:-1]))
         # Garbage bytes: a corrupted payload, NaNs, and bytes that are not even a protobuf message.
         corrupted = _chunks(activation, ref)
         corrupted[1] = pb.TensorChunk(data=bytes(len(corrupted[1].data)))
-        _expect(grpc.StatusCode.DATA_LOSS, "checksum", lambda: forward(corrupted))
+        expect_status(grpc.StatusCode.DATA_LOSS, "checksum", lambda: forward(corrupted))
         # Random bytes that do not even fill the tensor the header announces.
         noise = bytes(torch.randint(0, 256, (activation.numel() * 4 - 3,), dtype=torch.uint8))
         header = framing.make_header("", torch.float32, shape, pb.CODEC_NONE, noise)
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, "cannot decode",
-                lambda: forward(framing.chunk_tensor(header, noise, ref)))
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, "NaN", lambda: forward(_chunks(torch.full(shape, float("nan")), ref)))
+        expect_status(grpc.StatusCode.INVALID_ARGUMENT, "cannot decode",
+                      lambda: forward(framing.chunk_tensor(header, noise, ref)))
+        expect_status(grpc.StatusCode.INVALID_ARGUMENT, "NaN",
+                      lambda: forward(_chunks(torch.full(shape, float("nan")), ref)))
         garbage = grpc.insecure_channel(address).stream_unary(FORWARD, request_serializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             garbage(iter([b"\xff\x00garbage\x17" * 10]), metadata=auth_metadata(cluster.token, FORWARD, "x"), timeout=10)
         assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
         # A stale plan epoch and a path that does not fit the stage.
         stale = pb.MicrobatchRef(plan_epoch=plan.epoch + 7, step=0, microbatch=0, path=ref.path, eval=True)
-        _expect(grpc.StatusCode.FAILED_PRECONDITION, "plan epoch", lambda: forward(_chunks(activation, stale)))
+        expect_status(grpc.StatusCode.FAILED_PRECONDITION, "plan epoch", lambda: forward(_chunks(activation, stale)))
         # After all that, a correct request is served.
         assert forward(_chunks(activation, ref)) == pb.Ack()
 

@@ -16,9 +16,12 @@ from geotrain.config import load_config
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
-from tests.conftest import REPO, geotrain_env
+from tests.conftest import REPO, geotrain_env, wait_until
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc"),
+]
 
 _GONE_WITHIN_S = 8.0  # torch_shm_manager lingers 2s after its last client
 
@@ -147,18 +150,21 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         reaper.lead(node.pid)
         # A node reports its DHT's peer id in the heartbeat right after starting it: the DHT process and p2pd run.
         coordinator = process.coordinator
-        deadline = time.monotonic() + 60
-        while not ((m := coordinator.members.get("node-1")) and m.peer_id) and node.poll() is None:
-            assert time.monotonic() < deadline, "the node's DHT did not come up"
-            time.sleep(0.05)
+
+        def dht_up_or_node_gone() -> bool:
+            member = coordinator.members.get("node-1")
+            return node.poll() is not None or (member is not None and bool(member.peer_id))
+
+        wait_until(dht_up_or_node_gone, 60, "the node's DHT came up")
+        assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
+        m = coordinator.members["node-1"]
         children = _descendants(node.pid)
         reaper.procs.update(children)
         assert "p2pd" in _names(list(children)), (tmp_path / "node-1.log").read_text()[-3000:]
         # A later heartbeat: the thread that started the DHT has ended by now, and the DHT must outlive it.
         seen = m.last_seen
-        while m.last_seen == seen:
-            assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_until(lambda: m.last_seen != seen or node.poll() is not None, 20, "another heartbeat")
+        assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
         assert sorted(_running(children)) == sorted(children), "the node's DHT ended while the node ran"
 
         node.send_signal(sig)

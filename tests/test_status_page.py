@@ -26,6 +26,8 @@ from tests.conftest import REPO, geotrain_env
 CHROMIUM = "/usr/bin/chromium"
 
 pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.browser,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"no Chromium at {CHROMIUM}: apt-get install chromium"),
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +29,7 @@ from geotrain.protocol.auth import ClientAuth, new_token
 from geotrain.protocol.tls import CA_FILE, CERT_FILE, KEY_FILE, RUN_TLS_NAME, TlsFiles, init_run_tls
 from geotrain.protocol.transport import make_channel, make_server
 from geotrain.scheduler.local import LocalNodes
-from tests.conftest import REPO, geotrain_env, run_cli
+from tests.conftest import REPO, SMALL_RUN, as_set_flags, geotrain_env, run_cli
 
 TOKEN = new_token()
 
@@ -147,6 +147,7 @@ def _self_signed_without_the_run_name(directory: Path) -> None:
     )
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(30)
 def test_bad_run_files_are_refused_with_the_reason(tmp_path, run_b):
     init_run_tls(tmp_path / "run")
@@ -183,12 +184,6 @@ def test_demo_gives_its_nodes_the_tls_dir():
     assert _per_node_flags(args) == {"node-1": ["--tls-dir", "run-tls"], "node-2": ["--tls-dir", "run-tls"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_serving(address: str, tls: TlsFiles, proc: subprocess.Popen, timeout: float) -> None:
     """Readiness probe: return once the coordinator answers Status over TLS."""
     deadline = time.monotonic() + timeout
@@ -202,28 +197,32 @@ def _wait_serving(address: str, tls: TlsFiles, proc: subprocess.Popen, timeout: 
         time.sleep(0.2)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(150)
 def test_coordinator_and_nodes_train_over_tls(tmp_path):
     tls_dir = tmp_path / "run-tls"
     assert run_cli("tls", "init", str(tls_dir)).returncode == 0
     tls = TlsFiles.load(tls_dir)
-    address = f"127.0.0.1:{_free_port()}"
-    settings = [
-        "run.steps=2", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
-        "scheduler.placement=uniform", "scheduler.stages=2", "scheduler.heartbeat_timeout_s=10",
-    ]
+    settings = [*SMALL_RUN, "run.steps=2", "scheduler.stages=2", "scheduler.heartbeat_timeout_s=10"]
     coordinator = subprocess.Popen(
         [
-            sys.executable, "-m", "geotrain", "coordinator", "--listen", address, "--token", TOKEN, "--min-nodes", "2",
-            "--tls-dir", str(tls_dir), "--save-final", str(tmp_path / "final.safetensors"), "--json",
-            *[arg for s in settings for arg in ("--set", s)],
+            sys.executable, "-m", "geotrain", "coordinator", "--listen", "127.0.0.1:0", "--token", TOKEN,
+            "--min-nodes", "2", "--tls-dir", str(tls_dir), "--save-final", str(tmp_path / "final.safetensors"),
+            "--json", *as_set_flags(settings),
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
         start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
     )
-    # Two stages: activations and gradients cross between the nodes, and --save-final has the coordinator dial them.
-    nodes = LocalNodes(address, TOKEN, tmp_path, {n: ["--tls-dir", str(tls_dir)] for n in ("node-1", "node-2")})
+    nodes = None
     try:
+        for line in coordinator.stdout:
+            if m := re.match(r"coordinator listening on (\S+)$", line):
+                address = m.group(1)
+                break
+        else:
+            pytest.fail(f"the coordinator exited with {coordinator.wait()} before listening")
+        # Two stages: activations and gradients cross between the nodes; --save-final has the coordinator dial them.
+        nodes = LocalNodes(address, TOKEN, tmp_path, {n: ["--tls-dir", str(tls_dir)] for n in ("node-1", "node-2")})
         _wait_serving(address, tls, coordinator, timeout=60)
         _refused(make_channel(address, TOKEN, lambda: "tester"))
         status = run_cli("status", "--coordinator", address, "--token", TOKEN, "--tls-dir", str(tls_dir), "--json")
@@ -236,7 +235,8 @@ def test_coordinator_and_nodes_train_over_tls(tmp_path):
         if coordinator.poll() is None:
             os.killpg(coordinator.pid, signal.SIGKILL)
             coordinator.wait()
-        nodes.stop_all()
+        if nodes is not None:
+            nodes.stop_all()
     assert coordinator.returncode == 0, out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert (summary["steps"], summary["nodes"], summary["stages"]) == (2, 2, 2)
