@@ -1,10 +1,9 @@
-# What CI uses is pinned here; pyproject.toml states the ranges geotrain works with.
+# What CI uses is pinned in deploy/requirements.txt (which the container image installs too) and, for tests,
+# deploy/requirements-dev.txt; pyproject.toml states the ranges geotrain works with.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PINS := torch==2.13.0 hivemind==1.1.12 grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 \
-	numpy==2.4.6 safetensors==0.8.0 pyyaml==6.0.3 aiohttp==3.14.5 prometheus-client==0.26.0 cryptography==50.0.2 \
-	pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+PINS := deploy/requirements.txt deploy/requirements-dev.txt
 STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test test-fast proto clean
@@ -12,10 +11,10 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch goes in the same pip command as hivemind: alone, hivemind pulls a multi-GB CUDA torch.
-$(STAMP): pyproject.toml setup.py Makefile geotrain/compression/_blockquant.c
+$(STAMP): pyproject.toml setup.py Makefile $(PINS) geotrain/compression/_blockquant.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PINS)
+	$(BIN)/python -m pip install -q -r deploy/requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
