@@ -441,12 +441,15 @@ class CostModel:
                 r_lat[pos[ra], pos[rb]] = r_lat[pos[rb], pos[ra]] = link.latency_s
         np.fill_diagonal(r_bw, self.network.intra_region.bandwidth_bps)
         np.fill_diagonal(r_lat, self.network.intra_region.latency_s)
+        r_ratio = np.full_like(r_bw, self.shape.codec_ratio.inter_region)
+        np.fill_diagonal(r_ratio, self.shape.codec_ratio.intra_region)
         missing = np.argwhere(np.isnan(r_bw))
         if len(missing):
             self.network.region_link(regions[missing[0][0]], regions[missing[0][1]])  # raises, naming the pair
         self.region_of = r_of
         self.region_bw = r_bw
         self.region_lat = r_lat
+        self.region_seconds_per_bit = r_ratio / r_bw
         caps = np.array([self.network.node_bandwidth_bps.get(n.node_id, math.inf) for n in self.nodes])
         overrides = {(self.index[a], self.index[b]): link for (a, b), link in self.network.pair_overrides.items()
                      if a in self.index and b in self.index}
@@ -465,11 +468,9 @@ class CostModel:
             ci, cj = self.link_class[i], self.link_class[j]
             bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
             lat[ci, cj] = lat[cj, ci] = link.latency_s
-        codec = self.shape.codec_ratio
-        ratio = np.where(rc[:, None] == rc[None, :], codec.intra_region, codec.inter_region)
         self.class_bw = bw
         self.class_lat = lat
-        self.class_seconds_per_bit = ratio / bw
+        self.class_seconds_per_bit = r_ratio[np.ix_(rc, rc)] / bw
 
     def _class_weights(self, idx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The link classes present in idx and the summed weights of their nodes."""
@@ -551,12 +552,13 @@ class CostModel:
         """One microbatch's fwd+bwd seconds over [start, end) on each node in idx."""
         return self.prefix_seconds[idx, end] - self.prefix_seconds[idx, start]
 
-    def stage_memory_bytes(self, start: int, end: int, n_stages: int) -> float:
-        """Memory a replica of layers [start, end) needs in a pipeline of n_stages."""
+    def stage_memory_bytes(self, start: np.ndarray | int, end: np.ndarray | int, n_stages: int) -> np.ndarray | float:
+        """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs in a pipeline of n_stages."""
         params = self.param_prefix[end] - self.param_prefix[start]
         acts = self.act_prefix[end] - self.act_prefix[start]
         in_flight = min(self.shape.microbatches, n_stages)
-        return params * self.model.state_bytes_per_param_byte + acts * in_flight
+        need = params * self.model.state_bytes_per_param_byte + acts * in_flight
+        return need if np.ndim(need) else float(need)
 
     def min_memory_bytes(self) -> float:
         """Smallest memory any stage needs: one layer, one microbatch in flight."""
@@ -567,7 +569,47 @@ class CostModel:
         full = self.prefix_seconds[np.asarray(idx, dtype=np.int64), -1]
         return float(np.sum(1.0 / full)) * self.shape.microbatch_size
 
-    # --- plan terms ------------------------------------------------------------------------------------
+    # --- plan terms: the formulas of the module docstring, on numbers or arrays (the planner's tables) ----
+
+    @staticmethod
+    def compute_terms(
+        rate: np.ndarray | float, replicas: np.ndarray | int
+    ) -> tuple[np.ndarray | float, np.ndarray | float]:
+        """c_s and h_s of a stage whose replicas (that many) together do rate = sum_r 1 / t_r microbatches per
+        second."""
+        occupancy = 1.0 / rate
+        return occupancy, replicas * occupancy
+
+    @staticmethod
+    def boundary_terms(
+        bits: np.ndarray | float, seconds_per_bit: np.ndarray | float, latency_s: np.ndarray | float, pairs: int
+    ) -> tuple[np.ndarray | float, np.ndarray | float]:
+        """o_s and x_s of a boundary carrying bits per microbatch over links of seconds_per_bit (codec applied)
+        and latency_s, with `pairs` disjoint pairs sending in parallel."""
+        serialise = bits * seconds_per_bit
+        return serialise / pairs, 2 * (serialise + latency_s)
+
+    def window_seconds(self, round_trip_s: float, data_heads: int) -> float:
+        """w: the data heads' window as seconds per microbatch, for one microbatch's round trip over all stages."""
+        return round_trip_s / (self.shape.inflight * data_heads) if self.shape.inflight else 0.0
+
+    def paced_seconds(self, per_microbatch_s: np.ndarray | float) -> np.ndarray | float:
+        """The step's pace term: seconds of the M - 1 microbatches after the first at this pace."""
+        paced = self.shape.microbatches - 1
+        if paced or np.all(np.isfinite(per_microbatch_s)):
+            return paced * per_microbatch_s
+        # One microbatch paces nothing, but a stage that no replica can serve stays out of reach.
+        return np.where(np.isinf(per_microbatch_s), math.inf, 0.0)
+
+    def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int) -> float:
+        """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
+        sync_s = max_s g_s; the data heads' window paces instead where it is slower."""
+        return max(paced_s, self.paced_seconds(self.window_seconds(fill_s, data_heads))) + fill_s + sync_s
+
+    def occupancy(self, start: int, end: int, nodes: Sequence[int]) -> float:
+        """c_s of the replicas nodes serving layers [start, end)."""
+        rate = np.sum(1.0 / self.node_seconds(np.asarray(nodes, dtype=np.int64), start, end))
+        return float(self.compute_terms(rate, len(nodes))[0])
 
     def _stage_terms(self, start: int, end: int, nodes: Sequence[int]) -> tuple:
         """c_s, h_s, g_s, the link classes of the replicas with their routing weights, and the replica count.
@@ -576,9 +618,9 @@ class CostModel:
         if key not in self._stage_memo:
             idx = np.asarray(nodes, dtype=np.int64)
             inv = 1.0 / self.node_seconds(idx, start, end)
-            occ = 1.0 / inv.sum()
+            occ, lat = self.compute_terms(inv.sum(), len(idx))
             allreduce = self.sync_seconds(idx, start, end)
-            self._stage_memo[key] = (occ, len(idx) * occ, allreduce, *self._class_weights(idx, inv * occ), len(idx))
+            self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx))
         return self._stage_memo[key]
 
     def _terms(self, stages: Stages) -> _Terms:
@@ -591,21 +633,19 @@ class CostModel:
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
             (*_, ca, va, na), (*_, cb, vb, nb) = terms[s], terms[s + 1]
-            seconds_per_bit, latency = self._class_link(ca, va, cb, vb)
-            serialise = self.boundary_bits[stages[s][1] - 1] * seconds_per_bit
-            transfer[s] = 2 * (serialise + latency)
-            link_occ[s] = serialise / min(na, nb)
+            link_occ[s], transfer[s] = self.boundary_terms(
+                self.boundary_bits[stages[s][1] - 1], *self._class_link(ca, va, cb, vb), min(na, nb)
+            )
         round_trip = lat.sum() + transfer.sum()
-        window = round_trip / (self.shape.inflight * terms[0][5]) if self.shape.inflight else 0.0
-        beta = max(occ.max(), link_occ.max() if len(link_occ) else 0.0, window)
-        step = (self.shape.microbatches - 1) * beta + round_trip + allreduce.max()
+        pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
+        step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5])
         return _Terms(
             occupancy=occ,
             latency=lat,
             transfer=transfer,
             link_occupancy=link_occ,
             allreduce=allreduce,
-            window=window,
+            window=self.window_seconds(round_trip, terms[0][5]),
             step_s=step,
         )
 

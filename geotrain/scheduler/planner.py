@@ -210,9 +210,9 @@ class Planner:
                 modes.append((order, "deal"))
             for n_stages, (direction, mode) in itertools.product(counts, modes):
                 groups = self._groups(subset, n_stages, direction, mode)
-                cand = self._split_layers(groups) if groups is not None else None
-                if cand is not None:
-                    scored.setdefault(cand, self.cm.step_seconds(cand))
+                split = self.split_layers(groups) if groups is not None else None
+                if split is not None:
+                    scored.setdefault(split[0], self.cm.step_seconds(split[0]))
         return scored
 
     def _subsets(self) -> list[tuple[int, ...]]:
@@ -228,9 +228,7 @@ class Planner:
     def _region_costs(self) -> np.ndarray:
         """[a, b] = seconds to move one typical boundary both ways between regions a and b (CostModel.regions)."""
         cm = self.cm
-        ratio = np.full(cm.region_bw.shape, cm.shape.codec_ratio.inter_region)
-        np.fill_diagonal(ratio, cm.shape.codec_ratio.intra_region)
-        return 2 * (self.typical_boundary_bits * ratio / cm.region_bw + cm.region_lat)
+        return cm.boundary_terms(self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1)[1]
 
     def _region_chain(self) -> list[str]:
         cm = self.cm
@@ -339,11 +337,12 @@ class Planner:
             pos = end
         return out
 
-    def _split_layers(self, groups: Sequence[Sequence[int]]) -> tuple[Stage, ...] | None:
-        """Layer cuts for fixed replica groups that minimise the step time's two maxima, (M-1) x the slowest stage or
-        link per microbatch (the pace) plus the slowest gradient all-reduce: a min-max DP on the pace under a cap on
-        every stage's all-reduce, with the cap lowered below the last answer's slowest all-reduce until the pace
-        alone outweighs the best step time found. That walks the whole pace/all-reduce trade-off."""
+    def split_layers(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[Stage, ...], float] | None:
+        """Layer cuts for fixed replica groups, and the step time the tables price them at, that minimise the step
+        time's two maxima, (M-1) x the slowest stage or link per microbatch (the pace) plus the slowest gradient
+        all-reduce: a min-max DP on the pace under a cap on every stage's all-reduce, with the cap lowered below the
+        last answer's slowest all-reduce until the pace alone outweighs the best step time found. That walks the
+        whole pace/all-reduce trade-off."""
         cm, n_stages = self.cm, len(groups)
         if n_stages > self.n_layers:
             return None
@@ -355,9 +354,10 @@ class Planner:
             if found is None:
                 break
             bounds, pace, fill, slowest_sync = found
-            # The DP's own terms add up to the cost model's step time; score the winner alone with the cost model.
-            if pace + fill + slowest_sync < best_cost:
-                best, best_cost = bounds, pace + fill + slowest_sync
+            # The cost model adds the DP's terms up; the data heads are the members of the first stage that fit.
+            cost = cm.step_from(pace, fill, slowest_sync, int(tables[0][3][:, 0, bounds[1]].sum()))
+            if cost < best_cost:
+                best, best_cost = bounds, cost
             # A lower cap cannot lower the pace, so once the pace alone reaches the best step of these groups, or
             # of any groups split so far, nothing lower beats it.
             if pace >= min(best_cost, self._best_split) or slowest_sync <= 0:
@@ -366,10 +366,11 @@ class Planner:
         if best is None:
             return None
         self._best_split = min(self._best_split, best_cost)
-        return tuple(
+        stages = tuple(
             (a, b, tuple(sorted(np.asarray(g, dtype=np.int64)[tables[s][3][:, a, b]].tolist())))
             for s, (g, a, b) in enumerate(zip(groups, best[:-1], best[1:]))
         )
+        return stages, best_cost
 
     def _split_under(
         self, tables: Sequence[tuple[np.ndarray, ...]], links: Sequence[tuple[np.ndarray, np.ndarray]], cap: float
@@ -408,10 +409,9 @@ class Planner:
         cm = self.cm
         a, b = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
         per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
-        # As CostModel scores them: serialisation one way occupies the link (full duplex; latency overlaps), the
-        # fill pays both ways and the latency.
-        serialise = np.concatenate([[np.inf], cm.boundary_bits * per_bit])
-        return (cm.shape.microbatches - 1) * serialise / min(len(a), len(b)), 2 * (serialise + lat)
+        occupancy, transfer = cm.boundary_terms(cm.boundary_bits, per_bit, lat, min(len(a), len(b)))
+        # No cut before the first layer.
+        return np.concatenate([[np.inf], cm.paced_seconds(occupancy)]), np.concatenate([[np.inf], transfer])
 
     def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, ...]:
         """For a replica group among n_stages stages, over every layer range [a, b): (M-1) x occupancy, the fill
@@ -426,22 +426,21 @@ class Planner:
             p = cm.prefix_seconds[rep]
             secs = p[:, None, :] - p[:, :, None]  # [class, a, b] = seconds over [a, b)
             fit_rep = cm.memory[rep][:, None, None] >= need[None]
-            with np.errstate(divide="ignore"):
-                inv = (np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0)).sum(axis=0)
-                c = np.where(inv > 0, 1.0 / np.where(inv > 0, inv, 1.0), np.inf)
+            # Only the members that fit a range compute on it; h, the links and the all-reduce are priced over the
+            # whole group (counting only the members that fit makes the DP search longer for the same plans).
+            rate = np.where(fit_rep, count[:, None, None] / np.where(fit_rep, secs, 1.0), 0.0).sum(axis=0)
+            with np.errstate(divide="ignore"):  # a range no member can hold: c and h are inf
+                c, h = cm.compute_terms(rate, len(idx))
             sync = np.broadcast_to(cm.sync_seconds(idx, self._starts, self._ends), c.shape)
             fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
-            self._stage_tables[key] = ((cm.shape.microbatches - 1) * c, c * len(idx), sync, fits)
+            self._stage_tables[key] = (cm.paced_seconds(c), h, sync, fits)
         return self._stage_tables[key]
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
         """[a, b] = memory a replica of layers [a, b) needs among n_stages stages; inf where b <= a."""
         if n_stages in self._need_cache:
             return self._need_cache[n_stages]
-        cm = self.cm
-        params = cm.param_prefix[None, :] - cm.param_prefix[:, None]
-        acts = cm.act_prefix[None, :] - cm.act_prefix[:, None]
-        need = params * cm.model.state_bytes_per_param_byte + acts * min(cm.shape.microbatches, n_stages)
+        need = self.cm.stage_memory_bytes(self._starts, self._ends, n_stages)
         need[self._below_diagonal] = np.inf
         self._need_cache[n_stages] = need
         return need
@@ -458,10 +457,10 @@ class Planner:
             n_stages = len(stages)
             idx = [np.asarray(nodes, dtype=np.int64) for _, _, nodes in stages]
             speed = [self.speed[g] / self.speed[g].sum() for g in idx]
-            # One-way seconds per microbatch of each boundary's traffic on one pair (and a 0 past the last stage).
-            sigma = np.array(
-                [cm.boundary_bits[stages[s][1] - 1] * cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0]
-                 for s in range(n_stages - 1)] + [0.0]
+            # Each boundary's bits per microbatch and seconds per bit of its link (and a 0 past the last stage).
+            bits = np.array([cm.boundary_bits[stages[s][1] - 1] for s in range(n_stages - 1)] + [0.0])
+            per_bit = np.array(
+                [cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0] for s in range(n_stages - 1)] + [0.0]
             )
             count = np.array([len(g) for g in idx], dtype=np.float64)
             owner = [{int(cm.region_of[i]) for i in nodes} for _, _, nodes in stages]
@@ -479,16 +478,18 @@ class Planner:
                 sides = []
                 for link, other in ((served - 1, served - 1), (served, served + 1)):
                     ok = (link >= 0) & (link < n_stages - 1)
-                    sides.append((ok, np.where(ok, sigma[np.clip(link, 0, n_stages - 1)], 0.0),
-                                  np.clip(other, 0, n_stages - 1)))
+                    at = np.clip(link, 0, n_stages - 1)
+                    sides.append((ok, np.where(ok, bits[at], 0.0), per_bit[at], np.clip(other, 0, n_stages - 1)))
                 for row, i in enumerate(members):
                     if not fits[row].any():
                         continue
                     own = count[served]
                     with np.errstate(divide="ignore", invalid="ignore"):
-                        load = 1.0 / inv
-                        for ok, link, other in sides:
-                            load = np.maximum(load, np.where(ok & (own <= count[other]), link / own, 0.0))
+                        load = cm.compute_terms(inv, own)[0]
+                        for ok, side_bits, side_per_bit, other in sides:
+                            # The link's occupancy were this stage the side with fewer replicas.
+                            link = cm.boundary_terms(side_bits, side_per_bit, 0.0, own)[0]
+                            load = np.maximum(load, np.where(ok & (own <= count[other]), link, 0.0))
                     # Highest load first; among empty stages (infinite load), the one this node is slowest on.
                     k = int(np.lexsort((-secs[row], -np.where(fits[row], load, -1.0)))[0])
                     groups[served[k]].append(i)
@@ -496,11 +497,11 @@ class Planner:
                     count[served[k]] += 1
             if not all(groups):
                 break
-            dealt = self._split_layers(groups)
-            if dealt is None or dealt == stages:
+            split = self.split_layers(groups)
+            if split is None or split[0] == stages:
                 break
-            out.append(dealt)
-            stages = dealt
+            stages = split[0]
+            out.append(stages)
         return out
 
     def _resized(self, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
@@ -522,10 +523,10 @@ class Planner:
                 moved = give[-chunk:] if src == 0 else give[:chunk]
                 groups[s + src] = give[:-chunk] if src == 0 else give[chunk:]
                 groups[s + dst] = moved + take if src == 0 else take + moved
-                trial = self._split_layers(groups)
-                cost = cm.step_seconds(trial) if trial is not None else math.inf
+                split = self.split_layers(groups)
+                cost = cm.step_seconds(split[0]) if split is not None else math.inf
                 if cost < best_cost * (1 - 1e-9):
-                    best, best_cost, improved = trial, cost, True
+                    best, best_cost, improved = split[0], cost, True
             if not improved:
                 if chunk <= finest:
                     return best
@@ -616,10 +617,7 @@ class Planner:
                 continue
             local = [s for s in options if any(cm.nodes[j].region == cm.nodes[i].region for j in kept[s][2])]
             pool = local or options
-            occupancy = {
-                s: 1.0 / float(np.sum(1.0 / cm.node_seconds(np.asarray(kept[s][2]), kept[s][0], kept[s][1])))
-                for s in pool
-            }
+            occupancy = {s: cm.occupancy(kept[s][0], kept[s][1], kept[s][2]) for s in pool}
             kept[max(pool, key=lambda s: (occupancy[s], -s))][2].append(i)
         stages = tuple(
             (a, b, tuple(sorted(i for i in nodes if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept)))))
