@@ -35,33 +35,34 @@ def idle_members(cluster: LocalCluster, n: int, interval_s: float) -> Iterator[l
     streams: list[grpc.Call] = []
     stop = threading.Event()
     problems: list[str] = []
+    ids: list[str] = []
+
+    def beat() -> None:
+        # Members beat from the moment they registered, so that none dies while the others register.
+        while not stop.wait(interval_s):
+            for node_id in list(ids):
+                try:
+                    if not stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=10).known:
+                        problems.append(f"{node_id} is unknown to the coordinator")
+                except grpc.RpcError as e:
+                    problems.append(f"heartbeat of {node_id}: {e.code()} {e.details()}")
+                if problems or stop.is_set():
+                    return
+
+    beater = threading.Thread(target=beat, name="idle-heartbeats", daemon=True)
+    beater.start()
     try:
-        ids = []
         for i in range(n):
             request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, address=f"127.0.0.2:{i + 1}")
             reply = stub.Register(request, timeout=30)
             assert reply.accepted, reply.message
-            ids.append(reply.node_id)
             # A server-streaming call is open once made; nothing here reads it, as an idle node reads nothing.
             streams.append(stub.Orders(pb.OrdersRequest(node_id=reply.node_id)))
-
-        def beat() -> None:
-            while not stop.wait(interval_s):
-                for node_id in ids:
-                    try:
-                        if not stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=10).known:
-                            problems.append(f"{node_id} is unknown to the coordinator")
-                    except grpc.RpcError as e:
-                        problems.append(f"heartbeat of {node_id}: {e.code()} {e.details()}")
-                    if problems or stop.is_set():
-                        return
-
-        beater = threading.Thread(target=beat, name="idle-heartbeats", daemon=True)
-        beater.start()
+            ids.append(reply.node_id)
         yield ids
         stop.set()
         beater.join(30)
-        assert not problems, problems[:3]
+        assert not beater.is_alive() and not problems, problems[:3]
         assert all(s.is_active() for s in streams), "an idle member's order stream ended"
     finally:
         stop.set()

@@ -52,9 +52,6 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
 
-    async def Register(self, request, context):  # noqa: D102, N802
-        return await self._off_loop(self.c.register, request)
-
     async def _refusable(self, context: grpc.aio.ServicerContext, fn: Callable[[Any], T], request: Any) -> T:
         """fn(request) on the loop; a report the coordinator refuses (it contradicts the plan, or is malformed)
         answers INVALID_ARGUMENT with the reason."""
@@ -62,6 +59,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             return fn(request)
         except ReportRefused as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Register(self, request, context):  # noqa: D102, N802
+        return await self._off_loop(self.c.register, request)
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
         return await self._refusable(context, self.c.heartbeat, request)
