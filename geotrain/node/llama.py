@@ -189,6 +189,17 @@ def hf_names(cfg: ModelSection, index: int) -> dict[str, str]:
     return {name: prefix + name for name, _ in Llama().layer_params(cfg, index)}
 
 
+def hf_config(cfg: ModelSection) -> dict[str, object]:
+    """The config.json of this model for transformers' LlamaForCausalLM (the head saved untied: see above)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_hidden, "vocab_size": cfg.vocab,
+        "rope_theta": cfg.rope_base, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": False,
+        "max_position_embeddings": cfg.seq_len, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    }
+
+
 def _rope_setting(hf: dict) -> tuple[float | None, str]:
     """(theta, rope type) of a config.json: transformers 5 nests them in rope_parameters, 4.x has rope_theta and
     rope_scaling."""
@@ -316,7 +327,7 @@ class Checkpoint:
                             f"the run config needs {list(shape)}"
                         )
                     if not tensor.is_floating_point():
-                        raise ConfigError(f"{self.where}: tensor {name} in {file} is {tensor.dtype}, not floating point")
+                        raise ConfigError(f"{self.where}: tensor {name} in {file} is {tensor.dtype}, not a float")
                     # Checkpoints are often bf16; stages keep float32 master weights.
                     state[ours] = tensor.to(torch.float32)
         log.debug("read %d tensors of %s from %s", len(state), self.dir, ", ".join(by_file))
