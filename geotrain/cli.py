@@ -112,6 +112,26 @@ def _resolvable(address: str, flag: str) -> None:
         raise CommandFailed(f"{flag} {address}: cannot resolve {host}: {e.strerror}") from None
 
 
+def _corpus_fingerprint(cfg: RunConfig) -> str:
+    """Read the run's corpus and return its fingerprint; refuse one whose files are missing or whose splits are too
+    short for a sample (training would fail at its first batch)."""
+    from geotrain.node.data import Corpus
+
+    try:
+        corpus = Corpus.load(cfg.data)
+    except ValueError as e:  # load's way of saying that data.paths match no files
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"data.paths: cannot read {e.filename}: {e.strerror}") from None
+    shortest = min(len(corpus.train), len(corpus.val))
+    if shortest <= cfg.model.seq_len + 1:
+        raise UsageError(
+            f"data: the corpus splits into {len(corpus.train)} training and {len(corpus.val)} validation bytes; "
+            f"each needs more than model.seq_len + 1 ({cfg.model.seq_len + 1})"
+        )
+    return corpus.fingerprint
+
+
 def _writable_file(path: str | None, flag: str) -> None:
     """Refuse an output file that could not be written, before a run spends hours to produce it."""
     if path is None:
@@ -232,7 +252,6 @@ def _run_coordinator(
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (stop_reason: why the command
     set stop_requested itself, if it did)."""
-    from geotrain.node.data import Corpus
     from geotrain.scheduler.coordinator import RunAborted
     from geotrain.scheduler.http import StatusHttpServer
     from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
@@ -244,7 +263,7 @@ def _run_coordinator(
     _writable_file(args.save_final, "--save-final")
     _check_state_dir(cfg, args.state_dir, args.resume)
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
-    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+    cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
     )
@@ -295,6 +314,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """geotrain status."""
     from geotrain.scheduler.status_cli import run_status
 
+    _resolvable(args.coordinator, "--coordinator")
     return run_status(args.coordinator, _token(args), as_json=args.json, watch=args.watch, tls=_tls(args))
 
 
@@ -321,7 +341,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     )
     exit_with_parent()
     agent = Agent(options)
-    _install_signal_handlers(agent.stop)
+    interrupted = threading.Event()
+    _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
     progress = ProgressReporter(agent, sys.stderr)
     progress.start()
     try:
@@ -331,7 +352,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         progress.stop()
-    return EXIT_OK
+    return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -470,6 +491,8 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     from geotrain.node.local import train_local
 
     cfg = _config(args, **{"run.steps": args.steps})
+    _writable_file(args.save_final, "--save-final")
+    _corpus_fingerprint(cfg)  # train_local reads it again (a second or so), but cannot say what is wrong with it
     torch_threads()
     out = _out(args.json)
 
@@ -480,7 +503,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 
     runtime, summary = train_local(cfg, progress)
     if args.save_final:
-        _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, out)
+        _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, cfg.model, out)
     _finish(summary, args.json)
     return EXIT_OK
 

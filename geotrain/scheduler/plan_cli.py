@@ -8,6 +8,8 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
+import yaml
+
 from geotrain.scheduler.cluster import load_cluster
 from geotrain.scheduler.costmodel import CodecRatio, ModelProfile, Plan, StepShape
 from geotrain.scheduler.planner import PlannerConfig, plan
@@ -50,8 +52,8 @@ def run_plan(
         result = plan(
             nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)
         )
-    except (OSError, ValueError, TypeError) as exc:
-        err.write(f"geotrain plan: {exc}\n")
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # a missing or malformed cluster, or no feasible plan
+        err.write(f"geotrain plan: {' '.join(str(exc).split())}\n")
         return 2
     write_plan(result, as_json=as_json, out=out)
     return 0
