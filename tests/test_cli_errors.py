@@ -255,10 +255,13 @@ def test_non_finite_emulated_link_is_refused():
         build_config({"emulation": {"links": ["eu-us=nan/50"]}})
 
 
-def test_probe_bound_matches_the_protocol():
-    # config keeps its own copy so that it does not import torch through protocol.framing.
+def test_torch_free_copies_match_their_sources():
+    # config keeps its own copies so that `plan` and `--help` need not import torch (protocol.framing, node.model).
+    from geotrain.node.model import VOCAB
+
     field = next(f for f in dataclasses.fields(load_config().profile) if f.name == "probe_bytes")
     assert field.metadata["hi"] == probe.MAX_PROBE_BYTES
+    assert load_config().model.vocab == VOCAB
 
 
 # -- auth refusal log ----------------------------------------------------------------------------------------------
