@@ -134,8 +134,8 @@ def test_link_matrices_by_hand():
     )
     regions = {"a": "x", "b": "x", "c": "y", "d": "y", "e": "y", "f": "z"}
     nodes = [node(name, [1.0, 1.0], region=region) for name, region in regions.items()]
-    cm = CostModel(nodes=nodes, model=TINY, network=net, microbatches=4, microbatch_size=1,
-                   codec_ratio=CodecRatio(intra_region=1.0, inter_region=0.5))
+    cm = CostModel(nodes=nodes, model=TINY, network=net,
+                   shape=shape4(codec_ratio=CodecRatio(intra_region=1.0, inter_region=0.5)))
     # d and e see the same links, so they share a class; a (capped), b and c (measured) get classes of their own.
     assert cm.link_class.tolist() == [0, 1, 2, 3, 3, 4]
     g, m, w = 1e9, 1e8, 1e7
@@ -164,7 +164,7 @@ def test_link_matrices_by_hand():
     # Without a default, a region pair nobody listed is an error naming it.
     with pytest.raises(ValueError, match="no link between regions 'x' and 'z'"):
         CostModel(nodes=nodes, model=TINY, network=Network(intra_region=net.intra_region, inter_region=net.inter_region),
-                  microbatches=4, microbatch_size=1)
+                  shape=shape4())
     with pytest.raises(ValueError):
         Link(bandwidth_bps=0, latency_s=0)
 

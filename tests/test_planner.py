@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile
+from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 from geotrain.scheduler.planner import Planner, PlannerConfig, plan
 
 MODEL = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=2)
@@ -51,7 +51,7 @@ def brute_force(cm):
                                                            (5, 4, ("east",))])
 def test_within_5_percent_of_brute_force(seed, n_nodes, regions):
     nodes = random_nodes(seed, n_nodes, regions)
-    kwargs = dict(model=MODEL, network=NET, microbatches=8, microbatch_size=2)
+    kwargs = dict(model=MODEL, network=NET, shape=StepShape(microbatches=8, microbatch_size=2))
     optimum = brute_force(CostModel(nodes=nodes, **kwargs))
     ours = plan(nodes=nodes, **kwargs)
     assert ours.step_seconds <= optimum * 1.05
@@ -68,7 +68,7 @@ def test_two_instances_keep_each_stage_on_one_instance():
     seconds = [f / 20e12 for f in model.layer_flops]
     nodes = [NodeProfile(node_id=f"n{i}", region=f"instance{int(i >= 3)}", layer_seconds=seconds,
                          memory_bytes=16 * 10**9) for i in range(5)]
-    kwargs = dict(model=model, network=net, microbatches=24, microbatch_size=2)
+    kwargs = dict(model=model, network=net, shape=StepShape(microbatches=24, microbatch_size=2))
     ours = plan(nodes=nodes, **kwargs)
     assert ours.step_seconds == pytest.approx(brute_force(CostModel(nodes=nodes, **kwargs)))
     instance = {n.node_id: n.region for n in nodes}
@@ -78,13 +78,14 @@ def test_two_instances_keep_each_stage_on_one_instance():
 
 def test_data_heads_window_is_planned_for():
     nodes = random_nodes(12, 4, ("east",))
-    kwargs = dict(nodes=nodes, model=MODEL, network=NET, microbatches=8, microbatch_size=2)
-    windowed = plan(**kwargs, inflight=1)
+    kwargs = dict(nodes=nodes, model=MODEL, network=NET)
+    window = StepShape(microbatches=8, microbatch_size=2, inflight=1)
+    windowed = plan(**kwargs, shape=window)
     # One microbatch in flight per data head: the plan is scored with the window, and no better than unbounded.
-    cm = CostModel(nodes=nodes, model=MODEL, network=NET, microbatches=8, microbatch_size=2, inflight=1)
+    cm = CostModel(**kwargs, shape=window)
     stages = [(st.start, st.end, [cm.index[n] for n in st.node_ids]) for st in windowed.stages]
     assert windowed.step_seconds == pytest.approx(cm.step_seconds(stages))
-    assert windowed.step_seconds >= plan(**kwargs).step_seconds
+    assert windowed.step_seconds >= plan(**kwargs, shape=StepShape(microbatches=8, microbatch_size=2)).step_seconds
     assert windowed.step_seconds <= brute_force(cm) * 1.05
 
 
@@ -93,7 +94,7 @@ def test_layer_split_is_the_best_for_fixed_groups(seed):
     # The step pays the pace and the slowest all-reduce; for given replica groups the DP's split must match every
     # split tried by brute force (members without memory for their range drop out, as the planner drops them).
     nodes = random_nodes(seed, 8)
-    cm = CostModel(nodes=nodes, model=MODEL, network=NET, microbatches=16, microbatch_size=2)
+    cm = CostModel(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=16, microbatch_size=2))
     rng = random.Random(seed)
     n_stages, order = rng.choice([2, 3, 4]), rng.sample(range(8), 8)
     bounds = [0, *sorted(rng.sample(range(1, 8), n_stages - 1)), 8]
@@ -112,14 +113,14 @@ def test_layer_split_is_the_best_for_fixed_groups(seed):
 def test_too_small_node_is_excluded_with_reason():
     nodes = random_nodes(7, 6)
     nodes.append(NodeProfile(node_id="tiny", region="east", layer_seconds=nodes[0].layer_seconds, memory_bytes=1000))
-    result = plan(nodes=nodes, model=MODEL, network=NET, microbatches=8, microbatch_size=2)
+    result = plan(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=8, microbatch_size=2))
     assert "tiny" in result.excluded and result.excluded["tiny"].startswith("memory")
     assert all("tiny" not in st.node_ids for st in result.stages)
 
 
 def test_deterministic_and_fixed_stage_count():
     nodes = random_nodes(8, 30)
-    kwargs = dict(nodes=nodes, model=MODEL, network=NET, microbatches=64, microbatch_size=2)
+    kwargs = dict(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=64, microbatch_size=2))
     assert plan(**kwargs).to_dict() == plan(**kwargs).to_dict()
     fixed = plan(**kwargs, config=PlannerConfig(stages=3))
     assert len(fixed.stages) == 3
@@ -135,7 +136,7 @@ def moved_layers(before, after):
 @pytest.mark.parametrize("change", ["join", "leave"])
 def test_replan_moves_few_layers(change):
     nodes = random_nodes(9, 40)
-    kwargs = dict(model=MODEL, network=NET, microbatches=80, microbatch_size=2)
+    kwargs = dict(model=MODEL, network=NET, shape=StepShape(microbatches=80, microbatch_size=2))
     first = plan(nodes=nodes, **kwargs)
     if change == "join":
         changed = nodes + random_nodes(10, 1)
@@ -155,7 +156,7 @@ def test_replan_moves_few_layers(change):
 
 def test_replan_without_change_moves_nothing():
     nodes = random_nodes(11, 20)
-    kwargs = dict(nodes=nodes, model=MODEL, network=NET, microbatches=40, microbatch_size=2)
+    kwargs = dict(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=40, microbatch_size=2))
     first = plan(**kwargs)
     assert moved_layers(first, plan(previous=first, **kwargs)) == 0
 
@@ -164,7 +165,7 @@ def test_dealt_stages_span_every_region_with_even_compute():
     # The "deal" grouping: where boundaries cost more than averaging, every stage takes its share of every region.
     nodes = random_nodes(13, 24, ("a", "b", "c", "d"))
     net = Network(intra_region=NET.intra_region, default_inter_region=Link(bandwidth_bps=2e8, latency_s=0.05))
-    cm = CostModel(nodes=nodes, model=MODEL, network=net, microbatches=48, microbatch_size=2)
+    cm = CostModel(nodes=nodes, model=MODEL, network=net, shape=StepShape(microbatches=48, microbatch_size=2))
     planner = Planner(cm, PlannerConfig())
     groups = planner._groups(cm.usable, 3, planner._region_chain(), "deal")
     assert sorted(i for g in groups for i in g) == sorted(cm.usable)

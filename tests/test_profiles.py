@@ -11,6 +11,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, Member
+from geotrain.scheduler.costmodel import StepShape
 from geotrain.scheduler.planner import plan
 from geotrain.scheduler.profiles import DEFAULT_INTRA_REGION, check_report, planner_inputs
 
@@ -65,7 +66,8 @@ def test_reports_become_planner_inputs():
     assert network.region_link("us", "us") == network.region_link("eu", "eu")
     assert network.region_link("us", "asia") == network.region_link("eu", "us")
     # The planner takes them as they are.
-    result = plan(nodes=nodes, model=model, network=network, microbatches=4, microbatch_size=CFG.train.microbatch_size)
+    shape = StepShape(microbatches=4, microbatch_size=CFG.train.microbatch_size)
+    result = plan(nodes=nodes, model=model, network=network, shape=shape)
     assert math.isfinite(result.step_seconds) and result.stages
 
 

@@ -388,7 +388,7 @@ class CostModel:
         shape: StepShape | None = None,
         **step: Any,
     ) -> None:
-        # Until the coordinator passes a StepShape, its six keywords build one; removed right after.
+        # tests/test_cluster.py still passes the six keywords instead of a StepShape; remove once it does not.
         shape = shape if shape is not None else StepShape(**step)
         ids = [n.node_id for n in nodes]
         if len(set(ids)) != len(ids):

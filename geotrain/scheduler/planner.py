@@ -31,7 +31,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -76,15 +75,13 @@ def plan(
     nodes: Sequence[NodeProfile],
     model: ModelProfile,
     network: Network,
-    shape: StepShape | None = None,
+    shape: StepShape,
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
-    **step: Any,
 ) -> Plan:
     """Plan the pipeline for steps of this shape with the lowest estimated step time (fewest moved layers within
     tolerance of it)."""
-    # Until the coordinator passes a StepShape, its six keywords build one; removed right after.
-    cm = CostModel(nodes=nodes, model=model, network=network, shape=shape if shape is not None else StepShape(**step))
+    cm = CostModel(nodes=nodes, model=model, network=network, shape=shape)
     return Planner(cm, config or PlannerConfig()).plan(previous)
 
 
