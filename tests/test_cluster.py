@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from geotrain.scheduler.cluster import load_cluster, parse_cluster
-from geotrain.scheduler.costmodel import CostModel, ModelProfile
+from geotrain.scheduler.costmodel import CostModel, ModelProfile, StepShape
 from geotrain.scheduler.plan_cli import run_plan
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "deploy" / "clusters"
@@ -36,7 +36,7 @@ def test_parse_expands_counts_and_units():
     g, lap = cluster.nodes[0], cluster.nodes[2]
     assert g.memory_bytes == 16 * 10**9
     # The plan is priced with the laptop's 50 Mbit/s uplink under the 500 Mbit/s, 40 ms link between the regions.
-    cm = CostModel(nodes=cluster.nodes, model=MODEL, network=cluster.network, microbatches=4, microbatch_size=2)
+    cm = CostModel(nodes=cluster.nodes, model=MODEL, network=cluster.network, shape=StepShape(microbatches=4, microbatch_size=2))
     g_class, lap_class = cm.link_class[0], cm.link_class[2]
     assert cm.class_bw[g_class, lap_class] == 50e6
     assert cm.class_lat[g_class, lap_class] == pytest.approx(0.04)

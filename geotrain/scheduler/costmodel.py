@@ -47,7 +47,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -385,11 +384,8 @@ class CostModel:
         nodes: Sequence[NodeProfile],
         model: ModelProfile,
         network: Network,
-        shape: StepShape | None = None,
-        **step: Any,
+        shape: StepShape,
     ) -> None:
-        # tests/test_cluster.py still passes the six keywords instead of a StepShape; remove once it does not.
-        shape = shape if shape is not None else StepShape(**step)
         ids = [n.node_id for n in nodes]
         if len(set(ids)) != len(ids):
             raise ValueError("node ids must be unique")
