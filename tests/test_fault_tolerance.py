@@ -5,12 +5,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,23 +24,15 @@ from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.state import RunStore
-from tests.conftest import REPO, LocalCluster, geotrain_env, local_cluster
+from tests.conftest import (
+    REPO, SMALL_RUN, LocalCluster, as_set_flags, geotrain_env, local_cluster, max_diff, small_run, wait_until,
+)
+
+pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nodes
 
 
 def _config(*overrides: str) -> RunConfig:
-    return load_config(
-        None,
-        [
-            "run.steps=6", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
-            "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", "scheduler.step_timeout_s=60",
-            "scheduler.placement=uniform", *overrides,
-        ],
-    )
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return small_run("run.steps=6", "scheduler.step_timeout_s=60", *overrides)
 
 
 def _reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -51,26 +40,26 @@ def _reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
-def _kill_after_step(cluster, step: int, pick) -> threading.Event:
-    """SIGKILL the node pick(plan) returns once `step` is committed (so mid-way through the next step)."""
-    killed = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and cluster.coordinator.step <= step:
-            time.sleep(0.02)
-        cluster.nodes.kill(pick(cluster.coordinator.plan))
-        killed.set()
-
-    threading.Thread(target=watch, daemon=True).start()
-    return killed
+def _is_phase(kind: str, data: dict, step: int, phase: str) -> bool:
+    """Whether a coordinator event says step `step` entered `phase` (the step driver's phase events)."""
+    return kind == "phase" and (data["step"], data["phase"]) == (step, phase)
 
 
 @pytest.mark.timeout(150)
 def test_replica_killed_mid_step_changes_nothing_but_time(tmp_path):
     cfg = _config("scheduler.stages=2")
-    with local_cluster(cfg, 4, tmp_path) as cluster:
-        killed = _kill_after_step(cluster, 2, lambda plan: plan.stages[1].node_ids[1])
+    killed = threading.Event()
+    running: list[LocalCluster] = []
+
+    def kill_a_replica_mid_step_3(kind: str, data: dict) -> None:
+        # Its microbatches are in flight and the step needs its report: it cannot commit without the replica. Once:
+        # the step is dispatched again under the next plan.
+        if _is_phase(kind, data, 3, "dispatched") and not killed.is_set():
+            running[0].nodes.kill(running[0].coordinator.plan.stages[1].node_ids[1])
+            killed.set()
+
+    with local_cluster(cfg, 4, tmp_path, on_event=kill_a_replica_mid_step_3) as cluster:
+        running.append(cluster)
         summary = cluster.wait(120)
         assert killed.is_set()
         assert summary.steps == cfg.run.steps
@@ -80,7 +69,7 @@ def test_replica_killed_mid_step_changes_nothing_but_time(tmp_path):
         state = fetch_model_state(final_plan, cluster.token, summary.steps)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert "dead" in kinds and "rollback" not in kinds
-    assert _max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, _reference(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -110,7 +99,7 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
     assert final_plan.stages[1].node_ids == [spare] and "dead" in kinds
     # Every step committed once, none rolled back and redone.
     assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
-    assert _max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, _reference(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -118,7 +107,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
     # Measured placement, two stages, node-2 twenty times slower than node-1: the first plan gives node-2 few layers.
     # Once node-3, as fast as node-1, joins, the planner's best plan spreads the layers over node-1 and node-3 and
     # leaves node-2 out, so layers move; they travel through a checkpoint of the committed step.
-    cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=8")
+    cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5", "profile.layer_repeats=1")
     plans: list[pb.Plan] = []
     step_2_done = threading.Event()
     running: list[LocalCluster] = []
@@ -129,11 +118,9 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
             plans.append(data["plan"])
         if kind == "step" and data["record"].step == 2:
             step_2_done.set()
-            deadline = time.monotonic() + 60
             members = running[0].coordinator.members
-            while "node-3" not in members or members["node-3"].profile is None:
-                assert time.monotonic() < deadline, "node-3 never reported its profile"
-                time.sleep(0.05)
+            wait_until(lambda: "node-3" in members and members["node-3"].profile is not None, 60,
+                       "node-3 reported its profile")
 
     slow = {"node-2": ["--slowdown", "20"]}
     state_dir = tmp_path / "state"
@@ -155,7 +142,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
     assert before["node-1"] != after["node-1"]
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
-    assert _max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, _reference(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -165,15 +152,16 @@ def test_node_restarted_while_a_decided_step_is_applied(tmp_path):
     # other replica, and the new incarnation takes up the committed state.
     cfg = _config("scheduler.stages=2", "scheduler.heartbeat_timeout_s=30")
     victim = "node-1"
-    withheld, restarted = threading.Event(), threading.Event()
+    withheld = threading.Event()
     with local_cluster(cfg, 4, tmp_path) as cluster:
         coordinator = cluster.coordinator
         report_applied = coordinator.step_applied
 
         def lose_the_victims_report(request: pb.StepAppliedRequest) -> None:
+            # Runs on the coordinator's event loop: it must not block, so the report is simply lost, as it is with
+            # the old incarnation, which is killed next.
             if request.node_id == victim and request.step == 2 and not withheld.is_set():
                 withheld.set()
-                restarted.wait(60)  # the old incarnation's report is lost with it
                 return
             report_applied(request)
 
@@ -181,28 +169,33 @@ def test_node_restarted_while_a_decided_step_is_applied(tmp_path):
         assert withheld.wait(60)
         cluster.nodes.kill(victim)
         cluster.nodes.start(victim)
-        deadline = time.monotonic() + 60
-        while not coordinator.members[victim].restarted:
-            assert time.monotonic() < deadline, "the restarted victim never registered"
-            time.sleep(0.05)
-        restarted.set()
+        wait_until(lambda: coordinator.members[victim].restarted, 60, "the restarted victim registered")
         summary = cluster.wait(120)
         state = fetch_model_state(coordinator.plan, cluster.token, summary.steps)
         steps = [r.step for r in coordinator.store.steps()]
         kinds = [kind for _, kind, _, _ in coordinator.store.events()]
     assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
-    assert _max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, _reference(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
 def test_killed_node_rejoins_with_its_peers_state(tmp_path):
-    # Enough steps that the run is still going when the victim is back (it needs a few seconds to start).
-    cfg = _config("scheduler.stages=2", "run.steps=40")
+    cfg = _config("scheduler.stages=2", "run.steps=8")
     victim = "node-1"
-    restarted, held, compared = threading.Event(), threading.Event(), threading.Event()
+    killed, restarted, held, compared = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     plans: list[pb.Plan] = []
+    running: list[LocalCluster] = []
 
     def hold_plan_with_rejoined_victim(kind: str, data: dict) -> None:
+        # Once: step 2 is dispatched again under the next plan, maybe after the victim is back.
+        if _is_phase(kind, data, 2, "dispatched") and not killed.is_set():
+            running[0].nodes.kill(victim)
+            killed.set()
+        # Once the victim is restarted, the next step waits for it to register (it needs a few seconds to start), so
+        # the run is still going when it is back.
+        if kind == "step" and restarted.is_set() and not held.is_set():
+            members = running[0].coordinator.members
+            wait_until(lambda: members[victim].alive, 60, "the restarted victim registered")
         # The first plan with the victim after its restart: it has loaded its state and not committed a step yet.
         if kind == "plan" and restarted.is_set() and any(victim in s.node_ids for s in data["plan"].stages):
             plans.append(data["plan"])
@@ -210,10 +203,10 @@ def test_killed_node_rejoins_with_its_peers_state(tmp_path):
             compared.wait(60)
 
     with local_cluster(cfg, 4, tmp_path, on_event=hold_plan_with_rejoined_victim) as cluster:
-        _kill_after_step(cluster, 1, lambda plan: victim).wait(60)
-        deadline = time.monotonic() + 30
-        while cluster.coordinator.members[victim].alive and time.monotonic() < deadline:
-            time.sleep(0.05)  # restart once the death is noticed: the restart itself is the node coming back
+        running.append(cluster)
+        assert killed.wait(60)
+        # Restart once the death is noticed: the restart itself is the node coming back.
+        wait_until(lambda: not cluster.coordinator.members[victim].alive, 30, "the victim's death noticed")
         cluster.nodes.start(victim)
         restarted.set()
         assert held.wait(90)
@@ -235,47 +228,74 @@ def test_killed_node_rejoins_with_its_peers_state(tmp_path):
     assert summary.steps == cfg.run.steps
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# A coordinator that stops at one phase of one step (the step driver's "phase" events) until the test SIGKILLs it.
+_COORDINATOR_HELD_AT_PHASE = """
+import sys, threading
+from geotrain.config import load_config
+from geotrain.node.data import Corpus
+from geotrain.scheduler.service import CoordinatorProcess
+
+state_dir, token, step, phase, *settings = sys.argv[1:]
+cfg = load_config(None, settings)
+cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+
+def on_event(kind, data):
+    if kind == "phase" and (data["step"], data["phase"]) == (int(step), phase):
+        print("held", flush=True)
+        threading.Event().wait()
+
+process = CoordinatorProcess(cfg, token, "127.0.0.1:0", state_dir=state_dir, on_event=on_event)
+print("port", process.port, flush=True)
+process.server.start()
+process.coordinator.run()
+print("finished without reaching the phase", flush=True)
+"""
 
 
-def _start_coordinator(port: int, state_dir: Path, token: str, settings: list[str], resume: bool) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir),
-        "--token", token, "--save-final", str(state_dir / "final.safetensors"),
-        *[arg for s in settings for arg in ("--set", s)], *(["--resume"] if resume else []),
-    ]
+def _start_coordinator(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
-        start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(),
+        cwd=REPO, start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
     )
+
+
+def _read_until(proc: subprocess.Popen, pattern: str) -> re.Match:
+    """The first line of proc's output that matches pattern (the pytest timeout bounds a silent process)."""
+    seen = []
+    for line in proc.stdout:
+        if m := re.match(pattern, line):
+            return m
+        seen.append(line)
+    raise AssertionError(f"exited with {proc.wait()} before printing {pattern!r}: {''.join(seen)[-3000:]}")
 
 
 @pytest.mark.timeout(180)
 def test_coordinator_killed_and_restarted_on_its_state_dir(tmp_path):
+    # Killed once every replica applied step 3 and before the coordinator committed it: the nodes are a step ahead
+    # of the run's state, which still says 3 steps (0-2) committed.
+    killed_at = (3, "applied")
     settings = [
-        "run.steps=8", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
-        "scheduler.min_nodes=2", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=5",
-        "scheduler.checkpoint_every=100", "scheduler.placement=uniform",
+        *SMALL_RUN, "run.steps=8", "scheduler.min_nodes=2", "scheduler.heartbeat_timeout_s=5",
+        "scheduler.checkpoint_every=100",
     ]
-    port, token, state_dir = _free_port(), new_token(), tmp_path / "state"
-    nodes = LocalNodes(f"127.0.0.1:{port}", token, tmp_path)
-    first = _start_coordinator(port, state_dir, token, settings, resume=False)
-    second = None
+    token, state_dir = new_token(), tmp_path / "state"
+    first = _start_coordinator(
+        ["-c", _COORDINATOR_HELD_AT_PHASE, str(state_dir), token, str(killed_at[0]), killed_at[1], *settings]
+    )
+    second, nodes = None, None
     try:
+        port = int(_read_until(first, r"port (\d+)$").group(1))
+        nodes = LocalNodes(f"127.0.0.1:{port}", token, tmp_path)
         for node_id in ("node-1", "node-2"):
             nodes.start(node_id)
-        for line in first.stdout:
-            if re.match(r"step +3/", line):
-                break
-        time.sleep(0.1)  # somewhere inside step 4
+        _read_until(first, r"held$")
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        committed = RunStore(state_dir / "run.sqlite").committed_steps()
-        assert 3 <= committed < 8
-        second = _start_coordinator(port, state_dir, token, settings, resume=True)
+        assert RunStore(state_dir / "run.sqlite").committed_steps() == killed_at[0]
+        second = _start_coordinator([
+            "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir),
+            "--token", token, "--save-final", str(state_dir / "final.safetensors"), "--resume", *as_set_flags(settings),
+        ])
         out, _ = second.communicate(timeout=150)
         assert second.returncode == 0, out[-3000:]
         assert "done: 8 steps" in out
@@ -283,9 +303,11 @@ def test_coordinator_killed_and_restarted_on_its_state_dir(tmp_path):
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        nodes.stop_all()
+                proc.wait()
+        if nodes is not None:
+            nodes.stop_all()
     state = load_file(state_dir / "final.safetensors")
-    assert _max_diff(state, _reference(load_config(None, settings))) <= 1e-4
+    assert max_diff(state, _reference(load_config(None, settings))) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -316,4 +338,4 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path
         state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert summary.steps == 6 and "rollback" not in kinds
-    assert _max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, _reference(cfg)) <= 1e-4
