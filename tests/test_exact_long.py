@@ -86,8 +86,9 @@ def test_the_clip_factor_does_not_depend_on_how_stages_split_the_norm():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(60)
-def test_the_presummed_all_reduce_gives_every_replica_the_exact_mean(averagers, request):  # noqa: F811
-    from geotrain.node.averaging import group_id, replica_all_reduce
+@pytest.mark.parametrize("regions", [["eu", "eu", "eu"], ["eu", "us", "eu"]], ids=["flat", "region-by-region"])
+def test_the_presummed_all_reduce_gives_every_replica_the_exact_mean(averagers, regions, request):  # noqa: F811
+    from geotrain.node.averaging import HierarchicalAllReduce, group_id, replica_all_reduce
 
     g = torch.Generator().manual_seed(5)
     counts = [3, 1, 2]
@@ -99,10 +100,11 @@ def test_the_presummed_all_reduce_gives_every_replica_the_exact_mean(averagers, 
     expected = (sum(x.double() for x in everything) / sum(counts)).float().double()
     peers = [a.peer_id for a in averagers[:3]]
     reduces = [
-        replica_all_reduce(a, peers, ["eu"] * 3, float(c), lambda r, part: group_id(request.node.name, 0, 0, 1, r, part),
-                           hierarchical=False, presummed=True)
+        replica_all_reduce(a, peers, regions, float(c), lambda r, part: group_id(request.node.name, 0, 0, 1, r, part),
+                           hierarchical=True, presummed=True)
         for a, c in zip(averagers, counts)
     ]
+    assert isinstance(reduces[0], HierarchicalAllReduce) == (len(set(regions)) > 1)
     _together([lambda r=r, t=t: r(0, t) for r, t in zip(reduces, sums)])
     for (got,) in sums:
         assert torch.equal(got, expected)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import threading
@@ -51,22 +52,28 @@ class Job(NamedTuple):
     peers: Sequence[str]
     tensors: Sequence[torch.Tensor]
     weight: float
-    presummed: bool = False  # float64 tensors holding weight x mean, summed exactly (_PresummedRunner)
+    # "": hivemind's weighted mean. "mean" / "sum": float64 tensors holding weight x mean, added exactly
+    # (_PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum").
+    presummed: str = ""
 
 
 class _SumAccumulator:
     """Takes the place of TensorPartReducer's float32 accumulator, which rounds every addition in the order parts
     arrive. Parts here are replicas' float64 sums of float32 gradients (weight x mean): adding them in float64 is
-    exact wherever each replica's own sums were (node.stage), so the total does not depend on the order; it is
-    divided by the total weight and rounded to float32 once, as train-local rounds its mean."""
+    exact wherever each replica's own sums were (node.stage), so the total does not depend on the order. With
+    `mean` it is divided by the total weight and rounded to float32 once, as train-local rounds its mean; without,
+    the exact sum is returned, and each member's own part plus its delta (the others' exact sum) is that sum again."""
 
-    def __init__(self, shape: torch.Size) -> None:
+    def __init__(self, shape: torch.Size, mean: bool) -> None:
         self.total = torch.zeros(shape, dtype=torch.float64)
+        self.mean = mean
 
     def add_(self, part: torch.Tensor, alpha: float) -> None:  # noqa: ARG002 - the weight is already in the part
         self.total.add_(part)
 
     def div_(self, denominator: float) -> torch.Tensor:
+        if not self.mean:
+            return self.total
         # On the float32 grid, so that each replica's x + (average - x) rounds back to these bits (_round_to_float32).
         return self.total.div_(denominator).float().double()
 
@@ -74,19 +81,23 @@ class _SumAccumulator:
 class _PresummedReducer(TensorPartReducer):
     """hivemind's reducer (waiting, part order, failed senders) with _SumAccumulator for its arithmetic."""
 
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, mean: bool) -> None:
+        self.mean = mean  # before hivemind's __init__, which makes the first accumulator
+        super().__init__(part_shapes, num_senders)
+
     def reset_accumulators(self) -> None:  # noqa: D102
         super().reset_accumulators()
         if not self.finished.is_set():
-            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index])
+            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index], self.mean)
 
 
 class _PresummedRunner(AllReduceRunner):
     """AllReduceRunner whose reducer sums presummed parts exactly (_SumAccumulator)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, mean: bool, **kwargs) -> None:
         super().__init__(**kwargs)
         unused, self.tensor_part_reducer = self.tensor_part_reducer, _PresummedReducer(
-            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, mean
         )
         unused.finished.set()  # it never takes a part: finalising it would warn that parts were missing
 
@@ -146,11 +157,12 @@ class ReplicaAverager(ServicerBase):
             future.cancel()
 
     async def _average(
-        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float, presummed: bool
+        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float, presummed: str
     ) -> None:
         future = self._runner_future(gid)
         try:
-            runner = (_PresummedRunner if presummed else AllReduceRunner)(
+            kind = functools.partial(_PresummedRunner, presummed == "mean") if presummed else AllReduceRunner
+            runner = kind(
                 p2p=self._p2p,
                 servicer_type=type(self),
                 prefix=_NAMESPACE,
@@ -272,25 +284,14 @@ def replica_all_reduce(
     """The stage's all_reduce(round, tensors) for this replica: region by region when asked and the sites make it
     differ from one flat group (several sites, one of them with several replicas), else one flat group.
     gid(round, part) names each all-reduce's group. With `presummed` the tensors hold weight x mean (this replica's
-    float64 sums): one flat group adds them exactly, in any order; region by region they become means first, and
-    each site's mean rounds to float32 on the way, so that mode is not exact."""
+    float64 sums), which either way are added exactly, in any order, and divided by the total weight once."""
     sites = sites_of(peers, regions)
     if hierarchical and len(sites) > 1 and max(map(len, sites)) > 1:
-        by_sites = HierarchicalAllReduce(averager, sites, weight, gid)
-        if not presummed:
-            return by_sites
-
-        def of_sums(round_: int, tensors: list[torch.Tensor]) -> None:
-            if weight:  # with no microbatch the sums are zeros, which phase A weighs by 0
-                for t in tensors:
-                    t.div_(weight)
-            by_sites(round_, tensors)
-
-        return of_sums
+        return HierarchicalAllReduce(averager, sites, weight, gid, presummed)
 
     def flat(round_: int, tensors: list[torch.Tensor]) -> None:
         if presummed:
-            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed=True)])
+            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed="mean")])
         else:
             averager.average(gid(round_, ""), peers, tensors, weight)
         for t in tensors:
@@ -323,12 +324,21 @@ class HierarchicalAllReduce:
        divides by the summed weight, 1.0, so every member gets the float32 rounding of j's values, j included:
        B's float32 average.
     Every replica then rounds the vector to float32 (_round_to_float32), which changes nothing after C and gives
-    a one-member site's replica B's float32 average too."""
+    a one-member site's replica B's float32 average too.
+    With `presummed` (replicas' float64 gradient sums, weight x mean) A adds the sums and the weights exactly
+    instead of averaging them, and B divides the exact total by the total weight once (_SumAccumulator): the mean
+    train-local computes. A member whose site sum rounded (node.stage says when) may hold other float64 bits than
+    its site mates, but B takes each shard from one member per site, so every replica still ends alike."""
 
     def __init__(
-        self, averager: ReplicaAverager, sites: list[list[str]], weight: float, gid: Callable[[int, str], bytes]
+        self,
+        averager: ReplicaAverager,
+        sites: list[list[str]],
+        weight: float,
+        gid: Callable[[int, str], bytes],
+        presummed: bool = False,
     ) -> None:
-        self.averager, self.sites, self.weight, self.gid = averager, sites, weight, gid
+        self.averager, self.sites, self.weight, self.gid, self.presummed = averager, sites, weight, gid, presummed
         self.site = next(r for r, members in enumerate(sites) if averager.peer_id in members)
         self.member = sites[self.site].index(averager.peer_id)
         self.n_shards = max(map(len, sites))
@@ -345,7 +355,8 @@ class HierarchicalAllReduce:
                    for j in range(len(members))]
         site_weight = self._average_in_site(round_, flat)
         self.averager.average_all([
-            Job(self.gid(round_, f"B/{p}"), [site[p % len(site)] for site in self.sites], [shards[p]], site_weight)
+            Job(self.gid(round_, f"B/{p}"), [site[p % len(site)] for site in self.sites], [shards[p]], site_weight,
+                "mean" if self.presummed else "")
             for p in held_by[self.member]
         ])
         if len(members) > 1:
@@ -366,11 +377,18 @@ class HierarchicalAllReduce:
             offset += t.numel()
 
     def _average_in_site(self, round_: int, flat: torch.Tensor) -> float:
-        """Phase A: replace `flat` by the site's weighted mean; returns the site's total weight."""
+        """Phase A: replace `flat` by the site's weighted mean (presummed: its exact sum); returns the site's total
+        weight."""
         members = self.sites[self.site]
         if len(members) == 1:
             return self.weight
         weights = torch.tensor([self.weight], dtype=torch.float64)
+        if self.presummed:
+            self.averager.average_all([
+                Job(self.gid(round_, f"A/{self.site}"), members, [flat], self.weight, "sum"),
+                Job(self.gid(round_, f"A/{self.site}/weight"), members, [weights], 1.0, "sum"),
+            ])
+            return float(weights)
         self.averager.average_all([
             Job(self.gid(round_, f"A/{self.site}"), members, [flat], self.weight),
             Job(self.gid(round_, f"A/{self.site}/weight"), members, [weights], 1.0),
