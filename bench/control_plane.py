@@ -2,9 +2,10 @@
 
 An in-process coordinator (CoordinatorProcess) and three `geotrain join` processes train the default model on
 three stages. Once its first step is committed, one more process adds N simulated members: grpc.aio clients that
-register, hold their order streams open (reading the orders that come), and heartbeat at the run's interval, each
-on a connection of its own, but train nothing. They cannot be planned in: scheduler.stages=3 and
-scheduler.replicas=1 leave no seat for a fourth node, and they joined after the plan was made. The members grow
+register, hold their order streams open (reading the orders that come), and heartbeat when the coordinator says
+(as nodes do: the run's interval at first, less often once it counts many spares), each on a connection of its
+own, but train nothing. They cannot be planned in: scheduler.stages=3 and scheduler.replicas=1 leave no seat for a
+fourth node, and they joined after the plan was made. The members grow
 0 -> 100 -> 1000 in the same run; after each growth and a warm-up, a window of --window seconds is measured.
 
 One JSON line per N: members, heartbeat_p99_ms (the simulated members' heartbeat round trips in the window; null
@@ -93,14 +94,17 @@ class Members:
             orders = stub.Orders(pb.OrdersRequest(node_id=node_id), metadata=self._md("Orders", node_id))
             reader = asyncio.create_task(self._read(orders, epoch))
             ready.set_result(node_id)
-            await asyncio.sleep(random.uniform(0, reply.heartbeat_interval_s))  # members beat out of phase
+            interval = reply.heartbeat_interval_s
+            await asyncio.sleep(random.uniform(0, interval))  # members beat out of phase
             while not reader.done():
                 t0 = time.perf_counter()
                 beat = pb.HeartbeatRequest(node_id=node_id, plan_epoch=epoch[0])
-                if not (await stub.Heartbeat(beat, metadata=self._md("Heartbeat", node_id), timeout=30)).known:
+                answer = await stub.Heartbeat(beat, metadata=self._md("Heartbeat", node_id), timeout=30)
+                if not answer.known:
                     raise RuntimeError(f"{node_id} is unknown to the coordinator")
                 self.samples.append(time.perf_counter() - t0)
-                await asyncio.sleep(max(0.0, reply.heartbeat_interval_s - (time.perf_counter() - t0)))
+                interval = answer.next_heartbeat_s or interval  # as a node does: spares of a large run beat less
+                await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
             raise RuntimeError(f"{node_id}'s order stream ended")
         except (grpc.aio.AioRpcError, RuntimeError) as e:
             self.errors.append(str(e))

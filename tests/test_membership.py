@@ -13,6 +13,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused
+from geotrain.scheduler.membership import Lifecycle
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -105,4 +106,24 @@ def test_the_status_is_rendered_a_few_times_a_second_however_often_it_is_asked(m
     assert all(r.nodes[0].node_id == "node-1" for r in replies)
     _register(c)  # an event: the next status shows it at once
     assert [n.node_id for n in c.status().nodes] == ["node-1", "node-2"]
+    c.store.close()
+
+
+def test_spares_of_a_large_run_beat_less_often_and_are_given_as_many_of_their_intervals():
+    c = Coordinator(load_config(None, ["scheduler.heartbeat_interval_s=1", "scheduler.heartbeat_timeout_s=5"]))
+    ids = [_register(c, address=f"127.0.0.1:{1000 + i}").node_id for i in range(200)]
+    serving = c.members[ids[0]]
+    serving.lifecycle = Lifecycle.SERVING  # as a plan would have it
+    beat = lambda node_id: c.heartbeat(pb.HeartbeatRequest(node_id=node_id)).next_heartbeat_s  # noqa: E731
+    assert beat(ids[1]) == 1.0, "a small crowd of spares beats at the run's interval until the timer counts them"
+    c.membership.check_liveness()
+    assert beat(ids[1]) == pytest.approx(199 / 50) and beat(ids[0]) == 1.0
+    for member in (serving, c.members[ids[1]]):
+        member.last_seen -= 10  # two of the run's timeouts, half of the spare's
+    c.membership.check_liveness()
+    assert not serving.alive and c.members[ids[1]].alive
+    c.members[ids[1]].last_seen -= 15
+    c.membership.check_liveness()
+    assert not c.members[ids[1]].alive
+    assert not c.heartbeat(pb.HeartbeatRequest(node_id=ids[1])).known
     c.store.close()

@@ -284,10 +284,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "next_heartbeat_s")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    next_heartbeat_s: float
+    def __init__(self, known: _Optional[bool] = ..., next_heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class OrdersRequest(_message.Message):
     __slots__ = ("node_id",)

@@ -156,7 +156,8 @@ class Coordinator:
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """Note that a node is alive, which plan and state it runs, and what it measured."""
-        return pb.HeartbeatReply(known=self.membership.heartbeat(request))
+        next_s = self.membership.heartbeat(request)
+        return pb.HeartbeatReply(known=next_s is not None, next_heartbeat_s=next_s or 0.0)
 
     def report_profile(self, request: pb.NodeProfileReport) -> None:
         """Keep a node's latest profile; KeyError for an unknown node, ValueError for a malformed report."""

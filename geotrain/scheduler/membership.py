@@ -43,6 +43,10 @@ class Rejected(Exception):
         self.reason = reason
 
 
+# Spares (members that serve no stage) heartbeat this often per second all together at most: a thousand idle
+# volunteers would otherwise cost the coordinator a thousand calls a second, on the cores the run needs. Only the
+# plan's nodes need the run's interval: a spare found dead a little later costs nothing until it is planned in.
+_SPARE_HEARTBEATS_PER_S = 50.0
 # libp2p peer ids are about 52 characters; a node reports counters for the links it sends on, a few per neighbour.
 _PEER_ID_CHARS = 128
 _LINKS = 1024
@@ -72,6 +76,9 @@ class Lifecycle(enum.Enum):
     DEAD = "dead"
 
 
+_SPARE = (Lifecycle.JOINED, Lifecycle.PROFILED)
+
+
 @dataclass
 class Member:
     """A node that registered."""
@@ -92,6 +99,7 @@ class Member:
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
+    beat_every: float = 0.0  # the heartbeat interval it was last told (0: the run's, from registration)
     failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
     failure: str = ""  # why, as it reported
 
@@ -119,6 +127,7 @@ class Membership:
         self.stop_requested = threading.Event()
         self._suspects: set[str] = set()
         self._next_id = 1
+        self._spare_interval_s = cfg.heartbeat_interval_s  # what spares are told; set by the liveness timer
 
     # -- changes from RPC threads ---------------------------------------------------------------------------------
 
@@ -164,8 +173,9 @@ class Membership:
         """The member has missed more than two heartbeats (a restarted node may take its id back)."""
         return time.monotonic() - member.last_seen > 2 * self.cfg.heartbeat_interval_s
 
-    def heartbeat(self, request: pb.HeartbeatRequest) -> bool:
-        """Note that a node is alive, which plan and state it runs, and what it measured; False if unknown or dead."""
+    def heartbeat(self, request: pb.HeartbeatRequest) -> float | None:
+        """Note that a node is alive, which plan and state it runs, and what it measured; returns the seconds until
+        its next heartbeat, None if it is unknown or dead."""
         if not (math.isfinite(request.microbatches_per_s) and request.microbatches_per_s >= 0):
             raise ReportRefused(f"heartbeat from {request.node_id} refused: its speed is not a finite number >= 0")
         if len(request.dht_peer_id) > _PEER_ID_CHARS or len(request.links) > _LINKS:
@@ -173,8 +183,9 @@ class Membership:
         with self.cond:
             member = self.members.get(request.node_id)
             if member is None or not member.alive:
-                return False
+                return None
             member.last_seen = time.monotonic()
+            member.beat_every = self._spare_interval_s if member.lifecycle in _SPARE else self.cfg.heartbeat_interval_s
             # Waiters watch these (and the peer id); a heartbeat that changes none of them wakes nobody, so a
             # thousand idle members cost the step driver nothing.
             changed = (request.plan_epoch, request.applied_step, request.state_epoch, request.dht_peer_id) != (
@@ -192,7 +203,7 @@ class Membership:
             member.microbatches_per_s = request.microbatches_per_s
             if changed:
                 self.cond.notify_all()
-        return True
+            return member.beat_every
 
     def set_profile(self, request: pb.NodeProfileReport) -> None:
         """Keep a node's latest (already checked) profile; KeyError for an unknown node."""
@@ -263,17 +274,23 @@ class Membership:
         """Declare dead the members that are silent past the timeout (or late and reported failing by peers)."""
         now = time.monotonic()
         died = []
+        base = self.cfg.heartbeat_interval_s
         with self.cond:
+            spares = 0
             for member in self.members.values():
+                spares += member.lifecycle in _SPARE
+                # A member told to beat less often than the run's interval is given as many of its intervals.
+                stretch = max(1.0, member.beat_every / base)
                 late = now - member.last_seen
-                suspect_late = member.node_id in self._suspects and late > 1.5 * self.cfg.heartbeat_interval_s
-                if member.alive and (late > self.cfg.heartbeat_timeout_s or suspect_late):
+                suspect_late = member.node_id in self._suspects and late > 1.5 * base * stretch
+                if member.alive and (late > self.cfg.heartbeat_timeout_s * stretch or suspect_late):
                     member.lifecycle = Lifecycle.DEAD
                     self._suspects.discard(member.node_id)
                     self.orders.close(member.node_id)
                     died.append((member, "peers report it failing" if suspect_late else f"no heartbeat for {late:.1f}s"))
             if died:
                 self.cond.notify_all()
+            self._spare_interval_s = max(base, spares / _SPARE_HEARTBEATS_PER_S)
         for member, why in died:
             log.warning("node %s is dead: %s", member.node_id, why)
             self.store.upsert_member(member.node_id, member.address, member.region, "dead")
