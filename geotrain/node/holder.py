@@ -1,0 +1,178 @@
+"""The node's stage holder: the plan it follows, the stage runtime it holds, layers kept for their new holders,
+state loaded from a replica or the checkpoint and served to others, and who its neighbours are."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import torch
+
+from geotrain.config import RunConfig
+from geotrain.node.data import Corpus
+from geotrain.node.dataplane import LinkShape
+from geotrain.node.failures import StageFailure
+from geotrain.node.handover import HeldStates
+from geotrain.node.link import NodeError
+from geotrain.node.routing import ReplicaRouter
+from geotrain.node.stage import StageRuntime
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.transport import make_channel
+
+log = logging.getLogger(__name__)
+
+_STATE_DEADLINE_S = 300.0
+
+
+class StageHolder:
+    """The Agent's plan, stage and state (a part of Agent)."""
+
+    cfg: RunConfig | None
+    corpus: Corpus | None
+    plan: pb.Plan | None
+    stage_index: int
+    runtime: StageRuntime | None
+    state_epoch: int  # plan epoch whose LoadState this node completed
+    held: HeldStates  # layers a new plan moved this node away from, served until taken over
+    router: ReplicaRouter
+    _state_lock: threading.Lock  # parameters change only under it (apply, load) and are read under it
+    _peer_regions: dict[str, str]  # from plans and probe orders: what the link emulator shapes by
+
+    def _apply_plan(self, plan: pb.Plan) -> None:
+        assert self.cfg is not None
+        index = next((s.index for s in plan.stages if self.node_id in s.node_ids), -1)
+        stage = plan.stages[index] if index >= 0 else None
+        with self._state_lock:
+            self.held.release_except(plan.steps_done)  # copies of another step can help no one take over
+            layers = (stage.layer_start, stage.layer_end) if stage is not None else None
+            if self.runtime is not None and (self.runtime.start, self.runtime.end) == layers:
+                self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
+            else:
+                if self.runtime is not None:
+                    # Whoever takes these layers over may still fetch them from here.
+                    self.held.keep(self.runtime, plan.steps_done)
+                # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
+                # unless this node still holds the layers at the committed step from an earlier plan.
+                self.runtime = None if layers is None else (
+                    self.held.take(layers, plan.steps_done) or StageRuntime(self.cfg, *layers)
+                )
+            self.plan, self.stage_index = plan, index
+            for s in plan.stages:
+                self._peer_regions.update(zip(s.node_ids, s.regions))
+            self._head = None
+            self.router.reset()
+        peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
+        self.dataplane.reset_links(peers)
+        if stage is not None and index + 1 < len(plan.stages):
+            # Each pair is probed by its upstream end only: two probes at once, one each way, skew each other.
+            after = plan.stages[index + 1]
+            self.profiler.neighbours(dict(zip(after.node_ids, after.addresses)))
+        where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
+        if stage is not None and stage.hierarchical_allreduce:
+            where += ", replicas averaging region by region"
+        log.info("plan epoch %d: %s", plan.epoch, where)
+        self._heartbeat()  # tells the coordinator this epoch is in place
+
+    def _load_state(self, order: pb.LoadState) -> None:
+        """Take over the stage's committed state from a live replica or the coordinator's checkpoint."""
+        runtime = self.runtime
+        assert runtime is not None and self.cfg is not None
+        started = time.monotonic()
+        if order.steps_done == 0:
+            # A rollback to the very start: the state is each layer's initialisation from the seed.
+            with self._state_lock:
+                self.runtime = StageRuntime(self.cfg, runtime.start, runtime.end)
+            self.state_epoch = order.plan_epoch
+            self._heartbeat()
+            return
+        source = order.source_address or "the coordinator's checkpoint"
+        try:
+            state = self._fetch_state(order, runtime.start, runtime.end)
+            with self._state_lock:
+                runtime.load_full_state(state, order.steps_done)
+                checksum = runtime.checksum()
+        except (grpc.RpcError, FrameError, ValueError) as e:
+            detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            raise StageFailure(
+                pb.FAILURE_REASON_STATE, f"cannot load the state after {order.steps_done} steps from {source}: {detail}"
+            ) from e
+        if order.expected_checksum and checksum != order.expected_checksum:
+            raise StageFailure(
+                pb.FAILURE_REASON_STATE, f"state loaded for step {order.steps_done} from {source} fails its checksum"
+            )
+        self.state_epoch = order.plan_epoch
+        log.info(
+            "loaded state after %d steps from %s in %.2fs",
+            order.steps_done, order.source_address or "the coordinator's checkpoint", time.monotonic() - started,
+        )
+        self._heartbeat()
+
+    def _fetch_state(self, order: pb.LoadState, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Layers [start, end) after order.steps_done steps, from the order's source node or the checkpoint."""
+        if order.source_address:
+            channel = make_channel(order.source_address, self.options.token, lambda: self.node_id, self.options.tls)
+            try:
+                request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=start, layer_end=end)
+                stream = rpc.StageStub(channel).FetchState(request, timeout=_STATE_DEADLINE_S)
+                return framing.read_state(stream, self.options.max_tensor_bytes)
+            finally:
+                channel.close()
+        request = pb.FetchCheckpointRequest(layer_start=start, layer_end=end, steps_done=order.steps_done)
+        return framing.read_state(
+            self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
+        )
+
+    def state_snapshot(
+        self, steps_done: int, layers: tuple[int, int] | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Copies of the parameters and optimizer state of `layers` (None: the current stage's) after steps_done
+        steps, from the current stage or one a newer plan moved this node away from; None if not held."""
+        with self._state_lock:
+            runtime = self.runtime
+            if layers is not None and (runtime is None or (runtime.start, runtime.end) != layers):
+                runtime = self.held.get(layers, steps_done)
+            if runtime is None or runtime.applied_step + 1 != steps_done:
+                return None
+            return [(name, t.detach().clone()) for name, t in runtime.full_state()]
+
+    def _peer(self, stage_index: int) -> tuple[str, str]:
+        """(node id, address) of the replica of `stage_index` expected to finish a microbatch first."""
+        assert self.plan is not None
+        stage = self.plan.stages[stage_index]
+        node_id = self.router.pick(list(stage.node_ids))
+        return node_id, stage.addresses[list(stage.node_ids).index(node_id)]
+
+    def _address_of(self, node_id: str) -> str:
+        """Address of a node of the plan."""
+        assert self.plan is not None
+        for stage in self.plan.stages:
+            if node_id in stage.node_ids:
+                return stage.addresses[list(stage.node_ids).index(node_id)]
+        raise KeyError(node_id)
+
+    def _link_shape(self, peer: str) -> tuple[str, LinkShape] | None:
+        """The emulated link to peer: the node's own flags, else the run config's region matrix."""
+        if self.options.bandwidth_mbps or self.options.latency_ms:
+            return "egress", LinkShape(self.options.bandwidth_mbps * 1e6, self.options.latency_ms / 1e3)
+        if self.cfg is None or not self.cfg.emulation.links:
+            return None
+        region = self._peer_regions.get(peer)
+        if region is None:  # not a peer of a plan or a probe (the coordinator): its region is unknown, unshaped
+            return None
+        shape = self.cfg.emulation.link(self.options.region, region)
+        return (region, LinkShape(shape[0] * 1e6, shape[1] / 1e3)) if shape else None
+
+    def _load_corpus(self) -> None:
+        assert self.cfg is not None
+        corpus = Corpus.load(self.cfg.data)
+        if self.cfg.data.fingerprint and corpus.fingerprint != self.cfg.data.fingerprint:
+            raise NodeError(
+                "this node's corpus differs from the coordinator's (another Python version's stdlib?): "
+                "set data.paths in the run config to files every node has"
+            )
+        self.corpus = corpus

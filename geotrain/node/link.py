@@ -1,0 +1,204 @@
+"""The node's link to the coordinator: register (again after a coordinator restart), the heartbeat loop, the order
+stream and its dispatch to the worker, and reports sent off the worker thread with retries."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from geotrain import __version__
+from geotrain.compression import PowerSgdCodec, get_codec
+from geotrain.compression.policy import CodecPolicy
+from geotrain.config import from_proto
+from geotrain.node.lowrank import LowRankAveraging
+from geotrain.node.worker import CONTROL
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.tls import tls_mismatch
+from geotrain.protocol.transport import call_with_retry
+from geotrain.protocol.version import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+RPC_DEADLINE_S = 30.0
+# Kinds of traffic the data plane carries, by the [compression] key of their codec.
+_TRAFFIC = ("activations", "activation_grads")
+
+
+class NodeError(RuntimeError):
+    """The node cannot take part in the run (rejected, incompatible corpus, coordinator gone)."""
+
+
+class CoordinatorLink:
+    """The Agent's side of the coordinator protocol (a part of Agent: orders are handled by its other parts)."""
+
+    coordinator: rpc.CoordinatorStub
+    heartbeat_interval_s: float
+    run_id: str
+    _orders: grpc.Future | None  # the open order stream, cancelled by stop()
+    _must_register: threading.Event
+
+    def _register(self) -> list[str]:
+        """Register (again, after a coordinator restart, with the stage this node holds); returns DHT peers."""
+        runtime = self.runtime
+        request = pb.RegisterRequest(
+            protocol_version=PROTOCOL_VERSION,
+            node_id=self.node_id,
+            address=self.address,
+            region=self.options.region,
+            software_version=__version__,
+            layer_start=runtime.start if runtime else 0,
+            layer_end=runtime.end if runtime else 0,
+            applied_steps=runtime.applied_step + 1 if runtime else 0,
+        )
+        reply = self._retry_until_reachable(lambda: self.coordinator.Register(request, timeout=RPC_DEADLINE_S))
+        if not reply.accepted:
+            raise NodeError(f"coordinator rejected this node ({pb.RejectReason.Name(reply.reason)}): {reply.message}")
+        self.node_id = reply.node_id
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
+        self.cfg = from_proto(reply.config)
+        self._policies = {kind: CodecPolicy(kind, getattr(self.cfg.compression, kind)) for kind in _TRAFFIC}
+        replica_codec = get_codec(self.cfg.compression.replica_grads)
+        self._low_rank = LowRankAveraging(replica_codec) if isinstance(replica_codec, PowerSgdCodec) else None
+        self.run_id = reply.run_id
+        self._must_register.clear()
+        self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
+        log.info("registered as %s, serving on %s", self.node_id, self.address)
+        return list(reply.dht_initial_peers)
+
+    def _retry_until_reachable(self, call: Callable[[], object]):
+        """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""
+        deadline = time.monotonic() + self.options.give_up_after_s
+        backoff = 0.2
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise NodeError(f"the coordinator refused the run token ({e.details()})") from None
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                self._check_tls_matches()
+                if time.monotonic() > deadline or self.stopped.is_set():
+                    raise NodeError(f"coordinator {self.options.coordinator} unreachable: {e.details()}") from None
+                log.debug("coordinator unreachable, retrying in %.1fs", backoff)
+                self.stopped.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _check_tls_matches(self) -> None:
+        """Raise NodeError when the coordinator answers but not in this node's TLS (or plaintext): gRPC reports that
+        as the coordinator being unavailable, and retrying cannot help."""
+        problem = tls_mismatch(self.options.coordinator, self.options.tls)
+        if problem is not None:
+            raise NodeError(f"the coordinator {problem}")
+
+    def _orders_loop(self) -> None:
+        while not self.stopped.is_set():
+            if self._must_register.is_set():
+                self._register()
+            self._orders = self._retry_until_reachable(
+                lambda: self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
+            )
+            try:
+                for order in self._orders:
+                    if self._on_order(order):
+                        return
+            except grpc.RpcError as e:
+                if self.stopped.is_set():
+                    return
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self._must_register.set()  # a restarted coordinator does not know us yet
+                elif e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                log.warning("order stream broke (%s); reconnecting", e.details())
+                self.stopped.wait(0.2)
+
+    def _on_order(self, order: pb.Order) -> bool:
+        """Queue one order; True when it ends the node's work."""
+        kind = order.WhichOneof("kind")
+        if kind == "shutdown":
+            log.info("coordinator ends the run: %s", order.shutdown.reason)
+            self.stopped.set()
+            if order.shutdown.aborted:
+                # A failed run is not this node's success: exit non-zero, so a service manager restarts it.
+                raise NodeError(f"the coordinator ended the run: {order.shutdown.reason}")
+            return True
+        if kind == "probe_peers":
+            probe = order.probe_peers
+            self._peer_regions.update(zip(probe.node_ids, probe.regions))
+            self.profiler.neighbours(dict(zip(probe.node_ids, probe.addresses)))
+            return False
+        if kind == "plan":
+            self._newest_epoch = max(self._newest_epoch, order.plan.epoch)
+            if self.averager is not None:
+                self.averager.cancel_all()  # an all-reduce of the abandoned epoch must not hold up the new plan
+        handlers: dict[str, Callable[[], None]] = {
+            "plan": lambda: self._apply_plan(order.plan),
+            "load_state": lambda: self._load_state(order.load_state),
+            "start_step": lambda: self._start_step(order.start_step),
+            "evaluate": lambda: self._evaluate(order.evaluate),
+            "commit": lambda: self._commit(order.commit),
+            "apply": lambda: self._apply(order.apply),
+        }
+        self._submit(CONTROL, handlers[kind])
+        return False
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopped.wait(self.heartbeat_interval_s):
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        sent, received = self.dataplane.totals()
+        runtime = self.runtime
+        request = pb.HeartbeatRequest(
+            node_id=self.node_id,
+            plan_epoch=self.plan.epoch if self.plan else 0,
+            bytes_sent=sent,
+            bytes_received=received,
+            links=self.dataplane.link_counters(),
+            microbatches_per_s=self.throughput.rate(),
+            applied_step=runtime.applied_step + 1 if runtime else 0,
+            dht_peer_id=self.averager.peer_id if self.averager is not None else "",
+            state_epoch=self.state_epoch,
+        )
+        try:
+            reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))
+        except grpc.RpcError as e:
+            log.debug("heartbeat failed: %s", e.details())
+            return
+        except ValueError:  # the channel closed under us while shutting down
+            return
+        if not reply.known and not self._must_register.is_set():
+            log.warning("the coordinator does not know this node (restarted, or declared it dead): registering again")
+            self._must_register.set()
+            if self._orders is not None:
+                self._orders.cancel()
+
+    def _send(self, fn: Callable[[], None], what: str, peer: str = "") -> None:
+        def run() -> None:
+            try:
+                fn()
+            except grpc.RpcError as e:
+                log.warning("%s failed: %s %s", what, e.code().name, e.details())
+                if peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._report_failure(peer, f"{what}: {e.code().name}")
+
+        self._sender.submit(run)
+
+    def _report(self, method: Callable, request: object) -> None:
+        """Send a report to the coordinator off the worker thread, retrying while it is unavailable."""
+        self._send(lambda: call_with_retry(lambda: method(request, timeout=RPC_DEADLINE_S)), type(request).__name__)
+
+    def _report_failure(self, peer: str, detail: str) -> None:
+        """Tell the coordinator that calls to peer fail, so it can declare the peer dead before its heartbeat lapses."""
+        self._send_failure_report(pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail))
+
+    def _send_failure_report(self, request: pb.FailureReport) -> None:
+        try:
+            self.coordinator.ReportFailure(request, timeout=5.0)
+        except grpc.RpcError as e:
+            log.debug("failure report lost: %s", e.details())

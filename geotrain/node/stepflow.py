@@ -1,0 +1,295 @@
+"""The node's part in a step: the data head's window of microbatches, forward and backward on incoming tensors,
+evaluation, and the commit (replica averaging, gradient norms) and apply that end a step."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from geotrain.compression.policy import CodecPolicy
+from geotrain.lifetime import tie_children_to_this_process
+from geotrain.node.dataplane import Encoded
+from geotrain.node.failures import StageFailure
+from geotrain.node.link import RPC_DEADLINE_S
+from geotrain.node.lowrank import LowRankAveraging
+from geotrain.node.model import loss_fn
+from geotrain.node.servicer import check_activation_header
+from geotrain.node.stage import StageRuntime
+from geotrain.node.worker import BACKWARD, FORWARD
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.framing import FrameError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _HeadState:
+    """A data head's share of the current step."""
+
+    epoch: int
+    step: int
+    waiting: deque[int]
+    in_flight: set[int] = field(default_factory=set)
+
+
+class StepFlow:
+    """The Agent's compute in a step, as the StageHandler the servicer hands tensors to (a part of Agent)."""
+
+    _head: _HeadState | None
+    _policies: dict[str, CodecPolicy]  # traffic kind -> its codec policy, from the run config
+    _low_rank: LowRankAveraging | None  # replicas average PowerSGD factors (replica_grads)
+    _dht: object
+    averager: object  # ReplicaAverager once the DHT is up
+    _averaging_ready: threading.Event
+
+    def _start_step(self, start: pb.StartStep) -> None:
+        assert self.cfg is not None and self.plan is not None
+        self._head = _HeadState(epoch=self.plan.epoch, step=start.step, waiting=deque(start.microbatches))
+        for _ in range(min(self.cfg.train.inflight, len(start.microbatches))):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        head = self._head
+        if head is None or not head.waiting:
+            return
+        microbatch = head.waiting.popleft()
+        head.in_flight.add(microbatch)
+        self._submit(FORWARD, lambda: self._head_forward(head.step, microbatch), head.epoch)
+
+    def _batch(self, step: int, microbatch: int, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.cfg is not None and self.corpus is not None
+        return self.corpus.batch(
+            seed=self.cfg.run.seed,
+            step=step,
+            microbatch=microbatch,
+            size=self.cfg.train.microbatch_size,
+            seq_len=self.cfg.model.seq_len,
+            validation=validation,
+        )
+
+    def _ref(self, step: int, microbatch: int, path: list[str], **extra) -> pb.MicrobatchRef:
+        assert self.plan is not None
+        return pb.MicrobatchRef(plan_epoch=self.plan.epoch, step=step, microbatch=microbatch, path=path, **extra)
+
+    def _forward_to_next(self, ref: pb.MicrobatchRef, outputs: torch.Tensor) -> None:
+        assert self.cfg is not None
+        peer, address = self._peer(self.stage_index + 1)
+        if not ref.eval:
+            self.router.sent(peer, ref.step, ref.microbatch)
+        encoded = self._encode("activations", peer, address, "forward", outputs)
+        send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
+        self._send(send, f"forward to {peer}", peer)
+
+    def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
+        assert self.cfg is not None
+        peer = ref.path[self.stage_index - 1]
+        address = self._address_of(peer)
+        encoded = self._encode("activation_grads", peer, address, "backward", grad)
+        send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
+        self._send(send, f"backward to {peer}", peer)
+
+    def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
+        """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
+
+        On the worker thread, not the senders': a link's codec state (PowerSGD's warm start) then sees its tensors
+        in the order the worker produced them, whatever order the sender threads run in."""
+        estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
+        codec = self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
+        return self.dataplane.encode(peer, address, direction, codec, tensor)
+
+    def _head_forward(self, step: int, microbatch: int) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        x, y = self._batch(step, microbatch)
+        outputs = runtime.forward((step, microbatch), x)
+        path = [self.node_id]
+        if runtime.is_last:
+            loss, _ = runtime.loss_backward((step, microbatch), y)
+            self.throughput.tick()
+            self._microbatch_done(step, microbatch, path, loss)
+        else:
+            self._forward_to_next(self._ref(step, microbatch, path), outputs)
+
+    def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
+        assert self.cfg is not None and self.plan is not None
+        request = pb.MicrobatchDoneRequest(
+            node_id=self.node_id,
+            step=step,
+            microbatch=microbatch,
+            path=path,
+            loss=loss,
+            tokens=self.cfg.train.microbatch_size * self.cfg.model.seq_len,
+            plan_epoch=self.plan.epoch,
+        )
+        self._report(self.coordinator.MicrobatchDone, request)
+        if self._head is not None and self._head.step == step:
+            self._head.in_flight.discard(microbatch)
+            self._launch_next()
+
+    def check_incoming(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader) -> None:
+        """Raise FrameError unless this node's current plan expects this tensor."""
+        plan, runtime, cfg = self.plan, self.runtime, self.cfg
+        if plan is None or runtime is None or cfg is None:
+            raise FrameError(grpc.StatusCode.UNAVAILABLE, "this node has no stage yet")
+        if ref.plan_epoch != plan.epoch:
+            raise FrameError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"plan epoch {ref.plan_epoch}, this node runs epoch {plan.epoch}"
+            )
+        if direction == "forward":
+            if runtime.is_first:
+                raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the first stage takes no activations")
+            if len(ref.path) != self.stage_index or ref.path[-1] not in plan.stages[self.stage_index - 1].node_ids:
+                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "activation path does not lead to this stage")
+            kind = "activations"
+        else:
+            if runtime.is_last:
+                raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the last stage takes no gradients")
+            if len(ref.path) != len(plan.stages) or ref.path[self.stage_index] != self.node_id:
+                raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "gradient path does not pass through this node")
+            kind = "activation_grads"
+        shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
+        check_activation_header(header, shape, self._policies[kind].accepted_ids, self.options.max_tensor_bytes)
+
+    def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
+        """Queue the compute for a validated incoming tensor."""
+        sender = ref.path[-1] if direction == "forward" else ref.path[self.stage_index + 1]
+        self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
+        if direction == "forward":
+            self._submit(FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
+        else:
+            self.router.returned(sender, ref.step, ref.microbatch)
+            self._submit(BACKWARD, lambda: self._on_backward(ref, tensor), ref.plan_epoch)
+
+    def _on_forward(self, ref: pb.MicrobatchRef, x: torch.Tensor) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        key = (ref.step, ref.microbatch)
+        path = [*ref.path, self.node_id]
+        if ref.eval:
+            outputs = runtime.evaluate(x)
+            if runtime.is_last:
+                self._eval_done(ref.step, ref.microbatch, outputs)
+            else:
+                self._forward_to_next(self._ref(ref.step, ref.microbatch, path, eval=True), outputs)
+            return
+        if runtime.is_last:
+            runtime.forward(key, x)
+            _, y = self._batch(ref.step, ref.microbatch)
+            loss, grad = runtime.loss_backward(key, y)
+            self.throughput.tick()
+            self._backward_to_previous(self._ref(ref.step, ref.microbatch, path, loss=loss), grad)
+        else:
+            self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x))
+
+    def _on_backward(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        grad_in = runtime.backward((ref.step, ref.microbatch), grad)
+        self.throughput.tick()
+        if runtime.is_first:
+            self._microbatch_done(ref.step, ref.microbatch, list(ref.path), ref.loss)
+        else:
+            self._backward_to_previous(ref, grad_in)
+
+    def _evaluate(self, order: pb.Evaluate) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        for microbatch in order.microbatches:
+            x, _ = self._batch(order.step, microbatch, validation=True)
+            outputs = runtime.evaluate(x)
+            if runtime.is_last:
+                self._eval_done(order.step, microbatch, outputs)
+            else:
+                self._forward_to_next(self._ref(order.step, microbatch, [self.node_id], eval=True), outputs)
+
+    def _eval_done(self, step: int, microbatch: int, logits: torch.Tensor) -> None:
+        assert self.plan is not None
+        _, y = self._batch(step, microbatch, validation=True)
+        loss = loss_fn(logits, y).item()
+        request = pb.EvalDoneRequest(
+            node_id=self.node_id, step=step, microbatch=microbatch, loss=loss, plan_epoch=self.plan.epoch
+        )
+        self._report(self.coordinator.EvalDone, request)
+
+    def _commit(self, order: pb.CommitStep) -> None:
+        """Average the step's gradients with the stage's other replicas, then report their squared norm."""
+        runtime, plan = self.runtime, self.plan
+        assert runtime is not None and plan is not None
+        if order.plan_epoch != plan.epoch:
+            return
+        stage = plan.stages[self.stage_index]
+        if len(stage.node_ids) == 1:
+            runtime.mean_gradients(order.step)
+        else:
+            if not self._averaging_ready.wait(RPC_DEADLINE_S) or self.averager is None:
+                raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
+            try:
+                self._average_with_replicas(runtime, plan, stage, order.step)
+            except Exception as e:
+                why = f"averaging with the stage's replicas failed: {e!r}"
+                raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
+        parts = runtime.grad_sq_norm_parts()
+        request = pb.GradNormRequest(
+            node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch
+        )
+        self._report(self.coordinator.GradNorm, request)
+
+    def _average_with_replicas(
+        self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int
+    ) -> None:
+        """Replace the step's gradients by their weighted mean over the stage's replicas."""
+        from geotrain.node.averaging import group_id, replica_all_reduce
+
+        assert self.averager is not None
+        all_reduce = replica_all_reduce(
+            self.averager,
+            list(stage.peer_ids),
+            list(stage.regions),
+            float(runtime.counted(step)),
+            lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
+            hierarchical=stage.hierarchical_allreduce,
+            presummed=self._low_rank is None,
+        )
+        if self._low_rank is not None:
+            runtime.mean_gradients(step)
+            self._low_rank.average(plan.epoch, runtime.gradients(), all_reduce)
+            return
+        # The replicas' float64 sums, added exactly by the all-reduce: the mean train-local computes. hivemind
+        # returns deltas; x64 + delta lies close enough to the reducer's float32 mean that all_reduce rounds it back
+        # to exactly that on every replica, so replicas stay bit-identical.
+        runtime.mean_gradients(step, lambda sums: all_reduce(0, sums))
+
+    def _apply(self, order: pb.ApplyStep) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        with self._state_lock:
+            runtime.apply(order.step, order.clip_coef, order.lr)
+            checksum = runtime.checksum()
+            self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
+        self._head = None
+        request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
+        self._report(self.coordinator.StepApplied, request)
+
+    def _start_averaging(self, initial_peers: list[str]) -> None:
+        """Join the run's hivemind DHT, through which replicas of a stage average their gradients."""
+        from hivemind import DHT
+
+        from geotrain.node.averaging import ReplicaAverager
+
+        host = self.address.rsplit(":", 1)[0]
+        tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed node
+        try:
+            self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+            self.averager = ReplicaAverager(self._dht)
+        except Exception:
+            log.exception("cannot start hivemind: this node cannot serve as a stage replica")
+            self._averaging_ready.set()  # settled: a commit that needs averaging fails at once, not after a wait
+            return
+        self._averaging_ready.set()
+        self._heartbeat()

@@ -1,0 +1,74 @@
+"""The node's worker: one thread does all compute and state changes, taking tasks from a priority queue (control
+first, then backward, then forward, as 1F1B prefers draining). A task tagged with a plan epoch is dropped once that
+epoch is over; a task that fails reports this node failing in its epoch to the coordinator at once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+from geotrain.compression.policy import StageTimer
+from geotrain.node.failures import StageFailure, self_report
+from geotrain.node.profiler import stretch
+from geotrain.protocol import geotrain_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Task priorities: lower runs first.
+CONTROL, BACKWARD, FORWARD = 0, 1, 2
+_TIMED = {FORWARD: "forward", BACKWARD: "backward"}
+
+
+class Worker:
+    """The Agent's task queue and worker loop (a part of Agent: it reads the plan and sends through its link)."""
+
+    _tasks: queue.PriorityQueue
+    _seq: itertools.count
+    _sender: futures.ThreadPoolExecutor  # sends tensors and reports so compute never waits on the network
+    compute: StageTimer
+    _newest_epoch: int  # newest plan epoch ordered (the worker may not have applied it yet)
+    _reported_epoch: int  # plan epoch this node last reported itself failing in: one report fails it
+
+    def _submit(self, priority: int, task: Callable[[], None], epoch: int | None = None) -> None:
+        """Queue a task; one tagged with a plan epoch is dropped if the epoch has changed by the time it runs."""
+        self._tasks.put((priority, next(self._seq), task, epoch))
+
+    def _work_loop(self) -> None:
+        while not self.stopped.is_set():
+            priority, _, task, epoch = self._tasks.get()
+            if task is None:
+                return
+            if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
+                continue
+            started = time.monotonic()
+            try:
+                task()
+            except Exception as e:
+                self._task_failed(e)
+            if epoch is not None:  # emulated slower hardware stretches every compute task, not the control ones
+                stretch(started, self.options.slowdown)
+            if priority in _TIMED:
+                self.compute.observe(_TIMED[priority], time.monotonic() - started)
+
+    def _task_failed(self, error: Exception) -> None:
+        """Tell the coordinator at once that this node cannot take part in the current epoch (rather than let the
+        step time out), unless a newer plan has already abandoned the epoch the task belonged to."""
+        plan, runtime = self.plan, self.runtime
+        if plan is None:  # nothing to fail yet (e.g. timing the layers): the coordinator sees no profile
+            log.error("task failed", exc_info=error)
+            return
+        if plan.epoch != self._newest_epoch or plan.epoch == self._reported_epoch:
+            log.debug("task failed in plan epoch %d, abandoned or reported already: %r", plan.epoch, error)
+            return
+        self._reported_epoch = plan.epoch
+        report = self_report(self.node_id, error, plan.epoch, runtime.applied_step + 1 if runtime else 0)
+        why = pb.FailureReason.Name(report.reason)
+        log.warning(
+            "cannot take part in plan epoch %d (%s): %s", plan.epoch, why, report.detail,
+            exc_info=not isinstance(error, StageFailure),
+        )
+        self._sender.submit(self._send_failure_report, report)
