@@ -246,3 +246,18 @@ def test_llama_settings_travel_to_nodes_and_byte_gpt_refuses_them():
         load_config(None, ["model.init_from=/ckpt"])
     with pytest.raises(ConfigError, match=r"model.n_kv_heads must divide model.n_heads \(4\), got 3"):
         load_config(None, [*LLAMA, "model.n_kv_heads=3"])
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_three_llama_stages_over_grpc_equal_train_local(tmp_path):
+    """A seeded llama (grouped-query attention, tied at the start) on the byte corpus needs no file."""
+    from tests.test_pipeline import _train_both
+
+    settings = [
+        "model.family=llama", "model.n_kv_heads=2", "model.tie_embeddings=true", "run.steps=5",
+        "train.microbatches=6", "train.inflight=3", "run.eval_every=0", "scheduler.placement=uniform",
+    ]
+    demo, diff = _train_both(tmp_path, 3, settings)
+    assert diff <= 1e-4
+    assert "stage 2: layers 4-5" in demo.stdout
