@@ -1,6 +1,6 @@
 """Link probes: a stream of throwaway bytes whose receiver only counts them, so the sender can time the link.
 
-Both the Stage and the Coordinator service answer Probe with `count_probe`; the sender builds its stream with
+Both the Stage and the Coordinator service answer Probe by counting it (`ProbeCount`); the sender builds its stream with
 `probe_chunks`. The first chunk declares the total, checked against a cap before anything more is read.
 """
 
@@ -32,31 +32,47 @@ def probe_chunks(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Pro
         yield pb.ProbeChunk(data=block[: min(chunk_bytes, nbytes - offset)])
 
 
+class ProbeCount:
+    """Counts a probe stream chunk by chunk (from a blocking or an async iterator); add() raises FrameError as soon
+    as the stream is oversized or inconsistent, reply() once it ended short or empty."""
+
+    def __init__(self, max_bytes: int = MAX_PROBE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.declared: int | None = None
+        self.received = 0
+
+    def add(self, chunk: pb.ProbeChunk) -> None:
+        """Count one chunk; the first declares the total, checked against the cap before anything more is read."""
+        if self.declared is None:
+            if chunk.total_bytes > self.max_bytes:
+                raise FrameError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"probe of {chunk.total_bytes} bytes exceeds the limit of {self.max_bytes} bytes",
+                )
+            self.declared = chunk.total_bytes
+        elif chunk.total_bytes:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "only the first probe chunk may declare the total")
+        self.received += len(chunk.data)
+        if self.received > self.declared:
+            too_many = f"probe stream carries more than the {self.declared} bytes it declares"
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, too_many)
+
+    def reply(self) -> pb.ProbeReply:
+        """The reply to a stream that has ended."""
+        if self.declared is None:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "empty probe stream")
+        if self.received < self.declared:
+            truncated = f"truncated probe stream: got {self.received} of {self.declared} bytes"
+            raise FrameError(grpc.StatusCode.DATA_LOSS, truncated)
+        return pb.ProbeReply(received_bytes=self.received)
+
+
 def count_probe(chunks: Iterable[pb.ProbeChunk], max_bytes: int = MAX_PROBE_BYTES) -> pb.ProbeReply:
     """Read a probe stream and reply with its size; raises FrameError if it is empty, oversized or inconsistent."""
-    it = iter(chunks)
-    first = next(it, None)
-    if first is None:
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "empty probe stream")
-    declared = first.total_bytes
-    if declared > max_bytes:
-        raise FrameError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"probe of {declared} bytes exceeds the limit of {max_bytes} bytes"
-        )
-    received = len(first.data)
-    for chunk in it:
-        if chunk.total_bytes:
-            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "only the first probe chunk may declare the total")
-        received += len(chunk.data)
-        if received > declared:
-            break
-    if received > declared:
-        raise FrameError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"probe stream carries more than the {declared} bytes it declares"
-        )
-    if received < declared:
-        raise FrameError(grpc.StatusCode.DATA_LOSS, f"truncated probe stream: got {received} of {declared} bytes")
-    return pb.ProbeReply(received_bytes=received)
+    count = ProbeCount(max_bytes)
+    for chunk in chunks:
+        count.add(chunk)
+    return count.reply()
 
 
 def serve_probe(chunks: Iterable[pb.ProbeChunk], context: grpc.ServicerContext) -> pb.ProbeReply:

@@ -20,7 +20,8 @@ from geotrain.lifetime import tie_children_to_this_process
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.probe import serve_probe
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
@@ -116,9 +117,15 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
         return pb.Ack()
 
-    def Probe(self, request_iterator, context):  # noqa: D102, N802
-        # A plain handler: grpc.aio runs it on the server's thread pool, with a blocking request iterator.
-        return serve_probe(request_iterator, context)
+    async def Probe(self, request_iterator, context):  # noqa: D102, N802
+        count = ProbeCount()
+        try:
+            async for chunk in request_iterator:
+                count.add(chunk)
+            return count.reply()
+        except FrameError as e:
+            log.warning("rejected probe from %s: %s", context.peer(), e)
+            await context.abort(e.code, str(e))
 
 
 class AioServerThread:
