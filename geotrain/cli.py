@@ -286,7 +286,7 @@ def _run_coordinator(
         except RunAborted as e:
             why = stop_reason()
             print(f"geotrain: {why or f'run aborted: {e}'}", file=sys.stderr, flush=True)
-            coordinator.shutdown_nodes(f"run aborted: {why or e}")
+            coordinator.shutdown_nodes(f"run aborted: {why or e}", aborted=True)
             return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
         if args.save_final:
             assert coordinator.plan is not None

@@ -332,3 +332,28 @@ def test_saved_model_records_its_config(tmp_path):
     saved = load_file(str(path))
     loaded = load_gpt(str(path), model).state_dict()  # the config came from the file alone
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_node_exits_1_in_one_line_when_the_run_is_aborted(tmp_path):
+    from geotrain.protocol.auth import new_token
+    from geotrain.scheduler.local import LocalNodes
+    from tests.conftest import wait_until
+
+    token = new_token()
+    cfg = load_config(None, ["scheduler.min_nodes=2"])  # the run waits for a second node that never comes
+    process = CoordinatorProcess(cfg, token, "127.0.0.1:0")
+    process.server.start()
+    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, tmp_path)
+    try:
+        node = nodes.start("node-1")
+        wait_until(lambda: "node-1" in process.coordinator.members, 60, "node-1 to register")
+        process.coordinator.shutdown_nodes("run aborted: stopped by its owner", aborted=True)
+        assert node.wait(60) == EXIT_FAILED
+    finally:
+        nodes.stop_all()
+        process.close()
+    log = (tmp_path / "node-1.log").read_text()
+    assert "geotrain: the coordinator ended the run: run aborted: stopped by its owner" in log
+    assert "Traceback" not in log

@@ -310,9 +310,10 @@ class Coordinator:
                 self._status, self._status_at = render(self.snapshot()), now
             return self._status
 
-    def shutdown_nodes(self, reason: str, grace_s: float = 3.0) -> None:
-        """Tell every live node the run is over and give their order streams a moment to deliver it."""
+    def shutdown_nodes(self, reason: str, grace_s: float = 3.0, *, aborted: bool = False) -> None:
+        """Tell every live node the run is over (aborted: failed or stopped, so nodes exit non-zero) and give their
+        order streams a moment to deliver it."""
         with self.membership.cond:
             self.finished = True
             alive = [m.node_id for m in self.membership.alive()]
-        self.orders.broadcast_shutdown(alive, reason, grace_s)
+        self.orders.broadcast_shutdown(alive, pb.Shutdown(reason=reason, aborted=aborted), grace_s)

@@ -101,9 +101,9 @@ class OrderQueues:
             if order.WhichOneof("kind") == "shutdown":
                 return
 
-    def broadcast_shutdown(self, node_ids: list[str], reason: str, grace_s: float) -> None:
+    def broadcast_shutdown(self, node_ids: list[str], shutdown: pb.Shutdown, grace_s: float) -> None:
         """Send a shutdown order to node_ids and wait until their streams have taken it, at most grace_s."""
-        self.send(node_ids, pb.Order(shutdown=pb.Shutdown(reason=reason)))
+        self.send(node_ids, pb.Order(shutdown=shutdown))
         deadline = time.monotonic() + grace_s
         with self._cond:
             while any(q.orders for n in node_ids if (q := self._queues.get(n)) is not None):
