@@ -108,6 +108,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
     """One node of a geotrain run: a facade that wires its parts together and runs their threads."""
 
     def __init__(self, options: NodeOptions) -> None:
+        # Every part's state, set up here because the parts are wired to each other; each part's class says what its
+        # attributes mean.
         self.options = options
         self.node_id = options.node_id
         self.stopped = threading.Event()
@@ -116,12 +118,12 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.plan = None
         self.stage_index = -1
         self.runtime = None
-        self.state_epoch = 0  # plan epoch whose LoadState this node completed
-        self.held = HeldStates()  # layers a new plan moved this node away from, served until taken over
-        self._newest_epoch = 0  # newest plan epoch ordered (the worker may not have applied it yet)
-        self._reported_epoch = 0  # plan epoch this node last reported itself failing in: one report fails it
+        self.state_epoch = 0
+        self.held = HeldStates()
+        self._newest_epoch = 0
+        self._reported_epoch = 0
         self.run_id = ""
-        self._state_lock = threading.Lock()  # parameters change only under it (apply, load) and are read under it
+        self._state_lock = threading.Lock()
         self._tasks = queue.PriorityQueue()
         self._seq = itertools.count()
         self._head = None
@@ -140,13 +142,13 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
         self.compute = StageTimer()
-        self._policies = {}  # traffic kind -> its codec policy, from the run config
-        self._low_rank = None  # replicas average PowerSGD factors (replica_grads)
-        self._orders = None  # the open order stream, cancelled by stop()
-        self._peer_regions = {}  # from plans and probe orders: what the link emulator shapes by
+        self._policies = {}
+        self._low_rank = None
+        self._orders = None
+        self._peer_regions = {}
         self._must_register = threading.Event()
         self._dht = None
-        self.averager = None  # ReplicaAverager once the DHT is up
+        self.averager = None
         self._averaging_ready = threading.Event()
 
     def run(self) -> None:
