@@ -38,6 +38,7 @@ class CoordinatorLink:
 
     coordinator: rpc.CoordinatorStub
     heartbeat_interval_s: float
+    _next_beat_at: float = 0.0  # time.monotonic() from which the heartbeat loop sends the next heartbeat
     run_id: str
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
     _must_register: threading.Event
@@ -148,8 +149,11 @@ class CoordinatorLink:
         return False
 
     def _heartbeat_loop(self) -> None:
+        # Ticks at the run's interval; beats when the coordinator's last reply said (a spare of a large run is told to
+        # beat less often; a new plan's own heartbeat brings the run's interval back at once).
         while not self.stopped.wait(self.heartbeat_interval_s):
-            self._heartbeat()
+            if time.monotonic() >= self._next_beat_at:
+                self._heartbeat()
 
     def _heartbeat(self) -> None:
         sent, received = self.dataplane.totals()
@@ -172,6 +176,8 @@ class CoordinatorLink:
             return
         except ValueError:  # the channel closed under us while shutting down
             return
+        # Told when to beat next, counted from now; 0 (an older coordinator) leaves the run's interval.
+        self._next_beat_at = time.monotonic() + reply.next_heartbeat_s - self.heartbeat_interval_s
         if not reply.known and not self._must_register.is_set():
             log.warning("the coordinator does not know this node (restarted, or declared it dead): registering again")
             self._must_register.set()
