@@ -272,6 +272,8 @@ class NodeProfiler:
             except grpc.RpcError as e:
                 log.warning("cannot probe the link to %s: %s %s", peer, e.code().name, e.details())
                 continue
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel": the node is shutting down
+                return measured
             log.info("link to %s: %.1f Mbit/s, %.1f ms round trip", peer, probe.bandwidth_bps / 1e6, probe.rtt_s * 1e3)
             with self._lock:
                 self._links[peer] = probe

@@ -7,9 +7,10 @@ import logging
 import secrets
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent import futures
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import torch
@@ -28,10 +29,14 @@ from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.state import RunStore
 
+if TYPE_CHECKING:
+    from hivemind import DHT
+
 log = logging.getLogger(__name__)
 
 COORDINATOR_ID = "coordinator"
 _FETCH_DEADLINE_S = 300.0
+_DHT_READY_S = 30.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
 # event loop, which holds every order stream and heartbeat, is never among them.
 _BLOCKING_WORKERS = 8
@@ -213,6 +218,26 @@ def fetch_model_state(plan: pb.Plan, token: str, steps_done: int, tls: TlsFiles 
     return state
 
 
+def _start_dht(host_maddr: str) -> DHT:
+    """The coordinator's DHT process, ready. A forked DHT process that never reports ready (seen once in ~30 starts
+    inside a test process that had run gRPC servers: a fork while other threads hold locks) is killed and started
+    once more, instead of waiting forever."""
+    from hivemind import DHT
+
+    for attempt in (1, 2):
+        dht = DHT(host_maddrs=[host_maddr], start=False)
+        dht.run_in_background(await_ready=False)
+        try:
+            dht.wait_until_ready(timeout=_DHT_READY_S)
+            return dht
+        except futures.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+            log.warning("the DHT process was not ready after %.0f s (attempt %d): starting another", _DHT_READY_S,
+                        attempt)
+            dht.kill()
+            dht.join(5)
+    raise RuntimeError(f"the coordinator's DHT process did not start within {_DHT_READY_S:.0f} s, twice")
+
+
 class CoordinatorProcess:
     """A coordinator with everything it runs on: run state, checkpoints, the hivemind DHT replicas bootstrap from,
     and its gRPC server (bound, not yet started). close() releases all of it."""
@@ -228,8 +253,6 @@ class CoordinatorProcess:
         on_event: EventSink | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
-        from hivemind import DHT
-
         self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
         committed = self.store.committed_steps()
         if committed and not resume:
@@ -243,7 +266,7 @@ class CoordinatorProcess:
         # Started before any gRPC object: hivemind forks its DHT process, and a fork while gRPC threads run breaks it.
         host = listen.rsplit(":", 1)[0]
         tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed coordinator
-        self.dht = DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+        self.dht = _start_dht(f"/ip4/{host}/tcp/0")
         self.coordinator = Coordinator(
             cfg,
             store=self.store,
