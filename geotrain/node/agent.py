@@ -149,6 +149,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._must_register = threading.Event()
         self._dht = None
         self.averager = None
+        self._averaging_joined = False  # set by the order stream's thread only, on the coordinator's JoinAveraging
         self._averaging_ready = threading.Event()
 
     def run(self) -> None:
@@ -156,10 +157,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._server.start()
         self.address = _advertise_address(self.options, self.port)
         try:
-            dht_peers = self._register()
+            self._register()
             # Heartbeats start before the slow corpus read, so the coordinator never mistakes a loading node for dead.
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-            threading.Thread(target=self._start_averaging, args=(dht_peers,), name="dht", daemon=True).start()
             self._load_corpus()
             # The worker's first task: no training compute competes with the timing, and the node enters profiled.
             self._submit(CONTROL, lambda: self.profiler.measure_layers(self.cfg))

@@ -43,8 +43,8 @@ class CoordinatorLink:
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
     _must_register: threading.Event
 
-    def _register(self) -> list[str]:
-        """Register (again, after a coordinator restart, with the stage this node holds); returns DHT peers."""
+    def _register(self) -> None:
+        """Register (again, after a coordinator restart, with the stage this node holds)."""
         runtime = self.runtime
         request = pb.RegisterRequest(
             protocol_version=PROTOCOL_VERSION,
@@ -69,7 +69,6 @@ class CoordinatorLink:
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
-        return list(reply.dht_initial_peers)
 
     def _retry_until_reachable(self, call: Callable[[], object]):
         """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""
@@ -132,6 +131,9 @@ class CoordinatorLink:
             probe = order.probe_peers
             self._peer_regions.update(zip(probe.node_ids, probe.regions))
             self.profiler.neighbours(dict(zip(probe.node_ids, probe.addresses)))
+            return False
+        if kind == "join_averaging":
+            self._join_averaging(list(order.join_averaging.initial_peers))
             return False
         if kind == "plan":
             self._newest_epoch = max(self._newest_epoch, order.plan.epoch)

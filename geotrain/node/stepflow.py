@@ -27,6 +27,10 @@ from geotrain.protocol.framing import FrameError
 
 log = logging.getLogger(__name__)
 
+# Bounds on the coordinator's JoinAveraging order (it names its own DHT's few listen addresses).
+_MAX_DHT_PEERS = 32
+_MAX_MULTIADDR_CHARS = 512
+
 
 @dataclass
 class _HeadState:
@@ -46,6 +50,7 @@ class StepFlow:
     _low_rank: LowRankAveraging | None  # replicas average PowerSGD factors (replica_grads)
     _dht: object
     averager: object  # ReplicaAverager once the DHT is up
+    _averaging_joined: bool
     _averaging_ready: threading.Event
 
     def _start_step(self, start: pb.StartStep) -> None:
@@ -275,6 +280,16 @@ class StepFlow:
         self._head = None
         request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
         self._report(self.coordinator.StepApplied, request)
+
+    def _join_averaging(self, initial_peers: list[str]) -> None:
+        """Start joining the run's hivemind DHT, once, when the coordinator first makes this node a replica."""
+        if self._averaging_joined:
+            return
+        if not 0 < len(initial_peers) <= _MAX_DHT_PEERS or any(len(p) > _MAX_MULTIADDR_CHARS for p in initial_peers):
+            log.warning("ignoring a JoinAveraging order with %d malformed peer addresses", len(initial_peers))
+            return
+        self._averaging_joined = True
+        threading.Thread(target=self._start_averaging, args=(initial_peers,), name="dht", daemon=True).start()
 
     def _start_averaging(self, initial_peers: list[str]) -> None:
         """Join the run's hivemind DHT, through which replicas of a stage average their gradients."""

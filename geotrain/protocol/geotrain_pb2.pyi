@@ -230,14 +230,13 @@ class RegisterRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., applied_steps: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "dht_initial_peers", "run_id")
+    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "run_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
-    DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: RejectReason
@@ -245,9 +244,8 @@ class RegisterReply(_message.Message):
     node_id: str
     config: RunConfig
     heartbeat_interval_s: float
-    dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
     run_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LinkCounter(_message.Message):
     __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec")
@@ -369,6 +367,12 @@ class ProbePeers(_message.Message):
     regions: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class JoinAveraging(_message.Message):
+    __slots__ = ("initial_peers",)
+    INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    initial_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, initial_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CommitStep(_message.Message):
     __slots__ = ("step", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -396,7 +400,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +409,7 @@ class Order(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_AVERAGING_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
@@ -413,7 +418,8 @@ class Order(_message.Message):
     shutdown: Shutdown
     load_state: LoadState
     probe_peers: ProbePeers
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ...) -> None: ...
+    join_averaging: JoinAveraging
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")

@@ -81,13 +81,14 @@ class Coordinator:
     ) -> None:
         self.cfg = cfg
         self.store = store or RunStore()
-        self.dht_peers = dht_peers or []
         self.run_id = run_id
         self._sink = on_event or (lambda kind, data: None)
         self.orders = OrderQueues()
         self.membership = Membership(cfg.scheduler, self.store, self.orders, self._on_event)
         self.recovery = Recovery(checkpoints, fetch_state, self.store, self._on_event)
-        self.planning = Planning(cfg, self.membership, self.orders, self.store, self.recovery, self._on_event)
+        self.planning = Planning(
+            cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers or []
+        )
         self.driver = StepDriver(cfg, self.membership, self.orders, self.store, self._on_event)
         self._status_lock = threading.Lock()
         self._status: pb.StatusReply | None = None  # rendered at most every _STATUS_MAX_AGE_S, and after events
@@ -150,7 +151,6 @@ class Coordinator:
             node_id=member.node_id,
             config=to_proto(self.cfg),
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
-            dht_initial_peers=self.dht_peers,
             run_id=self.run_id,
         )
 

@@ -45,8 +45,10 @@ class Planning:
         store: RunStore,
         recovery: Recovery,
         on_event: EventSink,
+        dht_peers: list[str],
     ) -> None:
         self.cfg = cfg
+        self.dht_peers = dht_peers  # the coordinator's DHT, which a node joins when it first becomes a replica
         self.membership = membership
         self.orders = orders
         self.store = store
@@ -232,6 +234,9 @@ class Planning:
         epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
         members = self.membership.members
         multi = [m.node_id for g in groups if len(g) > 1 for m in g]
+        joining = [n for n in multi if not members[n].peer_id]
+        if joining:
+            self.orders.send(joining, pb.Order(join_averaging=pb.JoinAveraging(initial_peers=self.dht_peers)))
         self.membership.wait(
             lambda: all(members[n].peer_id or not members[n].alive for n in multi),
             "replicas' averaging peers",
