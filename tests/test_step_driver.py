@@ -38,8 +38,9 @@ def _config(nodes: int, stages: int):
 
 
 class ScriptedNode:
-    """Registers, heartbeats and answers orders as a node would, reporting a fixed loss, norm and checksum.
-    `hold(kind)` makes it sit on orders of that kind until `release()`; `stop()` silences it (a crash)."""
+    """Registers, heartbeats and answers orders as a node would, reporting a fixed loss, norm and checksum, and an
+    averaging peer id once told to join averaging. `hold(kind)` makes it sit on orders of that kind until
+    `release()`; `stop()` silences it (a crash)."""
 
     def __init__(self, coordinator: Coordinator, node_id: str, address: str) -> None:
         self.c = coordinator
@@ -47,6 +48,7 @@ class ScriptedNode:
         self.epoch = self.state_epoch = self.applied = 0
         self.plan = pb.Plan()
         self.stage = -1
+        self.peer_id = ""
         self.orders: list[pb.Order] = []
         self._held: set[str] = set()
         self._released = threading.Event()
@@ -78,7 +80,7 @@ class ScriptedNode:
             self.c.heartbeat(
                 pb.HeartbeatRequest(
                     node_id=self.node_id, plan_epoch=self.epoch, applied_step=self.applied,
-                    state_epoch=self.state_epoch, dht_peer_id=f"peer-{self.node_id}",
+                    state_epoch=self.state_epoch, dht_peer_id=self.peer_id,
                 )
             )
 
@@ -106,7 +108,9 @@ class ScriptedNode:
         c, me = self.c, self.node_id
         if self.stage < 0 and kind in ("start_step", "commit", "apply", "evaluate"):
             return  # a node without a stage (a new incarnation before its plan) has nothing to do them with
-        if kind == "plan":
+        if kind == "join_averaging":
+            self.peer_id = f"peer-{me}"
+        elif kind == "plan":
             self.epoch, self.plan = order.plan.epoch, order.plan
             self.stage = next((s.index for s in order.plan.stages if me in s.node_ids), -1)
         elif kind == "load_state":
@@ -195,6 +199,22 @@ def test_every_step_passes_every_phase_in_order():
     assert all(r.loss == 2.0 for r in c.store.steps())
 
 
+def test_only_replicas_join_averaging_and_before_their_plan():
+    # 3 nodes on 2 stages: one stage has two replicas, which must join the DHT (a process and a p2p daemon each) and
+    # be in the plan with their peer ids; the lone node never starts hivemind.
+    with scripted_run(3, 2) as (c, nodes, result):
+        pass
+    assert _summary(result).steps == STEPS
+    replicated = next(s for s in c.plan.stages if len(s.node_ids) == 2)
+    for node_id, node in nodes.items():
+        kinds = node.kinds()
+        if node_id in replicated.node_ids:
+            assert kinds.count("join_averaging") == 1 and kinds.index("join_averaging") < kinds.index("plan"), kinds
+            assert list(replicated.peer_ids)[list(replicated.node_ids).index(node_id)] == f"peer-{node_id}"
+        else:
+            assert "join_averaging" not in kinds, (node_id, kinds)
+
+
 def test_a_node_restarted_inside_a_decided_step_does_not_undo_it():
     restarted: dict[str, ScriptedNode] = {}
 
@@ -210,6 +230,7 @@ def test_a_node_restarted_inside_a_decided_step_does_not_undo_it():
     new = restarted["node-4"]
     loads = [o.load_state for o in new.orders if o.WhichOneof("kind") == "load_state"]
     assert loads and loads[0].steps_done == 2, "it took up the committed state of step 1 from its replica"
+    assert "join_averaging" in new.kinds(), "the new incarnation has no DHT yet: it is told to join"
     replica = next(n for n in ("node-3", "node-1", "node-2") if n in c.plan.stages[new.stage].node_ids and n != "node-4")
     assert loads[0].source_address == c.members[replica].address
     assert any(k == "rejoin" for _, k, _, _ in c.store.events())
