@@ -1,7 +1,5 @@
 """`python -m geotrain`."""
 
-import sys
+from geotrain.cli import run
 
-from geotrain.cli import main
-
-sys.exit(main())
+run()

@@ -714,5 +714,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def run() -> NoReturn:
+    """The `geotrain` console script: main(), then exit without unloading modules. Every command has closed what it
+    opened by now, and unloading torch and hivemind (their threads, a DHT's leftovers) takes seconds at every exit."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -73,15 +74,15 @@ def geotrain_env() -> dict[str, str]:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `python -m geotrain ARGS` to completion."""
-    return subprocess.run(
-        [sys.executable, "-m", "geotrain", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=geotrain_env(),
-        cwd=REPO,
-    )
+    """Run `python -m geotrain ARGS` until it exits. Its output goes to files, not pipes: the end of a pipe comes
+    seconds after a coordinator exits, when torch's shared-memory manager (which hivemind starts) lets go of it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        done = subprocess.run(
+            [sys.executable, "-m", "geotrain", *args], stdout=out, stderr=err, timeout=timeout, env=geotrain_env(), cwd=REPO
+        )
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(done.args, done.returncode, out.read(), err.read())
 
 
 @dataclass
