@@ -164,6 +164,8 @@ def _bad_inputs(base: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]
     (base / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (base / "gone.txt").symlink_to(base / "nowhere.txt")
     (base / "not-a-tokenizer.json").write_text("{}")
+    (base / "taken").mkdir()
+    (base / "taken" / "keep.txt").write_text("someone's file")
     good = ["--input", str(base / "good" / "*.txt")]
     out = ["--out", str(base / "out")]
     tok = ["--tokenizer", str(tokenizer)]
@@ -180,6 +182,7 @@ def _bad_inputs(base: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]
         "no tokenizer": ([*good, "--tokenizer", str(base / "missing.json"), *out], "missing.json: no such file"),
         "not a tokenizer": ([*good, "--tokenizer", str(base / "not-a-tokenizer.json"), *out], "is not a tokenizer.json"),
         "one document": (["--input", str(base / "good" / "doc00.txt"), *tok, *out], "the input is one document"),
+        "output taken": ([*good, *tok, "--out", str(base / "taken")], "taken exists and is not an empty directory"),
     }
 
 
@@ -207,7 +210,8 @@ def test_bad_inputs_get_one_line_exit_2_and_write_nothing(corpus, tmp_path):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (name, stderr)
         assert text in lines[0], (name, lines[0])
-    assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name or "taken." in p.name) == []
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
 
 
 @pytest.mark.cluster
