@@ -43,6 +43,8 @@ EXAMPLES = {
     "plan": "geotrain plan --cluster deploy/clusters/four-regions-wan.yaml --set model.n_layers=24",
     "status": "geotrain status --coordinator coordinator.example.org:7000 --token $TOKEN --watch",
     "tls": "geotrain tls init run-tls",
+    "data": "geotrain data prepare --input 'corpus/**/*.txt' --tokenizer tok.json --out data/",
+    "tokenizer": "geotrain tokenizer train --input 'corpus/**/*.txt' --vocab 8192 --out tok.json",
 }
 
 
@@ -113,8 +115,18 @@ def _resolvable(address: str, flag: str) -> None:
 
 
 def _corpus_fingerprint(cfg: RunConfig) -> str:
-    """Read the run's corpus and return its fingerprint; refuse one whose files are missing or whose splits are too
-    short for a sample (training would fail at its first batch)."""
+    """Read the run's corpus (or prepared data set) and return its fingerprint; refuse one whose files are missing or
+    whose splits are too short for a sample (training would fail at its first batch), and a prepared data set whose
+    shards changed or whose tokenizer has more tokens than the model."""
+    if cfg.data.prepared:
+        from geotrain.dataset import DatasetError, PreparedDataset
+
+        try:
+            dataset = PreparedDataset.open(cfg.data.prepared, verify=True)
+            dataset.check_fits(vocab=cfg.model.vocab, seq_len=cfg.model.seq_len)
+        except DatasetError as e:
+            raise UsageError(f"data.prepared: {e}") from None
+        return dataset.fingerprint
     from geotrain.node.data import Corpus
 
     try:
@@ -202,7 +214,7 @@ class ProgressPrinter:
                 self._line(f"  stage {s.index}: layers {s.layer_start}-{s.layer_end - 1} on {', '.join(s.node_ids)}")
         elif kind == "step":
             r = data["record"]
-            val = f"  val {r.val_loss:.4f}" if r.val_loss is not None else ""
+            val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} ({data['val_bits_per_byte']:.3f} bits/byte)"
             self._line(
                 f"step {r.step + 1:>4}/{data['of']}  loss {r.loss:.4f}{val}  "
                 f"{r.tokens_per_s:,.0f} tokens/s  {r.seconds:.2f}s"
@@ -227,7 +239,9 @@ def _save_final(path: str, state: dict[str, Any], model: ModelSection, out) -> N
 
 def _finish(summary: dict[str, Any], as_json: bool) -> None:
     out = _out(as_json)
-    val = f", validation {summary['val_loss']:.4f}" if summary["val_loss"] is not None else ""
+    val = "" if summary["val_loss"] is None else (
+        f", validation {summary['val_loss']:.4f} ({summary['val_bits_per_byte']:.3f} bits/byte)"
+    )
     print(
         f"done: {summary['steps']} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}{val}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.1f}s on {summary['nodes']} node(s) "
@@ -497,7 +511,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     out = _out(args.json)
 
     def progress(r: dict[str, Any]) -> None:
-        val = f"  val {r['val_loss']:.4f}" if "val_loss" in r else ""
+        val = f"  val {r['val_loss']:.4f} ({r['val_bits_per_byte']:.3f} bits/byte)" if "val_loss" in r else ""
         print(f"step {r['step'] + 1:>4}/{cfg.run.steps}  loss {r['loss']:.4f}{val}  {r['seconds']:.2f}s", file=out,
               flush=True)
 
@@ -505,6 +519,58 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     if args.save_final:
         _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, cfg.model, out)
     _finish(summary, args.json)
+    return EXIT_OK
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends the command as Ctrl+C does, so its cleanup runs (a half-written output is removed)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """geotrain data prepare."""
+    from geotrain.dataset import DatasetError
+    from geotrain.prepare import prepare
+
+    _stop_on_sigterm()
+    try:
+        result = prepare(
+            args.input, args.tokenizer, args.out, text_field=args.text_field, val_fraction=args.val_fraction
+        )
+    except DatasetError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror}") from None
+    print(
+        f"prepared {result.documents} documents into {result.directory}: {result.train_tokens} training and "
+        f"{result.val_tokens} validation tokens (fingerprint {result.fingerprint[:12]}); "
+        f"train on it with --set data.prepared={result.directory}",
+        flush=True,
+    )
+    return EXIT_OK
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    """geotrain tokenizer train."""
+    from geotrain.dataset import DatasetError
+    from geotrain.prepare import train_tokenizer
+
+    if not 257 <= args.vocab <= 1 << 24:
+        raise UsageError(
+            f"--vocab must be in [257, {1 << 24}] (the 256 bytes and a separator at least), got {args.vocab}"
+        )
+    _stop_on_sigterm()
+    try:
+        vocab = train_tokenizer(args.input, args.vocab, args.out, args.text_field)
+    except DatasetError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror}") from None
+    print(f"trained a BPE tokenizer of {vocab} tokens into {args.out}", flush=True)
     return EXIT_OK
 
 
@@ -677,6 +743,37 @@ def build_parser() -> argparse.ArgumentParser:
     init = actions.add_parser("init", help=summary, description=summary)
     init.add_argument("dir", metavar="DIR", help="where to write them (created if missing; never overwritten)")
     init.set_defaults(func=cmd_tls_init)
+
+    def text_inputs(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--input", action="append", required=True, metavar="GLOB",
+            help="text files: .txt (one document a file), .jsonl (one a line), .parquet (one a row); repeatable",
+        )
+        p.add_argument(
+            "--text-field", default="text", metavar="NAME", help="the .jsonl field or .parquet column of the text"
+        )
+
+    p = add("data", "Prepare a data set once on the coordinator's host: tokens in memory-mapped shards.", [])
+    actions = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    summary = "Tokenize text files into DIR (manifest.json, token shards, tokenizer.json) for data.prepared."
+    prep = actions.add_parser("prepare", help=summary, description=summary)
+    text_inputs(prep)
+    prep.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json (any Hugging Face one)")
+    prep.add_argument("--out", required=True, metavar="DIR", help="where to write it (must not exist, or be empty)")
+    prep.add_argument(
+        "--val-fraction", type=float, default=0.05, metavar="F",
+        help="tokens held out for validation, whole documents from the end (default 0.05)",
+    )
+    prep.set_defaults(func=cmd_data_prepare)
+
+    p = add("tokenizer", "Train a tokenizer for data prepare, for those without one.", [])
+    actions = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    summary = "Train a byte-level BPE tokenizer (Hugging Face tokenizers) on text files and write it as JSON."
+    train = actions.add_parser("train", help=summary, description=summary)
+    text_inputs(train)
+    train.add_argument("--vocab", type=int, default=8192, help="vocabulary size at most (default 8192)")
+    train.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
+    train.set_defaults(func=cmd_tokenizer_train)
     return parser
 
 

@@ -139,15 +139,23 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class DataSection:
-    """[data]: the byte corpus."""
+    """[data]: the byte corpus every node reads, or a prepared data set the coordinator serves."""
 
     paths: list[str] = field(default_factory=list, metadata={"doc": "files or globs; empty = Python's stdlib source"})
     max_bytes: int = _bounded(8_000_000, 10_000, 2**40, "corpus bytes to read at most")
     val_fraction: float = _bounded(0.05, 0.001, 0.5, "tail of the corpus held out for validation")
-    fingerprint: str = field(default="", metadata={"doc": "set by the coordinator: sha256 of the corpus"})
+    prepared: str = field(
+        default="",
+        metadata={"doc": "a directory `geotrain data prepare` wrote, on the coordinator's host; empty = the bytes"},
+    )
+    fingerprint: str = field(
+        default="", metadata={"doc": "set by the coordinator: sha256 of the corpus, or of the prepared manifest"}
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "data")
+        if self.prepared and self.paths:
+            raise ConfigError("data.paths names a byte corpus; data.prepared replaces it: set one of them")
 
 
 @dataclass(kw_only=True)

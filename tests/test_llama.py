@@ -4,6 +4,7 @@ LlamaForCausalLM, read from a Hugging Face-format directory one stage at a time,
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -261,3 +262,33 @@ def test_three_llama_stages_over_grpc_equal_train_local(tmp_path):
     demo, diff = _train_both(tmp_path, 3, settings)
     assert diff <= 1e-4
     assert "stage 2: layers 4-5" in demo.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_three_llama_stages_on_a_prepared_data_set_equal_train_local(tmp_path):
+    """Nodes fetch each microbatch's windows of a BPE-tokenized data set from the coordinator (they have no copy):
+    the pipeline equals train-local reading the same data set, and validation is reported in bits per byte too."""
+    import re
+
+    from geotrain import prepare
+    from geotrain.dataset import PreparedDataset
+    from tests.test_data import write_text_corpus
+    from tests.test_pipeline import _train_both
+
+    write_text_corpus(tmp_path / "text", 12)
+    prepare.train_tokenizer([str(tmp_path / "text" / "*.txt")], 300, tmp_path / "tok.json")
+    prepare.prepare([str(tmp_path / "text" / "*.txt")], tmp_path / "tok.json", tmp_path / "data", val_fraction=0.25)
+    dataset = PreparedDataset.open(tmp_path / "data")
+    settings = [
+        "model.family=llama", f"model.vocab_size={dataset.vocab_size}", "model.n_layers=2", "model.d_model=64",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32", f"data.prepared={tmp_path / 'data'}",
+        "run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=0", "run.eval_microbatches=2",
+        "scheduler.placement=uniform",
+    ]
+    demo, diff = _train_both(tmp_path, 3, settings)
+    assert diff <= 1e-4
+    assert "stage 2: layers 3-3" in demo.stdout
+    val_loss, bits = map(float, re.search(r"validation ([\d.]+) \(([\d.]+) bits/byte\)", demo.stdout).groups())
+    assert bits == pytest.approx(dataset.bits_per_byte(val_loss), abs=2e-3)
+    assert 0 < bits < val_loss / math.log(2)  # more than one byte a token: fewer bits a byte than nats a token

@@ -29,7 +29,7 @@ def _fixed_status() -> pb.StatusReply:
     """A run two steps in, one node dead, with a failure survived: every section of the reply filled."""
     reply = pb.StatusReply(
         state="training", step=2, steps=10, loss=2.5, val_loss=2.75, tokens_per_s=1000.0, eta_s=8.0, plan_epoch=2,
-        failures=1, recovery_s=[1.5, 40.0],
+        failures=1, recovery_s=[1.5, 40.0], val_bits_per_byte=3.5,
     )
     reply.nodes.add(node_id="a", region="eu", stage=0, layer_end=3, role="stage", microbatches_per_s=4.0,
                     bytes_sent=2048, bytes_received=1024, compression_ratio=2.0, alive=True)
@@ -74,6 +74,7 @@ def test_metrics_parse_with_the_expected_families_and_values(fixed_server):
 
     assert samples("geotrain_step") == {("geotrain_step", ()): 2}
     assert samples("geotrain_val_loss") == {("geotrain_val_loss", ()): 2.75}
+    assert samples("geotrain_val_bits_per_byte") == {("geotrain_val_bits_per_byte", ()): 3.5}
     assert samples("geotrain_nodes") == {
         ("geotrain_nodes", (("state", "alive"),)): 1, ("geotrain_nodes", (("state", "dead"),)): 1,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -58,12 +59,15 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     result = run_cli("demo", "--nodes", "3", "--json", "--save-final", str(tmp_path / "m.safetensors"))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"steps", "loss_first", "loss_last", "val_loss", "tokens_per_s", "wall_s", "nodes", "stages"}
+    assert set(summary) == {
+        "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages"
+    }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
     # A byte model starts near ln(256) = 5.5; within the default steps it must clearly learn the corpus.
     assert summary["loss_first"] > 5.0
     assert summary["loss_last"] < summary["loss_first"] - 1.5
     assert summary["val_loss"] < summary["loss_first"] - 1.5
+    assert summary["val_bits_per_byte"] == pytest.approx(summary["val_loss"] / math.log(2))  # a token is a byte
     # The saved model loads back in the model zoo and scores the run's last validation pass as the run did.
     cfg = load_config()
     model = load_gpt(tmp_path / "m.safetensors", cfg.model)

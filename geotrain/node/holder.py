@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from geotrain.config import RunConfig
-from geotrain.node.data import Corpus
+from geotrain.node.data import Corpus, CoordinatorTokens, Tokens
 from geotrain.node.dataplane import LinkShape
 from geotrain.node.failures import StageFailure
 from geotrain.node.handover import HeldStates
@@ -33,7 +33,7 @@ class StageHolder:
     """The Agent's plan, stage and state (a part of Agent)."""
 
     cfg: RunConfig | None
-    corpus: Corpus | None
+    corpus: Tokens | None  # the byte corpus read here, or a prepared data set's windows from the coordinator
     plan: pb.Plan | None
     stage_index: int
     runtime: StageRuntime | None
@@ -169,6 +169,10 @@ class StageHolder:
 
     def _load_corpus(self) -> None:
         assert self.cfg is not None
+        if self.cfg.data.prepared:
+            # The coordinator serves the windows and checks them against the fingerprint this node joined with.
+            self.corpus = CoordinatorTokens(self.coordinator, lambda: self.node_id, self.cfg)
+            return
         corpus = Corpus.load(self.cfg.data)
         if self.cfg.data.fingerprint and corpus.fingerprint != self.cfg.data.fingerprint:
             raise NodeError(

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from geotrain.config import RunConfig
-from geotrain.node.data import Corpus
+from geotrain.node.data import local_tokens
 from geotrain.node.model import loss_fn
 from geotrain.node.stage import StageRuntime
 
@@ -19,7 +19,7 @@ def train_local(
 ) -> tuple[StageRuntime, dict[str, Any]]:
     """Train the whole model as one stage with the pipeline's exact step rule; returns it and the run summary."""
     started = time.monotonic()
-    corpus = Corpus.load(cfg.data)
+    corpus = local_tokens(cfg)
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
     t = cfg.train
 
@@ -52,6 +52,7 @@ def train_local(
         record: dict[str, Any] = {"step": step, "loss": losses[-1], "seconds": time.monotonic() - t0}
         if step == cfg.run.steps - 1 or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
             val_loss = record["val_loss"] = evaluate(step)
+            record["val_bits_per_byte"] = corpus.bits_per_byte(val_loss)
         if on_step is not None:
             on_step(record)
     train_s = time.monotonic() - train_started
@@ -60,6 +61,7 @@ def train_local(
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "val_loss": val_loss,
+        "val_bits_per_byte": None if val_loss is None else corpus.bits_per_byte(val_loss),
         "tokens_per_s": cfg.tokens_per_step * cfg.run.steps / train_s,
         "wall_s": time.monotonic() - started,
         "nodes": 1,

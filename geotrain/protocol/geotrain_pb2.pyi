@@ -130,16 +130,18 @@ class ModelSettings(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., dropout: _Optional[float] = ..., family: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., mlp_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rope_base: _Optional[float] = ..., norm_eps: _Optional[float] = ..., tie_embeddings: _Optional[bool] = ..., init_from: _Optional[str] = ...) -> None: ...
 
 class DataSettings(_message.Message):
-    __slots__ = ("paths", "max_bytes", "val_fraction", "fingerprint")
+    __slots__ = ("paths", "max_bytes", "val_fraction", "fingerprint", "prepared")
     PATHS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     VAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
     val_fraction: float
     fingerprint: str
-    def __init__(self, paths: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., val_fraction: _Optional[float] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    prepared: str
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., val_fraction: _Optional[float] = ..., fingerprint: _Optional[str] = ..., prepared: _Optional[str] = ...) -> None: ...
 
 class TrainSettings(_message.Message):
     __slots__ = ("microbatches", "microbatch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "inflight")
@@ -672,7 +674,7 @@ class RunEvent(_message.Message):
     def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase")
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase", "val_bits_per_byte")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -691,6 +693,7 @@ class StatusReply(_message.Message):
     RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    VAL_BITS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     steps: int
@@ -709,7 +712,32 @@ class StatusReply(_message.Message):
     recovery_s: _containers.RepeatedScalarFieldContainer[float]
     estimated_step_s: float
     phase: str
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...
+    val_bits_per_byte: float
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ..., val_bits_per_byte: _Optional[float] = ...) -> None: ...
+
+class WindowsRequest(_message.Message):
+    __slots__ = ("node_id", "step", "microbatch", "validation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    microbatch: int
+    validation: bool
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., validation: _Optional[bool] = ...) -> None: ...
+
+class WindowsReply(_message.Message):
+    __slots__ = ("fingerprint", "rows", "cols", "tokens")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    rows: int
+    cols: int
+    tokens: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")

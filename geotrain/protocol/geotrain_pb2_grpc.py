@@ -94,6 +94,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.Windows = channel.unary_unary(
+                '/geotrain.v1.Coordinator/Windows',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -174,6 +179,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Windows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +247,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.SerializeToString,
+            ),
+            'Windows': grpc.unary_unary_rpc_method_handler(
+                    servicer.Windows,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +578,33 @@ class Coordinator:
             '/geotrain.v1.Coordinator/Probe',
             geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Windows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/Windows',
+            geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,11 +25,12 @@ from typing import Any
 
 from geotrain import __version__
 from geotrain.config import RunConfig, to_proto
+from geotrain.dataset import PreparedDataset, bits_per_byte
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
-from geotrain.scheduler.errors import RunAborted, StepFailed
+from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
@@ -55,6 +56,7 @@ class RunSummary:
     loss_first: float
     loss_last: float
     val_loss: float | None
+    val_bits_per_byte: float | None  # val_loss per byte of validation text, in bits: byte and BPE runs compare
     tokens_per_s: float
     wall_s: float
     nodes: int
@@ -80,6 +82,8 @@ class Coordinator:
         on_event: EventSink | None = None,
     ) -> None:
         self.cfg = cfg
+        # The prepared data set whose windows the nodes fetch (Windows); None: every node reads the byte corpus.
+        self.dataset = PreparedDataset.open(cfg.data.prepared) if cfg.data.prepared else None
         self.store = store or RunStore()
         self.run_id = run_id
         self._sink = on_event or (lambda kind, data: None)
@@ -235,7 +239,8 @@ class Coordinator:
                 self._failed_at = None
             self.step += 1
             record = self._after_commit(record)
-            self._on_event("step", {"record": record, "of": self.cfg.run.steps})
+            bits = None if record.val_loss is None else self.bits_per_byte(record.val_loss)
+            self._on_event("step", {"record": record, "of": self.cfg.run.steps, "val_bits_per_byte": bits})
         if self.recovery.checkpoint_due(self.step):
             self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
         self._set_state("done")
@@ -247,6 +252,7 @@ class Coordinator:
             loss_first=history[0].loss,
             loss_last=history[-1].loss,
             val_loss=vals[-1] if vals else None,
+            val_bits_per_byte=self.bits_per_byte(vals[-1]) if vals else None,
             tokens_per_s=self.cfg.tokens_per_step * (self.step - first_step) / train_s if train_s else 0.0,
             wall_s=time.monotonic() - started,
             nodes=len(self.membership.alive()),
@@ -280,6 +286,39 @@ class Coordinator:
             self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
         return record
 
+    # -- data (called from RPC threads) -------------------------------------------------------------------------
+
+    def windows(self, request: pb.WindowsRequest) -> pb.WindowsReply:
+        """A microbatch's token windows from the prepared data set; ReportRefused for a run on the byte corpus, a
+        caller that is no live member, or a step or microbatch the run never issues."""
+        cfg = self.cfg
+        with self.membership.cond:
+            member = self.members.get(request.node_id)
+            if member is None or not member.alive:
+                raise ReportRefused(f"windows for {request.node_id!r} refused: not a live member of the run")
+        if self.dataset is None:
+            raise ReportRefused("this run trains on the byte corpus, which every node reads itself")
+        count = cfg.run.eval_microbatches if request.validation else cfg.train.microbatches
+        if request.step >= cfg.run.steps or request.microbatch >= count:
+            raise ReportRefused(
+                f"windows refused: step {request.step} microbatch {request.microbatch} is not one of the run's "
+                f"{cfg.run.steps} steps of {count} {'validation ' if request.validation else ''}microbatches"
+            )
+        windows = self.dataset.windows(
+            seed=cfg.run.seed, step=request.step, microbatch=request.microbatch, size=cfg.train.microbatch_size,
+            seq_len=cfg.model.seq_len, validation=request.validation,
+        )
+        return pb.WindowsReply(
+            fingerprint=self.dataset.fingerprint, rows=windows.shape[0], cols=windows.shape[1],
+            tokens=windows.astype("<u4").tobytes(),
+        )
+
+    def bits_per_byte(self, loss: float) -> float:
+        """A validation loss (nats per token) as bits per byte of the validation text."""
+        if self.dataset is not None:
+            return self.dataset.bits_per_byte(loss)
+        return bits_per_byte(loss, 1, 1)  # the byte corpus: one token a byte
+
     # -- status and shutdown --------------------------------------------------------------------------------------
 
     def snapshot(self) -> StatusSnapshot:
@@ -298,6 +337,7 @@ class Coordinator:
             estimate=self.estimate,
             events=tuple(self.store.events()),
             now=time.monotonic(),
+            bits_per_byte=self.bits_per_byte,
         )
 
     def status(self) -> pb.StatusReply:

@@ -47,6 +47,10 @@ def metric_families(reply: pb.StatusReply) -> Iterator[Metric]:
         yield GaugeMetricFamily("geotrain_eta_seconds", "Estimated time left.", value=reply.eta_s)
     if any(p.has_val_loss for p in reply.history):
         yield GaugeMetricFamily("geotrain_val_loss", "Latest validation loss.", value=reply.val_loss)
+        yield GaugeMetricFamily(
+            "geotrain_val_bits_per_byte", "Latest validation loss in bits per byte of text.",
+            value=reply.val_bits_per_byte,
+        )
 
     nodes = GaugeMetricFamily("geotrain_nodes", "Nodes known to the coordinator.", labels=["state"])
     alive = sum(n.alive for n in reply.nodes)

@@ -122,6 +122,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
         return pb.Ack()
 
+    async def Windows(self, request, context):  # noqa: D102, N802
+        try:
+            return await self._off_loop(self.c.windows, request)  # reads the data set's shards: off the loop
+        except ReportRefused as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def Probe(self, request_iterator, context):  # noqa: D102, N802
         count = ProbeCount()
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from geotrain.protocol import geotrain_pb2 as pb
@@ -26,6 +27,7 @@ class StatusSnapshot:
     estimate: costmodel.Plan | None
     events: tuple[tuple[float, str, str, str], ...]
     now: float  # time.monotonic() when taken, for heartbeat ages
+    bits_per_byte: Callable[[float], float]  # a validation loss as bits per byte of the run's validation text
 
 
 def render(snap: StatusSnapshot) -> pb.StatusReply:
@@ -43,7 +45,7 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
         reply.eta_s = mean_s * max(0, snap.steps - len(history))
         vals = [r.val_loss for r in history if r.val_loss is not None]
         if vals:
-            reply.val_loss = vals[-1]
+            reply.val_loss, reply.val_bits_per_byte = vals[-1], snap.bits_per_byte(vals[-1])
     for r in history:
         point = reply.history.add(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s, seconds=r.seconds, at=r.committed_at)
         if r.val_loss is not None:

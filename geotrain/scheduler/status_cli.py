@@ -62,7 +62,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_status(reply: pb.StatusReply) -> str:
     """The human-readable status: run figures, plan, nodes, links and the latest events."""
-    val = f"  val {reply.val_loss:.4f}" if any(p.has_val_loss for p in reply.history) else ""
+    val = (
+        f"  val {reply.val_loss:.4f} ({reply.val_bits_per_byte:.3f} bits/byte)"
+        if any(p.has_val_loss for p in reply.history) else ""
+    )
     eta = _duration(reply.eta_s) if reply.state == "training" and reply.step else "n/a"
     phase = f" ({reply.phase})" if reply.phase and reply.phase != "idle" else ""
     lines = [

@@ -39,7 +39,7 @@ function renderFigures(s) {
   setText("state", s.phase && s.phase !== "idle" ? `${s.state} (${s.phase})` : s.state);
   setText("step", `${num(s.step)} / ${num(s.steps)}`);
   setText("loss", s.history.length ? s.loss.toFixed(4) : "n/a");
-  setText("val-loss", hasVal ? s.val_loss.toFixed(4) : "n/a");
+  setText("val-loss", hasVal ? `${s.val_loss.toFixed(4)} (${s.val_bits_per_byte.toFixed(3)} bits/byte)` : "n/a");
   setText("tokens", s.history.length ? Math.round(s.tokens_per_s).toLocaleString("en") : "n/a");
   setText("eta", s.state === "training" && s.history.length ? duration(s.eta_s) : "n/a");
   setText("plan", `epoch ${num(s.plan_epoch)}, ${s.stages.length} stage(s)`);
