@@ -289,7 +289,9 @@ def test_light_commands_do_not_import_torch(tmp_path, closed_port):
     # Loading torch took 3-8 s on every `geotrain --help`; these commands need none of it.
     commands = [
         ["--help"],
-        *([name, "--help"] for name in ("coordinator", "join", "demo", "train-local", "plan", "status", "tls")),
+        *([name, "--help"] for name in (
+            "coordinator", "join", "demo", "train-local", "plan", "status", "tls", "generate", "export",
+        )),
         ["plan", "--cluster", "deploy/clusters/four-regions-wan.yaml"],
         ["status", "--coordinator", f"127.0.0.1:{closed_port}", "--token", TOKEN],
         ["tls", "init", str(tmp_path / "tls")],
