@@ -112,6 +112,12 @@ def test_the_recorded_prepared_tokenizer_is_the_default(saved_llama, tmp_path):
     assert isinstance(choose_tokenizer(None, {"paths": []}, vocab=300), ByteTokenizer)
     with pytest.raises(ConfigError, match=r"its vocabulary \(300 tokens\) exceeds the model's \(299\)"):
         choose_tokenizer(None, {"prepared": str(prepared)}, vocab=299)
+    # Exported as it is, into an --out that exists and is empty.
+    (tmp_path / "hf").mkdir()
+    export(read_saved_file(saved_llama), chosen, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == (prepared / "tokenizer.json").read_text()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.convert_tokens_to_ids(["w7", "w299"]) == [7, 299]
 
 
 # -- through the command line ---------------------------------------------------------------------------------------
