@@ -206,7 +206,7 @@ def bad_inputs(saved_llama, tmp_path_factory) -> dict[str, Path]:
         ("generate", "missing.safetensors", [], "missing.safetensors: no such file"),
         ("export", "truncated.safetensors", [], "truncated.safetensors is truncated or not a safetensors file"),
         ("generate", "foreign.safetensors", [], "is not a model saved by geotrain: its metadata records no [model]"),
-        ("export", "mismatch.safetensors", [], "do not match its recorded [model] section: layers.0.embed_tokens.weight is [300, 32]"),
+        ("export", "mismatch.safetensors", [], "recorded [model] section: layers.0.embed_tokens.weight is [300, 32]"),
         ("generate", "plain-dir", [], "a directory without run.sqlite, so not a coordinator's --state-dir"),
         ("generate", "MODEL", ["--tokenizer", "wide.json"], "its vocabulary (400 tokens) exceeds the model's (300)"),
         ("generate", "MODEL", ["--tokenizer", "missing.json"], "--tokenizer"),
