@@ -475,10 +475,10 @@ def _count(at_least: int, at_most: int) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value: int | None = int(text)
         except ValueError:
-            value = at_least - 1
-        if not at_least <= value <= at_most:
+            value = None
+        if value is None or not at_least <= value <= at_most:
             raise argparse.ArgumentTypeError(f"expected an integer from {at_least} to {at_most}, got {text!r}")
         return value
 
