@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from geotrain import __version__
-from geotrain.config import MODEL_METADATA_KEY, ConfigError, ModelSection, RunConfig, load_config
+from geotrain.config import DATA_METADATA_KEY, MODEL_METADATA_KEY, ConfigError, RunConfig, load_config
 
 if TYPE_CHECKING:
+    from geotrain.node.saved import SavedModel
     from geotrain.protocol.tls import TlsFiles
     from geotrain.scheduler.local import LocalNodes
 
@@ -45,6 +46,8 @@ EXAMPLES = {
     "tls": "geotrain tls init run-tls",
     "data": "geotrain data prepare --input 'corpus/**/*.txt' --tokenizer tok.json --out data/",
     "tokenizer": "geotrain tokenizer train --input 'corpus/**/*.txt' --vocab 8192 --out tok.json",
+    "generate": 'geotrain generate --checkpoint model.safetensors --prompt "def main(" --max-new-tokens 200',
+    "export": "geotrain export --checkpoint model.safetensors --out hf-model",
 }
 
 
@@ -224,12 +227,16 @@ class ProgressPrinter:
         print(text, file=self.stream, flush=True)
 
 
-def _save_final(path: str, state: dict[str, Any], model: ModelSection, out) -> None:
-    """Write the model as safetensors, its [model] section in the metadata so it loads without the run config."""
+def _save_final(path: str, state: dict[str, Any], cfg: RunConfig, out) -> None:
+    """Write the model as safetensors, its [model] section in the metadata so it loads without the run config, and
+    its [data] section, where generate and export find the run's tokenizer."""
     from safetensors.torch import save_file
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    metadata = {MODEL_METADATA_KEY: json.dumps(dataclasses.asdict(model))}
+    metadata = {
+        MODEL_METADATA_KEY: json.dumps(dataclasses.asdict(cfg.model)),
+        DATA_METADATA_KEY: json.dumps(dataclasses.asdict(cfg.data)),
+    }
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=metadata)
     except OSError as e:
@@ -305,7 +312,7 @@ def _run_coordinator(
         if args.save_final:
             assert coordinator.plan is not None
             state = fetch_model_state(coordinator.plan, token, summary.steps, tls)
-            _save_final(args.save_final, state, cfg.model, out)
+            _save_final(args.save_final, state, cfg, out)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
         return EXIT_OK
@@ -477,6 +484,21 @@ def _number(at_least: float, above: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def _count(at_least: int, at_most: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [at_least, at_most]."""
+
+    def parse(text: str) -> int:
+        try:
+            value: int | None = int(text)
+        except ValueError:
+            value = None
+        if value is None or not at_least <= value <= at_most:
+            raise argparse.ArgumentTypeError(f"expected an integer from {at_least} to {at_most}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _slowdowns(value: str) -> str:
     """Check a --slowdowns value: comma-separated factors, each at least 1."""
     if not all(_is_number(v, 1.0) for v in value.split(",") if v) or not value.strip(","):
@@ -517,7 +539,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 
     runtime, summary = train_local(cfg, progress)
     if args.save_final:
-        _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, cfg.model, out)
+        _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, cfg, out)
     _finish(summary, args.json)
     return EXIT_OK
 
@@ -571,6 +593,78 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror}") from None
     print(f"trained a BPE tokenizer of {vocab} tokens into {args.out}", flush=True)
+    return EXIT_OK
+
+
+def _saved_model(path: str) -> SavedModel:
+    """The model --checkpoint names: a --save-final file, or the latest complete checkpoint of a coordinator's
+    --state-dir with the [model] section its run store recorded."""
+    from safetensors import SafetensorError
+
+    from geotrain.node.saved import SavedModel, read_saved_file
+    from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
+    from geotrain.scheduler.state import STORE_FILE, recorded_model
+
+    source = Path(path)
+    if not source.is_dir():
+        return read_saved_file(path)
+    if not (source / STORE_FILE).is_file():
+        raise UsageError(f"--checkpoint {path}: a directory without {STORE_FILE}, so not a coordinator's --state-dir")
+    try:
+        model = recorded_model(source / STORE_FILE)
+    except (sqlite3.Error, ValueError) as e:
+        raise UsageError(f"--checkpoint {path}: cannot read its {STORE_FILE}: {e}") from None
+    if model is None:
+        raise UsageError(f"--checkpoint {path}: its {STORE_FILE} records no [model] section")
+    if not (source / CHECKPOINTS_DIR).is_dir():
+        raise UsageError(f"--checkpoint {path}: the state dir holds no checkpoint")
+    store = CheckpointStore(source / CHECKPOINTS_DIR, keep=1)  # keep matters to writing only
+    try:
+        manifest = store.latest()
+        if manifest is None:
+            raise UsageError(f"--checkpoint {path}: the state dir holds no complete checkpoint")
+        state = store.load_layers(manifest, 0, max(entry["layer_end"] for entry in manifest.stages))
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--checkpoint {path}: its latest checkpoint is truncated or unreadable ({e})") from None
+    parameters = {name: t for name, t in state.items() if name.startswith("layers.")}  # not the optimizer's state
+    return SavedModel.checked(model, parameters, {}, f"--checkpoint {manifest.path}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """geotrain generate."""
+    from geotrain.node.generate import generate
+    from geotrain.node.tokenizer import choose_tokenizer
+
+    if not args.prompt:
+        raise UsageError("--prompt must not be empty: the model continues a text")
+    saved = _saved_model(args.checkpoint)
+    tokenizer = choose_tokenizer(args.tokenizer, saved.data, saved.model.vocab)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise UsageError(f"--prompt {args.prompt!r} encodes to no token with {tokenizer.name}")
+    torch_threads()
+    ids = generate(
+        saved.build(), prompt, max_new_tokens=args.max_new_tokens, seq_len=saved.model.seq_len,
+        vocab=tokenizer.vocab_size, temperature=args.temperature, seed=args.seed,
+    )
+    print(args.prompt + tokenizer.decode(ids), flush=True)
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """geotrain export."""
+    from geotrain.node.export import check_out, export
+    from geotrain.node.tokenizer import choose_tokenizer
+
+    out = Path(args.out)
+    check_out(out)  # before reading the model, which may take a while
+    saved = _saved_model(args.checkpoint)
+    tokenizer = choose_tokenizer(args.tokenizer, saved.data, saved.model.vocab)
+    try:
+        files = export(saved, tokenizer, out)
+    except OSError as e:
+        raise CommandFailed(f"cannot write {out}: {e.strerror or e}") from None
+    print(f"exported the {saved.model.family} model to {out} ({', '.join(files)}); tokenizer: {tokenizer.name}")
     return EXIT_OK
 
 
@@ -736,6 +830,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl+C")
     tls_option(p)
     p.set_defaults(func=cmd_status)
+
+    def checkpoint_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--checkpoint", required=True, metavar="PATH",
+            help="a model written by --save-final, or a coordinator's --state-dir (its latest complete checkpoint)",
+        )
+        p.add_argument(
+            "--tokenizer", metavar="TOKENIZER_JSON",
+            help="a tokenizer.json (default: the run's data.prepared tokenizer if the saved model records one, "
+            "else bytes: ids 0..255 are UTF-8 bytes)",
+        )
+
+    p = add("generate", "Continue a prompt with a trained model, on this machine's CPU.", [])
+    checkpoint_options(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument(
+        "--max-new-tokens", type=_count(1, 1 << 20), default=200, metavar="N",
+        help="tokens to add (default 200); the model sees the last model.seq_len tokens, sliding along",
+    )
+    p.add_argument(
+        "--temperature", type=_number(0.0), default=0.8, metavar="T",
+        help="sample from softmax(logits / T) (default 0.8); 0: always the likeliest token",
+    )
+    p.add_argument("--seed", type=_count(0, 2**63 - 1), default=0, help="seed of the sampling (default 0)")
+    p.set_defaults(func=cmd_generate)
+
+    p = add(
+        "export",
+        "Write a trained model as a Hugging Face directory that transformers' AutoModelForCausalLM loads.",
+        [],
+    )
+    checkpoint_options(p)
+    p.add_argument(
+        "--out", required=True, metavar="DIR",
+        help="the directory to create (absent, or empty): config.json, model.safetensors (llama as LlamaForCausalLM, "
+        "byte-gpt as GPT2LMHeadModel), tokenizer.json (the byte tokenizer as byte-level BPE) and tokenizer_config.json",
+    )
+    p.set_defaults(func=cmd_export)
 
     p = add("tls", "Make a run's TLS files: a run CA, and the certificate and key every participant shares.", [])
     actions = p.add_subparsers(dest="tls_command", required=True, metavar="ACTION")

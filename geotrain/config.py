@@ -30,6 +30,9 @@ class ConfigError(ValueError):
 
 MODEL_METADATA_KEY = "geotrain.model"
 """The safetensors metadata key under which a saved model (--save-final) keeps its [model] section, as JSON."""
+DATA_METADATA_KEY = "geotrain.data"
+"""The key under which it keeps the run's [data] section, as JSON: `geotrain generate` and `export` find the run's
+tokenizer through it (data.prepared) on the machine that trained it."""
 
 
 def _bounded(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:

@@ -291,6 +291,7 @@ def test_light_commands_do_not_import_torch(tmp_path, closed_port):
         ["--help"],
         *([name, "--help"] for name in (
             "coordinator", "join", "demo", "train-local", "plan", "status", "tls", "data", "tokenizer",
+            "generate", "export",
         )),
         ["tokenizer", "train", "--input", str(tmp_path / "none.txt"), "--out", str(tmp_path / "tok.json")],
         ["plan", "--cluster", "deploy/clusters/four-regions-wan.yaml"],

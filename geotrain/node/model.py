@@ -111,6 +111,15 @@ class GPT(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(build_layer(cfg, i, seed) for i in range(cfg.total_layers))
 
+    @classmethod
+    def from_state(cls, cfg: ModelSection, state: dict[str, torch.Tensor]) -> GPT:
+        """The model holding `state`'s tensors; its layers are built on the meta device, so none is initialised
+        only to be overwritten."""
+        with torch.device("meta"):
+            model = cls(cfg, seed=0)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = idx
         for layer in self.layers:
@@ -122,9 +131,7 @@ def load_gpt(path: str | Path, cfg: ModelSection) -> GPT:
     """Load a model saved with --save-final (a safetensors state_dict) for the given model config."""
     from safetensors.torch import load_file
 
-    model = GPT(cfg, seed=0)
-    model.load_state_dict(load_file(str(path)))
-    return model
+    return GPT.from_state(cfg, load_file(str(path)))
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from geotrain.durable import fsync
+
 log = logging.getLogger(__name__)
 
 _DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
+CHECKPOINTS_DIR = "checkpoints"
+"""Where a coordinator's --state-dir keeps its checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -44,19 +48,6 @@ class Manifest:
     steps_done: int
     plan_epoch: int
     stages: list[dict]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def layer_of(name: str) -> int:
@@ -85,7 +76,7 @@ class CheckpointStore:
         for stage in stages:
             name = f"stage-{stage.layer_start:04d}-{stage.layer_end:04d}.safetensors"
             save_file({k: v.contiguous() for k, v in stage.tensors.items()}, str(tmp / name))
-            _fsync_file(tmp / name)
+            fsync(tmp / name)
             entries.append(
                 {"layer_start": stage.layer_start, "layer_end": stage.layer_end, "file": name, "checksum": stage.checksum}
             )
@@ -93,14 +84,14 @@ class CheckpointStore:
             before_manifest()
         manifest = {"steps_done": steps_done, "plan_epoch": plan_epoch, "stages": entries, "written_at": time.time()}
         (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
-        _fsync_file(tmp / (MANIFEST + ".tmp"))
+        fsync(tmp / (MANIFEST + ".tmp"))
         os.replace(tmp / (MANIFEST + ".tmp"), tmp / MANIFEST)
-        _fsync_dir(tmp)
+        fsync(tmp)
         final = self.root / f"step-{steps_done:08d}"
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync(self.root)
         self._prune()
         log.info("checkpoint of step %d written to %s", steps_done, final)
         return Manifest(final, steps_done, plan_epoch, entries)

@@ -24,7 +24,7 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
-from geotrain.scheduler.checkpoint import CheckpointStore
+from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.state import RunStore
@@ -267,7 +267,7 @@ class CoordinatorProcess:
         if not self.store.get("run_id"):
             self.store.put("run_id", secrets.token_hex(8))
         checkpoints = (
-            CheckpointStore(Path(state_dir) / "checkpoints", cfg.scheduler.keep_checkpoints) if state_dir else None
+            CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
         )
         # Started before any gRPC object: hivemind forks its DHT process, and a fork while gRPC threads run breaks it.
         host = listen.rsplit(":", 1)[0]

@@ -47,6 +47,16 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+def recorded_model(path: str | Path) -> dict[str, Any] | None:
+    """The [model] section a run's store recorded, read without writing (its coordinator may still be running)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (_MODEL_KEY,)).fetchone()
+    finally:
+        db.close()
+    return json.loads(row[0]) if row else None
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One committed step."""
