@@ -104,7 +104,7 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
-    # Measured placement, two stages, node-2 twenty times slower than node-1: the first plan gives node-2 few layers.
+    # Measured placement, two stages, node-2 eight times slower than node-1: the first plan gives node-2 few layers.
     # Once node-3, as fast as node-1, joins, the planner's best plan spreads the layers over node-1 and node-3 and
     # leaves node-2 out, so layers move; they travel through a checkpoint of the committed step.
     cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5", "profile.layer_repeats=1")
@@ -122,7 +122,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
             wait_until(lambda: "node-3" in members and members["node-3"].profile is not None, 60,
                        "node-3 reported its profile")
 
-    slow = {"node-2": ["--slowdown", "20"]}
+    slow = {"node-2": ["--slowdown", "8"]}
     state_dir = tmp_path / "state"
     with local_cluster(cfg, 2, tmp_path, on_event=hold_for_node_3, state_dir=state_dir, node_args=slow) as cluster:
         running.append(cluster)
