@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.config import load_config
+from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
@@ -148,8 +149,12 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         process.server.start()
         node = nodes.start("node-1")
         reaper.lead(node.pid)
-        # A node reports its DHT's peer id in the heartbeat right after starting it: the DHT process and p2pd run.
+        # A node starts its DHT when told to join averaging (as a plan's replica is) and reports its peer id in the
+        # heartbeat right after: then the DHT process and p2pd run.
         coordinator = process.coordinator
+        wait_until(lambda: "node-1" in coordinator.members or node.poll() is not None, 60, "the node registered")
+        join = pb.JoinAveraging(initial_peers=coordinator.planning.dht_peers)
+        coordinator.orders.send(["node-1"], pb.Order(join_averaging=join))
 
         def dht_up_or_node_gone() -> bool:
             member = coordinator.members.get("node-1")
