@@ -98,14 +98,18 @@ class StageServicer(rpc.StageServicer):
         return serve_probe(request_iterator, context)
 
 
+# The dtype activations and their gradients travel in, by train.precision: the compute dtype.
+WIRE_DTYPES = {"fp32": pb.DTYPE_FLOAT32, "bf16": pb.DTYPE_BFLOAT16, "fp16": pb.DTYPE_FLOAT16}
+
+
 def check_activation_header(
-    header: pb.TensorHeader, shape: list[int], codec_ids: Collection[int], max_bytes: int
+    header: pb.TensorHeader, shape: list[int], dtype: int, codec_ids: Collection[int], max_bytes: int
 ) -> None:
-    """Raise FrameError unless header describes an fp32 activation of `shape` in one of the codecs `codec_ids`."""
-    if header.dtype != pb.DTYPE_FLOAT32:
-        raise FrameError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"expected float32 activations, got {pb.DType.Name(header.dtype)}"
-        )
+    """Raise FrameError unless header describes an activation of `shape` and wire `dtype` in one of the codecs
+    `codec_ids`."""
+    if header.dtype != dtype:
+        got = pb.DType.Name(header.dtype) if header.dtype in pb.DType.values() else str(header.dtype)
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected {pb.DType.Name(dtype)} activations, got {got}")
     if list(header.shape) != shape:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape {shape}, got {list(header.shape)}")
     if header.codec not in codec_ids:

@@ -32,14 +32,17 @@ def run_plan(
     codec_ratio: float | CodecRatio = 1.0,
     allreduce: str = "auto",
     replica_rank: int | None = None,
+    compute_bytes: int = 4,
+    recompute: bool = False,
     err: TextIO = sys.stderr,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
     vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); allreduce and
-    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); returns 0, or 2 after
-    printing the error for a bad cluster or model."""
+    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); compute_bytes (2 under
+    bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0, or 2 after printing
+    the error for a bad cluster or model."""
     try:
-        profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
+        profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
         cluster = load_cluster(cluster_path, profile)
         shape = StepShape(
             microbatches=microbatches,
@@ -48,6 +51,8 @@ def run_plan(
             inflight=inflight,
             allreduce=allreduce,
             replica_rank=replica_rank,
+            compute_bytes=compute_bytes,
+            recompute=recompute,
         )
         result = plan(
             nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)
