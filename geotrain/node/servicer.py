@@ -47,6 +47,9 @@ class StageHandler(Protocol):
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Take a validated, decoded tensor (queue its compute); must not block on compute."""
 
+    def may_overflow(self, direction: str) -> bool:
+        """Whether tensors of this direction may hold Inf or NaN by design (fp16's scaled gradients)."""
+
     def state_snapshot(
         self, steps_done: int, layers: tuple[int, int] | None = None
     ) -> list[tuple[str, torch.Tensor]] | None:
@@ -68,7 +71,7 @@ class StageServicer(rpc.StageServicer):
             received = framing.read_one_tensor(
                 chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h)
             )
-            tensor = decode_tensor(received, self.check_finite)
+            tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:
             log.warning("rejected %s from %s: %s", direction, context.peer(), e)
             context.abort(e.code, str(e))
@@ -102,14 +105,22 @@ class StageServicer(rpc.StageServicer):
 WIRE_DTYPES = {"fp32": pb.DTYPE_FLOAT32, "bf16": pb.DTYPE_BFLOAT16, "fp16": pb.DTYPE_FLOAT16}
 
 
+def _dtype_name(wire_dtype: int) -> str:
+    """float32, bfloat16, ...: the torch name of a wire dtype, or its number when it is none we know."""
+    known = framing.WIRE_TO_TORCH.get(wire_dtype)
+    return str(known).removeprefix("torch.") if known is not None else f"dtype {wire_dtype}"
+
+
 def check_activation_header(
     header: pb.TensorHeader, shape: list[int], dtype: int, codec_ids: Collection[int], max_bytes: int
 ) -> None:
     """Raise FrameError unless header describes an activation of `shape` and wire `dtype` in one of the codecs
     `codec_ids`."""
     if header.dtype != dtype:
-        got = pb.DType.Name(header.dtype) if header.dtype in pb.DType.values() else str(header.dtype)
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected {pb.DType.Name(dtype)} activations, got {got}")
+        raise FrameError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"expected {_dtype_name(dtype)} activations, got {_dtype_name(header.dtype)}",
+        )
     if list(header.shape) != shape:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape {shape}, got {list(header.shape)}")
     if header.codec not in codec_ids:

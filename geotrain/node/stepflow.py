@@ -162,6 +162,11 @@ class StepFlow:
             self.options.max_tensor_bytes,
         )
 
+    def may_overflow(self, direction: str) -> bool:
+        """fp16: a scaled gradient that overflowed flows on as Inf or NaN, and the step's gradient norm then makes
+        every stage skip the step; anything else non-finite is refused."""
+        return direction == "backward" and self.cfg is not None and self.cfg.train.precision == "fp16"
+
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Queue the compute for a validated incoming tensor."""
         sender = ref.path[-1] if direction == "forward" else ref.path[self.stage_index + 1]

@@ -25,7 +25,7 @@ def run_plan(
     microbatches: int,
     microbatch_size: int,
     as_json: bool = False,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     *,
     stages: int | None = None,
     inflight: int | None = None,
@@ -34,13 +34,14 @@ def run_plan(
     replica_rank: int | None = None,
     compute_bytes: int = 4,
     recompute: bool = False,
-    err: TextIO = sys.stderr,
+    err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
     vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); allreduce and
     replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); compute_bytes (2 under
     bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0, or 2 after printing
-    the error for a bad cluster or model."""
+    the error for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they are at the call."""
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
         cluster = load_cluster(cluster_path, profile)
