@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from geotrain.config import load_config
+from geotrain.config import RunConfig, load_config
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
+from geotrain.protocol.geotrain_pb2 import StatusReply
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
 from geotrain.scheduler.local import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
@@ -43,28 +44,38 @@ def _fresh_counters(coordinator: Coordinator, since: float, timeout_s: float = 3
         time.sleep(0.2)
 
 
+def train(
+    cfg: RunConfig, node_args: dict[str, list[str]], log_dir: Path
+) -> tuple[RunSummary, int, int, StatusReply]:
+    """Train cfg on an in-process coordinator and one `geotrain join` process per node_args entry (its flags); the
+    summary, the links' (wire, raw) bytes and the final status."""
+    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+    token = new_token()
+    host = CoordinatorProcess(cfg, token, "127.0.0.1:0")  # with the DHT that replicas find each other through
+    coordinator = host.coordinator
+    nodes = LocalNodes(f"127.0.0.1:{host.port}", token, log_dir, node_args)
+    host.server.start()
+    try:
+        for node_id in node_args:
+            nodes.start(node_id)
+        summary = coordinator.run()
+        wire, raw = _fresh_counters(coordinator, time.monotonic())
+        status = coordinator.status()
+    finally:
+        coordinator.shutdown_nodes("benchmark over", grace_s=1.0)
+        nodes.stop_all()
+        host.close()
+    return summary, wire, raw, status
+
+
 def run(settings: list[str], steps: int, log_dir: Path) -> tuple[RunSummary, int, int]:
     """Train one run with these config settings; its summary and its links' (wire, raw) bytes."""
     cfg = load_config(None, [
         f"run.steps={steps}", f"scheduler.min_nodes={NODES}", f"emulation.links={LINK}", "scheduler.placement=uniform",
         *settings,
     ])
-    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
-    token = new_token()
-    host = CoordinatorProcess(cfg, token, "127.0.0.1:0")  # with the DHT that replicas find each other through
-    coordinator = host.coordinator
     regions = {f"node-{i + 1}": ["--region", REGIONS[i % len(REGIONS)]] for i in range(NODES)}
-    nodes = LocalNodes(f"127.0.0.1:{host.port}", token, log_dir, regions)
-    host.server.start()
-    try:
-        for node_id in regions:
-            nodes.start(node_id)
-        summary = coordinator.run()
-        wire, raw = _fresh_counters(coordinator, time.monotonic())
-    finally:
-        coordinator.shutdown_nodes("benchmark over", grace_s=1.0)
-        nodes.stop_all()
-        host.close()
+    summary, wire, raw, _ = train(cfg, regions, log_dir)
     return summary, wire, raw
 
 

@@ -347,6 +347,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
+    _announce_device(args.device)
     options = NodeOptions(
         coordinator=args.coordinator,
         token=token,
@@ -359,6 +360,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         latency_ms=args.latency_ms,
         tls=tls,
         give_up_after_s=args.give_up_after,
+        device=args.device,
     )
     exit_with_parent()
     agent = Agent(options)
@@ -376,6 +378,30 @@ def cmd_join(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
 
 
+def _device(spec: str):
+    """The torch device --device names; UsageError (exit 2) when this machine has none such."""
+    from geotrain.node.device import DeviceError, resolve_device
+
+    try:
+        return resolve_device(spec)
+    except DeviceError as e:
+        raise UsageError(str(e)) from None
+
+
+def _announce_device(spec: str) -> None:
+    """Print the device a node will compute on, its usable memory and a measured speed, before it registers."""
+    from geotrain.node.device import describe, matmul_flops
+    from geotrain.node.profiler import available_memory_bytes
+
+    device = _device(spec)
+    print(
+        f"device {describe(device)}: {available_memory_bytes(device) / 2**30:.1f} GiB free, "
+        f"{matmul_flops(device) / 1e12:.2f} TFLOP/s fp32 matmul",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
@@ -383,6 +409,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
+    _device(args.device)  # a device this machine lacks: one line now, not from each node later
     stages = args.nodes if args.stages is None else args.stages
     if stages > args.nodes:
         raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
@@ -461,6 +488,8 @@ def _per_node_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.tls_dir:
         for node_flags in flags.values():
             node_flags += ["--tls-dir", args.tls_dir]
+    for node_flags in flags.values():
+        node_flags += ["--device", args.device]
     return flags
 
 
@@ -537,7 +566,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
         print(f"step {r['step'] + 1:>4}/{cfg.run.steps}  loss {r['loss']:.4f}{val}  {r['seconds']:.2f}s", file=out,
               flush=True)
 
-    runtime, summary = train_local(cfg, progress)
+    runtime, summary = train_local(cfg, progress, _device(args.device))
     if args.save_final:
         _save_final(args.save_final, {name: p.detach() for name, p in runtime.named_state()}, cfg, out)
     _finish(summary, args.json)
@@ -696,7 +725,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(
         args.cluster, model, cfg.train.microbatches, cfg.train.microbatch_size, as_json=args.json,
         stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight, allreduce=cfg.scheduler.allreduce,
-        replica_rank=cfg.compression.replica_rank,
+        replica_rank=cfg.compression.replica_rank, compute_bytes=4 if cfg.train.precision == "fp32" else 2,
+        recompute=cfg.train.recompute,
     )
 
 
@@ -781,6 +811,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--give-up-after", type=_number(0.0, above=True), default=60.0, metavar="SECONDS",
         help="exit (code 1) when the coordinator has been unreachable this long (default 60)",
     )
+    p.add_argument(
+        "--device", default="auto",
+        help="where the stage computes: auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps (default auto); "
+        "one node per GPU: start one join per device with --device cuda:N",
+    )
     tls_option(p)
     p.set_defaults(func=cmd_join)
 
@@ -808,6 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--chaos", metavar="kill-every=20s[,down=5s][,seed=N]",
         help="SIGKILL a random node now and then and restart it after a delay, to watch fault tolerance",
     )
+    p.add_argument(
+        "--device", default="cpu",
+        help="where every local node computes: cpu (default: the exactness reference), auto, cuda, cuda:N or mps",
+    )
     tls_option(p)
     http_options(p, "127.0.0.1:0")
     run_outputs(p)
@@ -815,6 +854,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("train-local", "Train the same run in one process: the reference the pipeline must match.", [common])
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
+    p.add_argument(
+        "--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps (default cpu: the exactness reference)"
+    )
     run_outputs(p)
     p.set_defaults(func=cmd_train_local)
 

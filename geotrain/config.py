@@ -161,6 +161,18 @@ class DataSection:
             raise ConfigError("data.paths names a byte corpus; data.prepared replaces it: set one of them")
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16's dynamic loss scale: the factor the loss is multiplied by before backward, and the steps since the last
+    overflow. The coordinator decides it step by step (TrainSection.decide) and tells every stage."""
+
+    scale: float
+    good_steps: int
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     """[train]: batch, optimizer and pipeline window."""
@@ -175,11 +187,57 @@ class TrainSection:
     beta2: float = _bounded(0.95, 0.0, 0.999999)
     grad_clip: float = _bounded(1.0, 0.0, 1e6, "global gradient-norm clip; 0 = off")
     inflight: int = _bounded(4, 1, 1024, "microbatches a data head keeps in flight at once")
+    precision: str = field(
+        default="fp32",
+        metadata={
+            "doc": "fp32, or bf16 / fp16: autocast compute over fp32 master weights and optimizer state; activations "
+            "and their gradients leave each layer in that dtype (fp16 adds dynamic loss scaling)"
+        },
+    )
+    precision_fallback: str = field(
+        default="refuse",
+        metadata={"doc": "a node whose device cannot compute in `precision`: refuse (it does not join) or fp32"},
+    )
+    recompute: bool = field(
+        default=False,
+        metadata={"doc": "keep only each layer's input for backward and recompute the rest (torch.utils.checkpoint)"},
+    )
+    loss_scale: float = _bounded(65536.0, 1.0, 2.0**64, "fp16: the initial loss scale, a power of two")
+    loss_scale_window: int = _bounded(
+        200, 1, 10**9, "fp16: steps without an overflow after which the loss scale doubles"
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "train")
         if self.min_lr > self.lr:
             raise ConfigError(f"train.min_lr must be <= train.lr ({self.lr}), got {self.min_lr}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision_fallback not in ("refuse", "fp32"):
+            raise ConfigError(f"train.precision_fallback must be refuse or fp32, got {self.precision_fallback!r}")
+        if math.frexp(self.loss_scale)[0] != 0.5:
+            # A power of two scales and unscales gradients exactly.
+            raise ConfigError(f"train.loss_scale must be a power of two, got {self.loss_scale!r}")
+
+    def initial_loss_scale(self) -> LossScale:
+        """The loss scale of the first step: train.loss_scale under fp16, else 1 (no scaling)."""
+        return LossScale(scale=self.loss_scale if self.precision == "fp16" else 1.0, good_steps=0)
+
+    def decide(self, sq_norm_parts: Iterable[float], scale: LossScale) -> tuple[float, bool, LossScale]:
+        """(clip factor, skip, next loss scale) of a step from every gradient tensor's squared norm, scaled by
+        `scale`: a non-finite norm (fp16 overflow) skips the step and halves the scale; window steps without one
+        double it. The clip factor also undoes the scale, so it is the one multiplication of the gradients; without
+        scaling (scale 1) it is clip_coefficient_from's factor exactly."""
+        total = math.fsum(sq_norm_parts)
+        if not math.isfinite(total):
+            return 0.0, True, LossScale(scale=max(1.0, scale.scale / 2), good_steps=0)
+        coef = self.clip_coefficient(total / (scale.scale * scale.scale)) / scale.scale
+        if self.precision != "fp16":
+            return coef, False, scale
+        good = scale.good_steps + 1
+        if good >= self.loss_scale_window:
+            return coef, False, LossScale(scale=min(2.0**64, scale.scale * 2), good_steps=0)
+        return coef, False, LossScale(scale=scale.scale, good_steps=good)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay to min_lr."""
@@ -338,6 +396,10 @@ class ProfileSection:
     )
     layer_repeats: int = _bounded(5, 1, 100, "timed fwd+bwd runs of each layer after a warm-up; the median counts")
     reprobe_s: float = _bounded(300.0, 0.0, 86400.0, "seconds between re-measurements of a node's links; 0: never")
+    memory_headroom_mib: int = _bounded(
+        512, 0, 1 << 30,
+        "MiB of free device (or host) memory a node keeps back from its stage: allocator slack, the CUDA context",
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "profile")

@@ -86,7 +86,8 @@ def test_demo_refuses_more_stages_than_nodes():
 def test_demo_node_flags_from_regions_and_uplink():
     args = build_parser().parse_args(["demo", "--nodes", "3", "--regions", "eu,us", "--uplink", "20/50"])
     flags = _per_node_flags(args)
-    assert flags["node-1"] == ["--region", "eu", "--bandwidth-mbps", "20", "--latency-ms", "50"]
+    # Demo nodes compute on the CPU unless told otherwise: a GPU box's demo stays the exactness reference.
+    assert flags["node-1"] == ["--region", "eu", "--bandwidth-mbps", "20", "--latency-ms", "50", "--device", "cpu"]
     assert flags["node-3"][:2] == ["--region", "eu"] and flags["node-2"][:2] == ["--region", "us"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--uplink", "fast"])

@@ -150,9 +150,9 @@ def _header(codec: str) -> pb.TensorHeader:
 def test_receiver_accepts_any_codec_of_the_ladder_and_nothing_else():
     policy = CodecPolicy("activations", "auto")
     for codec in ("none", "fp16", "int8", "topk:0.1"):
-        check_activation_header(_header(codec), list(SHAPE), policy.accepted_ids, 1 << 30)
+        check_activation_header(_header(codec), list(SHAPE), pb.DTYPE_FLOAT32, policy.accepted_ids, 1 << 30)
     with pytest.raises(FrameError) as err:
-        check_activation_header(_header("int4"), list(SHAPE), policy.accepted_ids, 1 << 30)
+        check_activation_header(_header("int4"), list(SHAPE), pb.DTYPE_FLOAT32, policy.accepted_ids, 1 << 30)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "CODEC_INT4" in str(err.value)
 

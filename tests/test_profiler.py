@@ -81,7 +81,8 @@ def test_slowdown_is_measured(slowdown):
     # Every layer's work takes 1 ms on a clock of the test's own (the device sync after it is where the time goes),
     # so the profile shows exactly what --slowdown adds to it.
     clock = _Clock()
-    with mock.patch.object(profiler, "time", clock), mock.patch.object(profiler, "_sync", lambda _: clock.sleep(1e-3)):
+    synchronize = lambda _: clock.sleep(1e-3)  # noqa: E731
+    with mock.patch.object(profiler, "time", clock), mock.patch.object(profiler, "synchronize", synchronize):
         profile = profile_layers(CFG, slowdown=slowdown, repeats=3)
     assert profile.layer_seconds == pytest.approx([slowdown * 1e-3] * CFG.model.total_layers)
 
@@ -219,7 +220,7 @@ def test_bad_probes_and_reports_are_rejected_by_the_coordinator(coordinator_addr
         n = CFG.model.total_layers
         report = pb.NodeProfileReport(
             node_id="nobody", layer_seconds=[0.01] * n, boundary_bytes=[1] * n, param_bytes=[1] * n,
-            activation_bytes=[1] * n, memory_bytes=1 << 30,
+            activation_bytes=[1] * n, memory_bytes=1 << 30, device="cpu", precision="fp32",
         )
         expect_status(grpc.StatusCode.NOT_FOUND, "register first", lambda: stub.ReportProfile(report, timeout=10))
         del report.layer_seconds[1:]

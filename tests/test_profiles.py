@@ -29,6 +29,8 @@ def _report(node_id: str, seconds: float = 0.01, links: dict[str, tuple[float, f
         param_bytes=[1000 * (i + 1) for i in range(LAYERS)],
         activation_bytes=[5 * HIDDEN] * LAYERS,
         memory_bytes=8 << 30,
+        device="cpu",
+        precision="fp32",
         param_shapes=[pb.LayerShapes(tensors=[pb.TensorShape(dims=[10, 25 * (i + 1)])]) for i in range(LAYERS)],
         links=[pb.LinkProbe(peer=p, bandwidth_bps=mbps * 1e6, rtt_s=ms / 1e3) for p, (mbps, ms) in (links or {}).items()],
     )
@@ -97,6 +99,11 @@ def test_no_profile_yet_is_an_error():
         (lambda r: setattr(r, "node_id", ""), "node_id"),
         (lambda r: r.param_shapes.add(tensors=[pb.TensorShape(dims=[2, 3])]), "param_shapes has"),
         (lambda r: r.param_shapes[0].tensors.add(dims=[4, 0]), "layer 0 has a parameter shape"),
+        (lambda r: setattr(r, "device", "tpu:0"), "device must be"),
+        (lambda r: setattr(r, "device", ""), "device must be"),
+        (lambda r: setattr(r, "device_name", "x\x1b[2J"), "device_name must be printable"),
+        (lambda r: setattr(r, "precision", "fp8"), "precision must be"),
+        (lambda r: setattr(r, "copy_bytes_per_s", -1.0), "copy_bytes_per_s"),
     ],
 )
 def test_malformed_reports_are_rejected(change, message):

@@ -39,10 +39,11 @@ def test_shape_is_frozen_and_takes_one_codec_ratio_for_every_link():
 def test_from_config_maps_every_field():
     cfg = load_config(None, [
         "train.microbatches=6", "train.microbatch_size=3", "train.inflight=2", "scheduler.allreduce=hierarchical",
-        "compression.replica_grads=powersgd:rank=8", "compression.activations=int8",
+        "compression.replica_grads=powersgd:rank=8", "compression.activations=int8", "train.precision=bf16",
+        "train.recompute=true",
     ])
     expected = dict(microbatches=6, microbatch_size=3, codec_ratio=CodecRatio(), inflight=2, allreduce="hierarchical",
-                    replica_rank=8)
+                    replica_rank=8, compute_bytes=2, recompute=True)
     # A field added to StepShape must be added here, and to from_config.
     assert {f.name for f in dataclasses.fields(StepShape)} == set(expected)
     assert StepShape.from_config(cfg, param_shapes_known=True) == StepShape(**expected)

@@ -181,7 +181,8 @@ def test_bad_run_files_are_refused_with_the_reason(tmp_path, run_b):
 @pytest.mark.timeout(30)
 def test_demo_gives_its_nodes_the_tls_dir():
     args = build_parser().parse_args(["demo", "--nodes", "2", "--tls-dir", "run-tls"])
-    assert _per_node_flags(args) == {"node-1": ["--tls-dir", "run-tls"], "node-2": ["--tls-dir", "run-tls"]}
+    tls = ["--tls-dir", "run-tls", "--device", "cpu"]  # the demo computes on the CPU unless told otherwise
+    assert _per_node_flags(args) == {"node-1": tls, "node-2": tls}
 
 
 def _wait_serving(address: str, tls: TlsFiles, proc: subprocess.Popen, timeout: float) -> None:

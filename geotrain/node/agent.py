@@ -23,6 +23,7 @@ from geotrain.node.dataplane import DataPlane, LinkEmulator
 from geotrain.node.handover import HeldStates
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
+from geotrain.node.device import resolve_device
 from geotrain.node.profiler import NodeProfiler
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer
@@ -61,6 +62,8 @@ class NodeOptions:
     """Emulate this egress bandwidth to every peer (0 = use the run config's [emulation] links, if any)."""
     latency_ms: float = 0.0
     """Emulate this one-way latency to every peer (with bandwidth_mbps)."""
+    device: str = "auto"
+    """Where the stage computes: auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps."""
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -112,6 +115,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         # attributes mean.
         self.options = options
         self.node_id = options.node_id
+        self.device = resolve_device(options.device)
+        self.precision = "fp32"
         self.stopped = threading.Event()
         self.cfg = None
         self.corpus = None
@@ -134,7 +139,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         )
         self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls)
         self.coordinator = rpc.CoordinatorStub(self._channel)
-        self.profiler = NodeProfiler(self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown)
+        self.profiler = NodeProfiler(
+            self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown, self.device
+        )
         self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
         servicer = StageServicer(self, options.max_tensor_bytes, options.check_finite)
         rpc.add_StageServicer_to_server(servicer, self._server)
@@ -162,7 +169,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             self._load_corpus()
             # The worker's first task: no training compute competes with the timing, and the node enters profiled.
-            self._submit(CONTROL, lambda: self.profiler.measure_layers(self.cfg))
+            self._submit(CONTROL, lambda: self.profiler.measure_layers(self.cfg, self.precision))
             threading.Thread(target=self._work_loop, name="worker", daemon=True).start()
             threading.Thread(target=self.profiler.run, args=(self.cfg, self.stopped), name="profiler", daemon=True).start()
             self._orders_loop()

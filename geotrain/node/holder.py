@@ -59,8 +59,10 @@ class StageHolder:
                 # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
                 # unless this node still holds the layers at the committed step from an earlier plan.
                 self.runtime = None if layers is None else (
-                    self.held.take(layers, plan.steps_done) or StageRuntime(self.cfg, *layers)
+                    self.held.take(layers, plan.steps_done) or self._new_runtime(*layers)
                 )
+            if self.runtime is not None:
+                self.runtime.set_loss_scale(plan.loss_scale)
             self.plan, self.stage_index = plan, index
             for s in plan.stages:
                 self._peer_regions.update(zip(s.node_ids, s.regions))
@@ -73,10 +75,17 @@ class StageHolder:
             after = plan.stages[index + 1]
             self.profiler.neighbours(dict(zip(after.node_ids, after.addresses)))
         where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
+        if stage is None and self.node_id in plan.excluded:
+            log.warning("the planner leaves this node out: %s", plan.excluded[self.node_id][:500])
         if stage is not None and stage.hierarchical_allreduce:
             where += ", replicas averaging region by region"
         log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
+
+    def _new_runtime(self, start: int, end: int) -> StageRuntime:
+        """Layers [start, end) from their initialisation, on this node's device in its precision."""
+        assert self.cfg is not None
+        return StageRuntime(self.cfg, start, end, self.device, self.precision)
 
     def _load_state(self, order: pb.LoadState) -> None:
         """Take over the stage's committed state from a live replica or the coordinator's checkpoint."""
@@ -86,7 +95,8 @@ class StageHolder:
         if order.steps_done == 0:
             # A rollback to the very start: the state is each layer's initialisation from the seed.
             with self._state_lock:
-                self.runtime = StageRuntime(self.cfg, runtime.start, runtime.end)
+                self.runtime = self._new_runtime(runtime.start, runtime.end)
+                self.runtime.set_loss_scale(runtime.loss_scale)
             self.state_epoch = order.plan_epoch
             self._heartbeat()
             return
@@ -138,7 +148,7 @@ class StageHolder:
                 runtime = self.held.get(layers, steps_done)
             if runtime is None or runtime.applied_step + 1 != steps_done:
                 return None
-            return [(name, t.detach().clone()) for name, t in runtime.full_state()]
+            return [(name, t.detach().cpu().clone()) for name, t in runtime.full_state()]
 
     def _peer(self, stage_index: int) -> tuple[str, str]:
         """(node id, address) of the replica of `stage_index` expected to finish a microbatch first."""

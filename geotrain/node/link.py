@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from geotrain import __version__
 from geotrain.compression import PowerSgdCodec, get_codec
 from geotrain.compression.policy import CodecPolicy
 from geotrain.config import from_proto
+from geotrain.node.device import DeviceError, describe, node_precision, peak_memory_bytes
 from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.worker import CONTROL
 from geotrain.protocol import geotrain_pb2 as pb
@@ -38,6 +40,8 @@ class CoordinatorLink:
 
     coordinator: rpc.CoordinatorStub
     heartbeat_interval_s: float
+    device: torch.device  # where the stage computes (NodeOptions.device, resolved)
+    precision: str  # what it computes in: the run's train.precision, or fp32 as its precision_fallback allows
     _next_beat_at: float = 0.0  # time.monotonic() from which the heartbeat loop sends the next heartbeat
     run_id: str
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
@@ -62,6 +66,15 @@ class CoordinatorLink:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
+        try:
+            self.precision = node_precision(self.device, self.cfg.train)
+        except DeviceError as e:
+            raise NodeError(str(e)) from None
+        if self.precision != self.cfg.train.precision:
+            log.warning(
+                "%s cannot compute in %s: this node computes in %s, as train.precision_fallback allows",
+                describe(self.device), self.cfg.train.precision, self.precision,
+            )
         self._policies = {kind: CodecPolicy(kind, getattr(self.cfg.compression, kind)) for kind in _TRAFFIC}
         replica_codec = get_codec(self.cfg.compression.replica_grads)
         self._low_rank = LowRankAveraging(replica_codec) if isinstance(replica_codec, PowerSgdCodec) else None
@@ -170,6 +183,7 @@ class CoordinatorLink:
             applied_step=runtime.applied_step + 1 if runtime else 0,
             dht_peer_id=self.averager.peer_id if self.averager is not None else "",
             state_epoch=self.state_epoch,
+            peak_memory_bytes=peak_memory_bytes(self.device),
         )
         try:
             reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))

@@ -10,18 +10,21 @@ import torch
 
 from geotrain.config import RunConfig
 from geotrain.node.data import local_tokens
+from geotrain.node.device import peak_memory_bytes
 from geotrain.node.model import loss_fn
 from geotrain.node.stage import StageRuntime
 
 
 def train_local(
-    cfg: RunConfig, on_step: Callable[[dict[str, Any]], None] | None = None
+    cfg: RunConfig, on_step: Callable[[dict[str, Any]], None] | None = None, device: torch.device | None = None
 ) -> tuple[StageRuntime, dict[str, Any]]:
-    """Train the whole model as one stage with the pipeline's exact step rule; returns it and the run summary."""
+    """Train the whole model as one stage with the pipeline's exact step rule (train.precision on `device`, the
+    CPU by default); returns it and the run summary."""
     started = time.monotonic()
     corpus = local_tokens(cfg)
-    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers, device)
     t = cfg.train
+    scale = t.initial_loss_scale()
 
     def batch(step: int, mb: int, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return corpus.batch(
@@ -33,7 +36,7 @@ def train_local(
         losses = []
         for mb in range(cfg.run.eval_microbatches):
             x, y = batch(step, mb, validation=True)
-            losses.append(loss_fn(runtime.evaluate(x), y).item())
+            losses.append(loss_fn(runtime.evaluate(x), y.to(runtime.device)).item())
         return sum(losses) / len(losses)
 
     losses: list[float] = []
@@ -47,7 +50,8 @@ def train_local(
             runtime.forward((step, mb), x)
             step_losses.append(runtime.loss_backward((step, mb), y)[0])
         runtime.mean_gradients(step)
-        runtime.apply(step, t.clip_coefficient_from(runtime.grad_sq_norm_parts()), t.lr_at(step, cfg.run.steps))
+        coef, skip, scale = t.decide(runtime.grad_sq_norm_parts(), scale)
+        runtime.apply(step, coef, t.lr_at(step, cfg.run.steps), skip, scale.scale)
         losses.append(sum(step_losses) / len(step_losses))
         record: dict[str, Any] = {"step": step, "loss": losses[-1], "seconds": time.monotonic() - t0}
         if step == cfg.run.steps - 1 or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
@@ -64,6 +68,9 @@ def train_local(
         "val_bits_per_byte": None if val_loss is None else corpus.bits_per_byte(val_loss),
         "tokens_per_s": cfg.tokens_per_step * cfg.run.steps / train_s,
         "wall_s": time.monotonic() - started,
+        "device": str(runtime.device),
+        "precision": runtime.precision,
+        "peak_memory_bytes": peak_memory_bytes(runtime.device),
         "nodes": 1,
         "stages": 1,
     }

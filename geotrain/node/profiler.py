@@ -1,7 +1,10 @@
 """The node profiler: what this node measures for the run's model and its links, for the coordinator's planner.
 
-Per layer: forward + backward seconds of one microbatch of the run's shape (warm-up, then the median of several
-runs), the bytes leaving it, its parameter bytes, and the bytes it keeps for backward. Per link: the round trip of
+Per layer: forward + backward seconds of one microbatch of the run's shape on the node's device in the node's
+precision (warm-up, then the median of several runs, the device synchronised around each), the bytes leaving it in
+that precision, its parameter bytes, and the bytes it keeps for backward. Per node: its device, the memory it can
+give a stage (free device memory, or available host memory, less profile.memory_headroom_mib) and its host-device
+copy speed. Per link: the round trip of
 an empty probe and the bandwidth of a probe of a few MiB, sent through the data plane's link emulator as tensors
 are, so an emulated node is measured exactly as a real one. Slowdown emulation lives here too (`stretch`), and the
 agent's worker uses the same function, so a node started with --slowdown F measures F-times-slower layers.
@@ -27,6 +30,7 @@ import torch
 
 from geotrain.config import RunConfig
 from geotrain.node.dataplane import DataPlane, ProbeTarget
+from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, synchronize
 from geotrain.node.model import VOCAB, build_layer, loss_fn
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -63,11 +67,6 @@ def stretch(started: float, slowdown: float) -> None:
         time.sleep((slowdown - 1.0) * (time.monotonic() - started))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _saved_bytes(run: Callable[[], torch.Tensor], exclude: set[int]) -> int:
     """Bytes of the distinct storages autograd saves while `run` builds its graph, those in `exclude` left out."""
     storages: dict[int, int] = {}
@@ -83,25 +82,35 @@ def _saved_bytes(run: Callable[[], torch.Tensor], exclude: set[int]) -> int:
     return sum(storages.values())
 
 
-def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: str = "cpu") -> LayerProfile:
-    """Measure every layer of the run's model on a microbatch of the run's shape."""
+def profile_layers(
+    cfg: RunConfig, slowdown: float, repeats: int = 5, device: str | torch.device = "cpu", precision: str = "fp32"
+) -> LayerProfile:
+    """Measure every layer of the run's model on a microbatch of the run's shape, on `device` in `precision`."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     dev = torch.device(device)
+    boundary_dtype = COMPUTE_DTYPES[precision]
     m = cfg.model
     b, t, last = cfg.train.microbatch_size, m.seq_len, m.total_layers - 1
     gen = torch.Generator().manual_seed(cfg.run.seed)
     tokens = torch.randint(0, VOCAB, (b, t), generator=gen).to(dev)
-    hidden = torch.randn(b, t, m.d_model, generator=gen).to(dev)
+    hidden = torch.randn(b, t, m.d_model, generator=gen).to(dev, boundary_dtype)
     profile = LayerProfile([], [], [], [], [])
     for index in range(m.total_layers):
         layer = build_layer(m, index, cfg.run.seed).to(dev)
         x = tokens if index == 0 else hidden.clone().requires_grad_(True)
-        out = layer(x).detach()
-        grad_out = torch.randn(out.shape, generator=gen).to(dev) if index < last else None
+
+        def run_layer() -> torch.Tensor:
+            # As StageRuntime runs it: autocast, and the output rounded to the boundary dtype (logits in float32).
+            with autocast(dev, precision):
+                y = layer(x)
+            return y.float() if index == last else y.to(boundary_dtype)
+
+        out = run_layer().detach()
+        grad_out = torch.randn(out.shape, generator=gen).to(dev, out.dtype) if index < last else None
 
         def fwd_bwd() -> None:
-            y = layer(x)
+            y = run_layer()
             if grad_out is None:
                 loss_fn(y, tokens).backward()
             else:
@@ -111,10 +120,10 @@ def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: st
         for run in range(_WARMUP_RUNS + repeats):
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            _sync(dev)
+            synchronize(dev)
             started = time.monotonic()
             fwd_bwd()
-            _sync(dev)
+            synchronize(dev)
             stretch(started, slowdown)
             if run >= _WARMUP_RUNS:
                 times.append(time.monotonic() - started)
@@ -123,7 +132,7 @@ def profile_layers(cfg: RunConfig, slowdown: float, repeats: int = 5, device: st
         profile.boundary_bytes.append(0 if index == last else out.numel() * out.element_size())
         profile.param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
         profile.param_shapes.append([tuple(p.shape) for p in layer.parameters()])
-        profile.activation_bytes.append(_saved_bytes(lambda: layer(x), params))
+        profile.activation_bytes.append(_saved_bytes(run_layer, params))
     return profile
 
 
@@ -164,20 +173,21 @@ def _cgroup_headroom() -> int | None:
         return None
 
 
-def available_memory_bytes(device: str = "cpu") -> int:
-    """Memory the stage could use now: free accelerator memory, or available host memory (within a cgroup limit)."""
+def available_memory_bytes(device: str | torch.device = "cpu", headroom_bytes: int = 0) -> int:
+    """Memory the stage could use now, less headroom_bytes: free accelerator memory, or available host memory (within
+    a cgroup limit) for the CPU and for MPS, which shares it."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
+        return max(0, int(free) - headroom_bytes)
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
         host = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    headroom = _cgroup_headroom()
-    return host if headroom is None else min(host, headroom)
+    cgroup = _cgroup_headroom()
+    return max(0, (host if cgroup is None else min(host, cgroup)) - headroom_bytes)
 
 
 def probe_link(
@@ -195,32 +205,45 @@ class NodeProfiler:
     over a run), re-sending the whole profile each time (the coordinator keeps the latest)."""
 
     def __init__(
-        self, coordinator: rpc.CoordinatorStub, dataplane: DataPlane, node_id: Callable[[], str], slowdown: float
+        self,
+        coordinator: rpc.CoordinatorStub,
+        dataplane: DataPlane,
+        node_id: Callable[[], str],
+        slowdown: float,
+        device: torch.device,
     ) -> None:
         self._coordinator = coordinator
         self._dataplane = dataplane
         self._node_id = node_id
         self._slowdown = slowdown
+        self._device = device
+        self._precision = ""
         self._layers: LayerProfile | None = None
         self._memory = 0
+        self._copy_bytes_per_s = 0.0
         self._links: dict[str, pb.LinkProbe] = {}
         self._addresses: dict[str, str] = {}  # peer -> address ("" for the coordinator) of every link measured
         self._peers: queue.Queue[dict[str, str] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._layers_done = threading.Event()  # set even when timing failed, so the profiler thread never hangs
 
-    def measure_layers(self, cfg: RunConfig) -> None:
-        """Time the model's layers and read free memory (run it where nothing else computes: the worker)."""
+    def measure_layers(self, cfg: RunConfig, precision: str) -> None:
+        """Time the model's layers in `precision`, read free memory and copy speed (run it where nothing else
+        computes: the worker)."""
         try:
             with host_turn():
                 started = time.monotonic()
-                layers = profile_layers(cfg, self._slowdown, cfg.profile.layer_repeats)
+                layers = profile_layers(cfg, self._slowdown, cfg.profile.layer_repeats, self._device, precision)
+                copy_speed = HostCopies(self._device).copy_speed()
+            memory = available_memory_bytes(self._device, cfg.profile.memory_headroom_mib << 20)
             with self._lock:
-                self._layers, self._memory = layers, available_memory_bytes()
+                self._layers, self._memory, self._precision = layers, memory, precision
+                self._copy_bytes_per_s = copy_speed
         finally:
             self._layers_done.set()
-        log.info("profiled %d layers in %.2fs: %.4fs per microbatch", len(layers.layer_seconds),
-                 time.monotonic() - started, sum(layers.layer_seconds))
+        log.info("profiled %d layers on %s in %s in %.2fs: %.4fs per microbatch, %.1f GiB usable",
+                 len(layers.layer_seconds), describe(self._device), precision, time.monotonic() - started,
+                 sum(layers.layer_seconds), memory / 2**30)
 
     def run(self, cfg: RunConfig, stopped: threading.Event) -> None:
         """The profiler thread: probe the coordinator, report once the layers are timed, then probe new peers."""
@@ -299,6 +322,10 @@ class NodeProfiler:
                 ],
                 memory_bytes=self._memory,
                 links=list(self._links.values()),
+                device=str(self._device),
+                device_name=device_name(self._device),
+                copy_bytes_per_s=self._copy_bytes_per_s,
+                precision=self._precision,
             )
         try:
             self._coordinator.ReportProfile(request, timeout=_REPORT_DEADLINE_S)

@@ -47,6 +47,9 @@ class StageHandler(Protocol):
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Take a validated, decoded tensor (queue its compute); must not block on compute."""
 
+    def may_overflow(self, direction: str) -> bool:
+        """Whether tensors of this direction may hold Inf or NaN by design (fp16's scaled gradients)."""
+
     def state_snapshot(
         self, steps_done: int, layers: tuple[int, int] | None = None
     ) -> list[tuple[str, torch.Tensor]] | None:
@@ -68,7 +71,7 @@ class StageServicer(rpc.StageServicer):
             received = framing.read_one_tensor(
                 chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h)
             )
-            tensor = decode_tensor(received, self.check_finite)
+            tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:
             log.warning("rejected %s from %s: %s", direction, context.peer(), e)
             context.abort(e.code, str(e))
@@ -98,13 +101,25 @@ class StageServicer(rpc.StageServicer):
         return serve_probe(request_iterator, context)
 
 
+# The dtype activations and their gradients travel in, by train.precision: the compute dtype.
+WIRE_DTYPES = {"fp32": pb.DTYPE_FLOAT32, "bf16": pb.DTYPE_BFLOAT16, "fp16": pb.DTYPE_FLOAT16}
+
+
+def _dtype_name(wire_dtype: int) -> str:
+    """float32, bfloat16, ...: the torch name of a wire dtype, or its number when it is none we know."""
+    known = framing.WIRE_TO_TORCH.get(wire_dtype)
+    return str(known).removeprefix("torch.") if known is not None else f"dtype {wire_dtype}"
+
+
 def check_activation_header(
-    header: pb.TensorHeader, shape: list[int], codec_ids: Collection[int], max_bytes: int
+    header: pb.TensorHeader, shape: list[int], dtype: int, codec_ids: Collection[int], max_bytes: int
 ) -> None:
-    """Raise FrameError unless header describes an fp32 activation of `shape` in one of the codecs `codec_ids`."""
-    if header.dtype != pb.DTYPE_FLOAT32:
+    """Raise FrameError unless header describes an activation of `shape` and wire `dtype` in one of the codecs
+    `codec_ids`."""
+    if header.dtype != dtype:
         raise FrameError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"expected float32 activations, got {pb.DType.Name(header.dtype)}"
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"expected {_dtype_name(dtype)} activations, got {_dtype_name(header.dtype)}",
         )
     if list(header.shape) != shape:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape {shape}, got {list(header.shape)}")

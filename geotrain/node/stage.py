@@ -10,18 +10,27 @@ are exact, hence the same in any order and over any split among replicas, as lon
 span fewer than 29 - log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which
 changes the float32 mean only when it lies that close to a float32 rounding boundary. The mean is rounded to
 float32 once, after the division.
+
+Under bf16 or fp16 (train.precision) layers compute in autocast over float32 parameters and AdamW state, and every
+layer's output but the model's last is rounded to the compute dtype: any layer boundary may be a stage boundary,
+where activations and their gradients travel in that dtype, so rounding at every one makes a pipeline compute
+what train-local computes, however the model is split. fp16 multiplies the loss by the coordinator's loss scale
+before backward; the clip factor of `apply` divides it out again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import RunConfig
+from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
 from geotrain.node.model import build_layer, loss_fn
 
 MicrobatchKey = tuple[int, int]  # (step, microbatch id)
@@ -47,14 +56,25 @@ class StepGradients:
 class StageRuntime:
     """Layers [start, end) of the model with their optimizer."""
 
-    def __init__(self, cfg: RunConfig, start: int, end: int) -> None:
+    def __init__(
+        self, cfg: RunConfig, start: int, end: int, device: torch.device | None = None, precision: str | None = None
+    ) -> None:
         total = cfg.model.total_layers
         if not 0 <= start < end <= total:
             raise ValueError(f"stage layers [{start}, {end}) outside the model's 0..{total}")
         self.cfg = cfg
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == total
-        self.layers = nn.ModuleDict({str(i): build_layer(cfg.model, i, cfg.run.seed) for i in range(start, end)})
+        self.device = device or torch.device("cpu")
+        self.precision = precision or cfg.train.precision
+        self.compute_dtype = COMPUTE_DTYPES[self.precision]
+        self.copies = HostCopies(self.device)
+        # The exact float64 gradient sums; MPS has no float64, so there they live on the host.
+        self._sums_device = torch.device("cpu") if self.device.type == "mps" else self.device
+        self.loss_scale = cfg.train.initial_loss_scale().scale  # the coordinator's, from the plan and each apply
+        self.layers = nn.ModuleDict(
+            {str(i): build_layer(cfg.model, i, cfg.run.seed) for i in range(start, end)}
+        ).to(self.device)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             self.layers.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
@@ -65,14 +85,29 @@ class StageRuntime:
 
     # -- forward / backward -------------------------------------------------------------------------------------
 
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """An incoming activation on the device; a node computing in fp32 (a fallback in a bf16 or fp16 run) takes
+        the run's dtype in float32."""
+        x = self.copies.to_device(x)
+        return x.float() if self.precision == "fp32" and x.is_floating_point() else x
+
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        for i in range(self.start, self.end):
-            x = self.layers[str(i)](x)
+        x = self._input(x)
+        recompute = self.cfg.train.recompute and torch.is_grad_enabled()
+        last = self.cfg.model.total_layers - 1
+        with autocast(self.device, self.precision):
+            for i in range(self.start, self.end):
+                layer = self.layers[str(i)]
+                x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+                if self.precision != "fp32":
+                    # Every boundary in the compute dtype (see the module's note); the logits in float32 for the loss.
+                    x = x.float() if i == last else x.to(self.compute_dtype)
         return x
 
     def forward(self, key: MicrobatchKey, x: torch.Tensor) -> torch.Tensor:
-        """Run the stage and keep what backward needs; x is bytes on the first stage, activations elsewhere."""
-        inputs = x if self.is_first else x.detach().requires_grad_(True)
+        """Run the stage and keep what backward needs; x is bytes on the first stage, activations elsewhere. The
+        outputs stay on the stage's device."""
+        inputs = x if self.is_first else self._input(x).detach().requires_grad_(True)
         outputs = self._run(inputs)
         self._pending[key] = _Pending(inputs, outputs)
         return outputs.detach()
@@ -85,13 +120,14 @@ class StageRuntime:
     def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage)."""
         pending = self._pending.pop(key)
-        loss = loss_fn(pending.outputs, targets)
-        return loss.item(), self._backward(key, pending, loss, None)
+        loss = loss_fn(pending.outputs, self.copies.to_device(targets))
+        root = loss if self.loss_scale == 1.0 else loss * self.loss_scale
+        return loss.item(), self._backward(key, pending, root, None)
 
     def backward(self, key: MicrobatchKey, grad_outputs: torch.Tensor) -> torch.Tensor | None:
         """Backward of a forwarded microbatch; returns the gradient for the previous stage (None on the first)."""
         pending = self._pending.pop(key)
-        return self._backward(key, pending, pending.outputs, grad_outputs)
+        return self._backward(key, pending, pending.outputs, self.copies.to_device(grad_outputs))
 
     def _backward(
         self, key: MicrobatchKey, pending: _Pending, root: torch.Tensor, root_grad: torch.Tensor | None
@@ -109,10 +145,10 @@ class StageRuntime:
         wrt = params if self.is_first else [*params, pending.inputs]
         grads = torch.autograd.grad(root, wrt, root_grad, allow_unused=True)
         if not self.grads.sums:
-            self.grads.sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            self.grads.sums = [torch.zeros_like(p, dtype=torch.float64, device=self._sums_device) for p in params]
         for total, g in zip(self.grads.sums, grads):
             if g is not None:
-                total.add_(g)
+                total.add_(g.to(self._sums_device))
         self.grads.counted.add(microbatch)
         return None if self.is_first else grads[-1]
 
@@ -148,14 +184,17 @@ class StageRuntime:
         params = self.parameters()
         if count and not self.grads.sums:
             raise ValueError(f"step {step}'s gradients are already averaged")
-        sums = self.grads.sums if count else [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        sums = self.grads.sums if count else [
+            torch.zeros_like(p, dtype=torch.float64, device=self._sums_device) for p in params
+        ]
         if reduce is not None:
+            sums = [total.cpu() for total in sums]  # hivemind averages host tensors (on the CPU: these very ones)
             reduce(sums)  # in place: a failed all-reduce fails the plan epoch, which redoes the step from scratch
         elif count:
             for total in sums:
                 total.div_(count)
         for p, mean in zip(params, sums):
-            p.grad = mean.to(p.dtype)
+            p.grad = mean.to(p.device, p.dtype)
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
@@ -166,13 +205,22 @@ class StageRuntime:
 
     def grad_sq_norm_parts(self) -> list[float]:
         """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
-        (TrainConfig.clip_coefficient_from adds everyone's parts exactly)."""
-        return [float(g.double().pow(2).sum()) for g in self.gradients()]
+        (TrainSection.decide adds everyone's parts exactly); inf for a tensor with an Inf or NaN (an fp16 overflow),
+        so a report says the same in every replica and compares equal to itself."""
+        parts = [float(g.to(self._sums_device, torch.float64).pow(2).sum()) for g in self.gradients()]
+        return [part if math.isfinite(part) else math.inf for part in parts]
 
-    def apply(self, step: int, clip_coef: float, lr: float) -> None:
-        """Scale gradients by clip_coef and take the optimizer step."""
+    def apply(self, step: int, clip_coef: float, lr: float, skip: bool = False, loss_scale: float = 0.0) -> None:
+        """Scale gradients by clip_coef and take the optimizer step (none when `skip`: an fp16 overflow); the steps
+        after it scale their loss by loss_scale."""
         if step != self.applied_step + 1:
             raise ValueError(f"apply step {step} after step {self.applied_step}")
+        self.set_loss_scale(loss_scale)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.applied_step = step
+            self.grads = None
+            return
         with torch.no_grad():
             for p in self.parameters():
                 if p.grad is not None and clip_coef != 1.0:
@@ -184,12 +232,23 @@ class StageRuntime:
         self.applied_step = step
         self.grads = None
 
+    def set_loss_scale(self, scale: float) -> None:
+        """Scale the loss of the next steps by `scale` (the coordinator's: from a plan or an apply; 0, the wire's
+        unset value, is 1); ValueError unless it is a finite power of two >= 1 (1 unless the run is fp16), which
+        scales and unscales exactly."""
+        scale = scale or 1.0
+        if not (math.isfinite(scale) and scale >= 1.0 and math.frexp(scale)[0] == 0.5):
+            raise ValueError(f"loss scale {scale!r} is not a finite power of two >= 1")
+        if self.cfg.train.precision != "fp16" and scale != 1.0:
+            raise ValueError(f"loss scale {scale!r} in a {self.cfg.train.precision} run")
+        self.loss_scale = scale
+
     def checksum(self) -> str:
         """sha256 of the parameters' bytes: replicas that applied the same steps agree bit for bit."""
         h = hashlib.sha256()
         for name, p in self.named_state():
             h.update(name.encode())
-            h.update(p.detach().contiguous().numpy().tobytes())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
@@ -211,7 +270,12 @@ class StageRuntime:
                 if name not in state or state[name].shape != p.shape:
                     raise ValueError(f"state has no {name} of shape {tuple(p.shape)}")
                 p.copy_(state[name])
-                slots = {k.rsplit(".", 1)[1]: v.clone() for k, v in state.items() if k.startswith(f"optim.{name}.")}
+                slots = {
+                    # AdamW keeps its step count on the host unless capturable
+                    k.rsplit(".", 1)[1]: v.to(self.device if v.dim() else "cpu", copy=True)
+                    for k, v in state.items()
+                    if k.startswith(f"optim.{name}.")
+                }
                 self.optimizer.state[p] = slots
         self.reset_step()
         self.applied_step = steps_done - 1

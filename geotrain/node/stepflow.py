@@ -15,11 +15,12 @@ import torch
 from geotrain.compression.policy import CodecPolicy
 from geotrain.lifetime import tie_children_to_this_process
 from geotrain.node.dataplane import Encoded
+from geotrain.node.device import COMPUTE_DTYPES
 from geotrain.node.failures import StageFailure
 from geotrain.node.link import RPC_DEADLINE_S
 from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import loss_fn
-from geotrain.node.servicer import check_activation_header
+from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.node.stage import StageRuntime
 from geotrain.node.worker import BACKWARD, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
@@ -104,6 +105,8 @@ class StepFlow:
 
         On the worker thread, not the senders': a link's codec state (PowerSGD's warm start) then sees its tensors
         in the order the worker produced them, whatever order the sender threads run in."""
+        assert self.runtime is not None and self.cfg is not None
+        tensor = self.runtime.copies.to_host(tensor).to(COMPUTE_DTYPES[self.cfg.train.precision])
         estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
         codec = self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
         return self.dataplane.encode(peer, address, direction, codec, tensor)
@@ -159,7 +162,15 @@ class StepFlow:
                 raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "gradient path does not pass through this node")
             kind = "activation_grads"
         shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
-        check_activation_header(header, shape, self._policies[kind].accepted_ids, self.options.max_tensor_bytes)
+        check_activation_header(
+            header, shape, WIRE_DTYPES[cfg.train.precision], self._policies[kind].accepted_ids,
+            self.options.max_tensor_bytes,
+        )
+
+    def may_overflow(self, direction: str) -> bool:
+        """fp16: a scaled gradient that overflowed flows on as Inf or NaN, and the step's gradient norm then makes
+        every stage skip the step; anything else non-finite is refused."""
+        return direction == "backward" and self.cfg is not None and self.cfg.train.precision == "fp16"
 
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Queue the compute for a validated incoming tensor."""
@@ -216,7 +227,7 @@ class StepFlow:
     def _eval_done(self, step: int, microbatch: int, logits: torch.Tensor) -> None:
         assert self.plan is not None
         _, y = self._batch(step, microbatch, validation=True)
-        loss = loss_fn(logits, y).item()
+        loss = loss_fn(logits, y.to(logits.device)).item()
         request = pb.EvalDoneRequest(
             node_id=self.node_id, step=step, microbatch=microbatch, loss=loss, plan_epoch=self.plan.epoch
         )
@@ -274,7 +285,7 @@ class StepFlow:
         runtime = self.runtime
         assert runtime is not None
         with self._state_lock:
-            runtime.apply(order.step, order.clip_coef, order.lr)
+            runtime.apply(order.step, order.clip_coef, order.lr, order.skip, order.loss_scale)
             checksum = runtime.checksum()
             self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
         self._head = None

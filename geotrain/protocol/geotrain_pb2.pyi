@@ -144,7 +144,7 @@ class DataSettings(_message.Message):
     def __init__(self, paths: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., val_fraction: _Optional[float] = ..., fingerprint: _Optional[str] = ..., prepared: _Optional[str] = ...) -> None: ...
 
 class TrainSettings(_message.Message):
-    __slots__ = ("microbatches", "microbatch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "inflight")
+    __slots__ = ("microbatches", "microbatch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "inflight", "precision", "precision_fallback", "recompute", "loss_scale", "loss_scale_window")
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,11 @@ class TrainSettings(_message.Message):
     BETA2_FIELD_NUMBER: _ClassVar[int]
     GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     microbatches: int
     microbatch_size: int
     lr: float
@@ -165,7 +170,12 @@ class TrainSettings(_message.Message):
     beta2: float
     grad_clip: float
     inflight: int
-    def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ...) -> None: ...
+    precision: str
+    precision_fallback: str
+    recompute: bool
+    loss_scale: float
+    loss_scale_window: int
+    def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ..., precision: _Optional[str] = ..., precision_fallback: _Optional[str] = ..., recompute: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ...) -> None: ...
 
 class CompressionSettings(_message.Message):
     __slots__ = ("activations", "activation_grads", "replica_grads")
@@ -184,14 +194,16 @@ class EmulationSettings(_message.Message):
     def __init__(self, links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProfileSettings(_message.Message):
-    __slots__ = ("probe_bytes", "layer_repeats", "reprobe_s")
+    __slots__ = ("probe_bytes", "layer_repeats", "reprobe_s", "memory_headroom_mib")
     PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_REPEATS_FIELD_NUMBER: _ClassVar[int]
     REPROBE_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HEADROOM_MIB_FIELD_NUMBER: _ClassVar[int]
     probe_bytes: int
     layer_repeats: int
     reprobe_s: float
-    def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ...) -> None: ...
+    memory_headroom_mib: int
+    def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ..., memory_headroom_mib: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
     __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile")
@@ -262,7 +274,7 @@ class LinkCounter(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch")
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +284,7 @@ class HeartbeatRequest(_message.Message):
     APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     DHT_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     bytes_sent: int
@@ -281,7 +294,8 @@ class HeartbeatRequest(_message.Message):
     applied_step: int
     dht_peer_id: str
     state_epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ...) -> None: ...
+    peak_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "next_heartbeat_s")
@@ -318,16 +332,27 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "total_layers", "steps_done")
+    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded")
+    class ExcludedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     total_layers: int
     steps_done: int
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    loss_scale: float
+    excluded: _containers.ScalarMap[str, str]
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadState(_message.Message):
     __slots__ = ("plan_epoch", "steps_done", "source_address", "expected_checksum")
@@ -384,14 +409,18 @@ class CommitStep(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class ApplyStep(_message.Message):
-    __slots__ = ("step", "clip_coef", "lr")
+    __slots__ = ("step", "clip_coef", "lr", "skip", "loss_scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     clip_coef: float
     lr: float
-    def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
+    skip: bool
+    loss_scale: float
+    def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "aborted")
@@ -524,7 +553,7 @@ class LinkProbe(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class NodeProfileReport(_message.Message):
-    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes")
+    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes", "device", "device_name", "copy_bytes_per_s", "precision")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -533,6 +562,10 @@ class NodeProfileReport(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARAM_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     boundary_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -541,7 +574,11 @@ class NodeProfileReport(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkProbe]
     activation_bytes: _containers.RepeatedScalarFieldContainer[int]
     param_shapes: _containers.RepeatedCompositeFieldContainer[LayerShapes]
-    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ...) -> None: ...
+    device: str
+    device_name: str
+    copy_bytes_per_s: float
+    precision: str
+    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., copy_bytes_per_s: _Optional[float] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class LayerShapes(_message.Message):
     __slots__ = ("tensors",)
@@ -570,7 +607,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +624,9 @@ class NodeStatus(_message.Message):
     PROFILED_MICROBATCH_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -603,7 +643,10 @@ class NodeStatus(_message.Message):
     profiled_microbatch_s: float
     memory_bytes: int
     lifecycle: str
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ...) -> None: ...
+    device: str
+    precision: str
+    peak_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")

@@ -165,22 +165,25 @@ class ModelProfile:
         vocab: int,
         microbatch_size: int,
         bytes_per_value: int = 4,
+        compute_bytes: int | None = None,
     ) -> ModelProfile:
-        """Analytic profile of a GPT: layers [embedding, block x n_layers, head (untied)]."""
+        """Analytic profile of a GPT: layers [embedding, block x n_layers, head (untied)]; activations in
+        compute_bytes per value (autocast's dtype; default: bytes_per_value)."""
         if min(n_layers, d_model, n_heads, seq_len, vocab, microbatch_size) <= 0:
             raise ValueError("GPT dimensions and microbatch_size must be > 0")
         b, s, d, v, bpv = microbatch_size, seq_len, d_model, vocab, bytes_per_value
-        hidden = b * s * d * bpv
+        abv = compute_bytes or bpv
+        hidden = b * s * d * abv
         # Block: attention (4d^2) + MLP (8d^2) weights, biases and two layer norms.
         block_params = 12 * d * d + 13 * d
         # Forward matmuls 24 b s d^2 + attention scores 4 b s^2 d; backward is twice the forward.
         block_flops = 3.0 * b * (24 * s * d * d + 4 * s * s * d)
         # Korthikanti et al. 2022: 34 s b h + 5 a s^2 b bytes at 2 bytes per value, without recompute.
-        block_act = int(b * (17 * s * d + 2.5 * n_heads * s * s) * bpv)
+        block_act = int(b * (17 * s * d + 2.5 * n_heads * s * s) * abv)
         return cls(
             layer_param_bytes=[(v * d + s * d) * bpv] + [block_params * bpv] * n_layers + [(v * d + 2 * d) * bpv],
             boundary_bytes=[hidden] * (n_layers + 1) + [0],
-            layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * bpv],
+            layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * abv],
             layer_flops=[3.0 * b * s * d] + [block_flops] * n_layers + [3.0 * 2 * b * s * d * v],
             bytes_per_value=bpv,
             layer_param_shapes=[[(v, d), (s, d)]]
@@ -280,6 +283,12 @@ class StepShape:
     """How replicas average (scheduler.allreduce): one of ALLREDUCE_MODES."""
     replica_rank: int | None = None
     """PowerSGD's rank when replicas average low-rank factors (compression.replica_grads); None: raw gradients."""
+    compute_bytes: int = 4
+    """Bytes per value the stages compute in (train.precision): 2 under bf16/fp16 autocast, which keeps a 16-bit
+    copy of every weight next to the fp32 master weights."""
+    recompute: bool = False
+    """Stages keep only each layer's input per microbatch and recompute one layer at a time in backward
+    (train.recompute)."""
 
     def __post_init__(self) -> None:
         # Frozen: the one normalisation goes through object.__setattr__.
@@ -292,6 +301,8 @@ class StepShape:
             raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}")
         if self.inflight is not None and self.inflight <= 0:
             raise ValueError(f"inflight must be > 0 or None, got {self.inflight}")
+        if self.compute_bytes not in (2, 4):
+            raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
 
     @classmethod
     def from_config(cls, cfg: RunConfig, *, param_shapes_known: bool) -> StepShape:
@@ -304,6 +315,8 @@ class StepShape:
             inflight=cfg.train.inflight,
             allreduce=cfg.scheduler.allreduce,
             replica_rank=cfg.compression.replica_rank if param_shapes_known else None,
+            compute_bytes=4 if cfg.train.precision == "fp32" else 2,
+            recompute=cfg.train.recompute,
         )
 
 
@@ -410,7 +423,14 @@ class CostModel:
             np.concatenate([[0.0], np.cumsum(round_, dtype=np.float64) * 8])
             for round_ in model.replica_sync_bytes(shape.replica_rank)
         ]
-        self.act_prefix = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes, dtype=np.float64)])
+        acts = np.asarray(model.layer_activation_bytes, dtype=np.float64)
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(acts)])
+        # With recomputation: each layer keeps its input (the previous layer's boundary; token ids for the first,
+        # negligible), and backward holds one layer's full activations at a time, the largest of the stage's.
+        self.input_prefix = np.concatenate([[0.0, 0.0], np.cumsum(model.boundary_bytes[:-1], dtype=np.float64)])
+        self.max_act = np.zeros((model.n_layers + 1, model.n_layers + 1))
+        for a in range(model.n_layers):
+            self.max_act[a, a + 1:] = np.maximum.accumulate(acts[a:])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
         self._allreduce_terms: dict[tuple[int, ...], tuple] = {}
@@ -549,11 +569,20 @@ class CostModel:
         return self.prefix_seconds[idx, end] - self.prefix_seconds[idx, start]
 
     def stage_memory_bytes(self, start: np.ndarray | int, end: np.ndarray | int, n_stages: int) -> np.ndarray | float:
-        """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs in a pipeline of n_stages."""
+        """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs in a pipeline of n_stages:
+        parameters, gradients, optimizer state (and master weights, or autocast's 16-bit weight copies), plus the
+        activations of the microbatches in flight (with recomputation only each layer's input, plus one layer's
+        activations in backward), all in the run's precision as the nodes measured them."""
         params = self.param_prefix[end] - self.param_prefix[start]
-        acts = self.act_prefix[end] - self.act_prefix[start]
         in_flight = min(self.shape.microbatches, n_stages)
-        need = params * self.model.state_bytes_per_param_byte + acts * in_flight
+        if self.shape.recompute:
+            acts = (self.input_prefix[end] - self.input_prefix[start]) * in_flight + self.max_act[start, end]
+        else:
+            acts = (self.act_prefix[end] - self.act_prefix[start]) * in_flight
+        weight_copies = params * self.shape.compute_bytes / self.model.bytes_per_value
+        if self.shape.compute_bytes >= self.model.bytes_per_value:
+            weight_copies = 0 * params
+        need = params * self.model.state_bytes_per_param_byte + weight_copies + acts
         return need if np.ndim(need) else float(need)
 
     def min_memory_bytes(self) -> float:

@@ -98,6 +98,7 @@ class Member:
     bytes_received: int = 0
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
+    peak_memory_bytes: int = 0
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
     beat_every: float = 0.0  # the heartbeat interval it was last told (0: the run's, from registration)
     failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
@@ -201,6 +202,7 @@ class Membership:
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
             member.links = list(request.links)
             member.microbatches_per_s = request.microbatches_per_s
+            member.peak_memory_bytes = request.peak_memory_bytes
             if changed:
                 self.cond.notify_all()
             return member.beat_every

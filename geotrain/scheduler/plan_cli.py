@@ -25,21 +25,25 @@ def run_plan(
     microbatches: int,
     microbatch_size: int,
     as_json: bool = False,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     *,
     stages: int | None = None,
     inflight: int | None = None,
     codec_ratio: float | CodecRatio = 1.0,
     allreduce: str = "auto",
     replica_rank: int | None = None,
-    err: TextIO = sys.stderr,
+    compute_bytes: int = 4,
+    recompute: bool = False,
+    err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
     vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); allreduce and
-    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); returns 0, or 2 after
-    printing the error for a bad cluster or model."""
+    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); compute_bytes (2 under
+    bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0, or 2 after printing
+    the error for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they are at the call."""
+    out, err = out or sys.stdout, err or sys.stderr
     try:
-        profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size)
+        profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
         cluster = load_cluster(cluster_path, profile)
         shape = StepShape(
             microbatches=microbatches,
@@ -48,6 +52,8 @@ def run_plan(
             inflight=inflight,
             allreduce=allreduce,
             replica_rank=replica_rank,
+            compute_bytes=compute_bytes,
+            recompute=recompute,
         )
         result = plan(
             nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)

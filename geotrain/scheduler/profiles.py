@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
-from geotrain.config import RunConfig
+from geotrain.config import PRECISIONS, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.costmodel import Link, ModelProfile, Network, NodeProfile
 
@@ -35,6 +36,10 @@ class Profiled(Protocol):
     profile: pb.NodeProfileReport | None
 
 
+_DEVICE = re.compile(r"cpu|mps|cuda:\d{1,4}")
+_MAX_NAME = 200
+
+
 def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
     """Raise ValueError unless a report describes every layer of the model with finite, sensible numbers."""
     if not report.node_id:
@@ -51,6 +56,14 @@ def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
             raise ValueError(f"layer {layer} has a parameter shape without dimensions or with a zero one")
     if report.memory_bytes <= 0:
         raise ValueError("memory_bytes must be > 0")
+    if not _DEVICE.fullmatch(report.device):
+        raise ValueError(f"device must be cpu, mps or cuda:N, got {report.device[:40]!r}")
+    if len(report.device_name) > _MAX_NAME or not report.device_name.isprintable():
+        raise ValueError(f"device_name must be printable and at most {_MAX_NAME} characters")
+    if report.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {report.precision[:40]!r}")
+    if not (math.isfinite(report.copy_bytes_per_s) and report.copy_bytes_per_s >= 0):
+        raise ValueError(f"copy_bytes_per_s must be finite and >= 0, got {report.copy_bytes_per_s}")
     for link in report.links:
         if not link.peer:
             raise ValueError("a link probe names no peer")

@@ -24,6 +24,7 @@ from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import planner_inputs
 from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.state import RunStore
+from geotrain.scheduler.stepdriver import current_loss_scale
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Planning:
         self.dirty = True  # a failed step or drift: the next step needs a new epoch
         self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
         self._planned_step_s: float | None = None  # its estimated step time when the plan was made
-        self.excluded: set[str] = set()  # nodes the planner left out: they stay spares
+        self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
         self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
 
     # -- is the plan still right? ---------------------------------------------------------------------------------
@@ -82,7 +83,11 @@ class Planning:
             and nodes <= {m.node_id for m in alive}
             and not nodes & self.membership.lost()
             and not placement.can_grow(
-                self.plan, alive, self.excluded, self._replans_measured(), self._replica_cap(len(self.membership.members))
+                self.plan,
+                alive,
+                set(self.excluded),
+                self._replans_measured(),
+                self._replica_cap(len(self.membership.members)),
             )
         )
 
@@ -134,7 +139,7 @@ class Planning:
 
     def _assign(self, ranges: placement.Ranges) -> placement.Groups:
         alive = self.membership.alive()
-        return placement.assign_groups(ranges, alive, self.plan, self.excluded, self._replica_cap(len(alive)))
+        return placement.assign_groups(ranges, alive, self.plan, set(self.excluded), self._replica_cap(len(alive)))
 
     def _layout(self) -> tuple[placement.Ranges, placement.Groups]:
         """Layer ranges and their nodes: the planner's over measured profiles (see the module docstring), else the
@@ -180,7 +185,7 @@ class Planning:
             if node_id not in self.excluded:
                 log.info("%s serves no stage: %s", node_id, why)
                 self.store.event("excluded", node_id, why)
-        self.excluded = set(planned.excluded)
+        self.excluded = dict(planned.excluded)
         members = self.membership.members
         return [(s.start, s.end) for s in planned.stages], [[members[n] for n in s.node_ids] for s in planned.stages]
 
@@ -245,7 +250,13 @@ class Planning:
         if any(not members[n].alive for n in multi):
             raise StepFailed("a node died while the plan was being made")
         mode = self.cfg.scheduler.allreduce
-        plan = pb.Plan(epoch=epoch, total_layers=self.cfg.model.total_layers, steps_done=steps_done)
+        plan = pb.Plan(
+            epoch=epoch,
+            total_layers=self.cfg.model.total_layers,
+            steps_done=steps_done,
+            loss_scale=current_loss_scale(self.cfg, self.store).scale,
+            excluded=self.excluded,
+        )
         for i, ((start, end), group) in enumerate(zip(ranges, groups)):
             plan.stages.add(
                 index=i,

@@ -94,6 +94,9 @@ def _add_node(reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, n
         profiled_microbatch_s=sum(m.profile.layer_seconds) if m.profile else 0.0,
         memory_bytes=m.profile.memory_bytes if m.profile else 0,
         lifecycle=m.lifecycle.value,
+        device=f"{m.profile.device} ({m.profile.device_name})" if m.profile else "",
+        precision=m.profile.precision if m.profile else "",
+        peak_memory_bytes=m.peak_memory_bytes,
     )
     for link in m.links:
         reply.links.add(

@@ -84,6 +84,7 @@ def render_status(reply: pb.StatusReply) -> str:
             f"{n.layer_start}-{n.layer_end - 1}" if n.stage >= 0 else "-",
             n.role,
             n.lifecycle or ("alive" if n.alive else "dead"),
+            f"{n.device} {n.precision}" if n.device else "-",
             f"{n.microbatches_per_s:.2f}",
             f"{n.last_heartbeat_s:.1f}s ago",
             _bytes(n.bytes_received),
@@ -92,7 +93,7 @@ def render_status(reply: pb.StatusReply) -> str:
         ]
         for n in reply.nodes
     ]
-    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "MB/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
+    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "DEVICE", "MB/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
     lines += _table(header, rows)
     if reply.links:
         lines.append("")

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
-from geotrain.config import RunConfig
+from geotrain.config import LossScale, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
@@ -49,9 +49,32 @@ def _refuse(node_id: str, why: str) -> NoReturn:
     raise ReportRefused(f"report from {node_id} refused: {why}")
 
 
-def _check_finite(node_id: str, what: str, values: list[float], non_negative: bool = False) -> None:
-    if not all(math.isfinite(v) and (v >= 0 or not non_negative) for v in values):
-        _refuse(node_id, f"its {what} is not a finite{' non-negative' if non_negative else ''} number")
+def _check_finite(
+    node_id: str, what: str, values: list[float], non_negative: bool = False, overflow: bool = False
+) -> None:
+    """Refuse NaN, Inf (+Inf too when `overflow` allows it: fp16's overflow) and, if non_negative, negatives."""
+    if not all(
+        (math.isfinite(v) or (overflow and v == math.inf)) and (v >= 0 or not non_negative) for v in values
+    ):
+        kind = "finite or +inf" if overflow else "finite"
+        _refuse(node_id, f"its {what} is not a {kind}{' non-negative' if non_negative else ''} number")
+
+
+_LOSS_SCALE_KEY = "loss_scale"
+
+
+def current_loss_scale(cfg: RunConfig, store: RunStore) -> LossScale:
+    """The loss scale of the next step: the last decided step's, or the run's initial one."""
+    recorded = store.get(_LOSS_SCALE_KEY)
+    return cfg.train.initial_loss_scale() if recorded is None else LossScale(**json.loads(recorded))
+
+
+def _apply_order(step: int, decided: dict) -> pb.ApplyStep:
+    """The ApplyStep of a decision as recorded in the store."""
+    return pb.ApplyStep(
+        step=step, clip_coef=decided["clip"], lr=decided["lr"], skip=decided["skip"],
+        loss_scale=decided["loss_scale"]["scale"],
+    )
 
 
 def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
@@ -163,7 +186,10 @@ class StepDriver:
             if request.node_id not in progress.appliers:
                 _refuse(request.node_id, f"it serves no stage of plan epoch {request.plan_epoch}")
             parts = list(request.sq_norm_parts)
-            _check_finite(request.node_id, "squared gradient norm", [request.sq_norm, *parts], non_negative=True)
+            _check_finite(
+                request.node_id, "squared gradient norm", [request.sq_norm, *parts], non_negative=True,
+                overflow=self.cfg.train.precision == "fp16",
+            )
             reported = (request.sq_norm, parts)
             earlier = (progress.norms.get(request.node_id), progress.norm_parts.get(request.node_id))
             if earlier[0] is not None and earlier != reported:
@@ -223,7 +249,9 @@ class StepDriver:
                 raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
         parts = self.progress.norm_parts
-        clip = self.cfg.train.clip_coefficient_from(p for s in plan.stages for p in parts[s.node_ids[0]])
+        clip, skip, scale = self.cfg.train.decide(
+            (p for s in plan.stages for p in parts[s.node_ids[0]]), current_loss_scale(self.cfg, self.store)
+        )
         lr = self.cfg.train.lr_at(step, self.cfg.run.steps)
         losses = [loss for loss, _ in self.progress.done.values()]
         seconds = time.monotonic() - t0
@@ -236,9 +264,14 @@ class StepDriver:
             plan_epoch=plan.epoch,
         )
         # Decided before any node applies it: a restarted coordinator completes this step instead of redoing it.
-        self.store.put("decided", json.dumps({"record": asdict(record), "clip": clip, "lr": lr}))
+        decided = {"record": asdict(record), "clip": clip, "lr": lr, "skip": skip, "loss_scale": asdict(scale)}
+        self.store.put("decided", json.dumps(decided))
+        # A decided step is always completed (finish_decided), so the scale of the steps after it is set with it.
+        self.store.put(_LOSS_SCALE_KEY, json.dumps(asdict(scale)))
+        if skip:
+            log.warning("step %d: gradients overflowed in fp16: step skipped, loss scale now %g", step, scale.scale)
         self._enter(StepPhase.DECIDED, step)
-        self.orders.send(nodes, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=clip, lr=lr)))
+        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
         # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
         # takes up the committed state with the next plan.
         wait(
@@ -274,7 +307,7 @@ class StepDriver:
         )
         behind = [n for ns in holders_at(step) for n in ns]
         self._begin(step, plan, behind)
-        self.orders.send(behind, pb.Order(apply=pb.ApplyStep(step=step, clip_coef=data["clip"], lr=data["lr"])))
+        self.orders.send(behind, pb.Order(apply=_apply_order(step, data)))
         self.membership.wait(
             lambda: all(n in self.progress.checksums for n in behind),
             "the decided step's apply",

@@ -92,7 +92,7 @@ function renderPipeline(s) {
       }
       if (n) {
         card.style.background = nodeColour(n, fastest);
-        card.append(el("div", "detail", `${n.region} · ${n.role} · ${n.microbatches_per_s.toFixed(2)} mb/s`));
+        card.append(el("div", "detail", `${n.region} · ${n.device || "?"} · ${n.role} · ${n.microbatches_per_s.toFixed(2)} mb/s`));
       }
       col.append(card);
     }
@@ -109,7 +109,7 @@ function renderNodes(s) {
     const staged = n.stage >= 0;
     for (const cell of [
       n.node_id, n.region, staged ? String(n.stage) : "-", staged ? `${n.layer_start}-${n.layer_end - 1}` : "-",
-      n.role, n.alive ? "alive" : "gone", n.microbatches_per_s.toFixed(2), `${n.last_heartbeat_s.toFixed(1)}s ago`,
+      n.role, n.alive ? "alive" : "gone", n.device ? `${n.device} ${n.precision}` : "-", n.microbatches_per_s.toFixed(2), `${n.last_heartbeat_s.toFixed(1)}s ago`,
       bytes(n.bytes_received), bytes(n.bytes_sent), `${n.compression_ratio.toFixed(2)}×`,
     ]) tr.append(el("td", "", cell));
     return tr;
