@@ -347,7 +347,6 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
-    _announce_device(args.device)
     options = NodeOptions(
         coordinator=args.coordinator,
         token=token,
@@ -362,6 +361,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         give_up_after_s=args.give_up_after,
         device=args.device,
     )
+    _announce_device(args.device)
     exit_with_parent()
     agent = Agent(options)
     interrupted = threading.Event()
@@ -389,7 +389,8 @@ def _device(spec: str):
 
 
 def _announce_device(spec: str) -> None:
-    """Print the device a node will compute on, its usable memory and a measured speed, before it registers."""
+    """Print the device a node will compute on, its usable memory and a measured speed, before it registers (on
+    stdout: stderr is for what went wrong, one line of it)."""
     from geotrain.node.device import describe, matmul_flops
     from geotrain.node.profiler import available_memory_bytes
 
@@ -397,7 +398,6 @@ def _announce_device(spec: str) -> None:
     print(
         f"device {describe(device)}: {available_memory_bytes(device) / 2**30:.1f} GiB free, "
         f"{matmul_flops(device) / 1e12:.2f} TFLOP/s fp32 matmul",
-        file=sys.stderr,
         flush=True,
     )
 

@@ -45,6 +45,19 @@ def as_set_flags(settings: list[str]) -> list[str]:
     return [arg for s in settings for arg in ("--set", s)]
 
 
+@contextmanager
+def one_compute_thread() -> Iterator[None]:
+    """Compute as the tests' nodes do (OMP_NUM_THREADS=1), for a reference that must equal them bit for bit:
+    LayerNorm's weight and bias gradients are summed in per-thread chunks, so another thread count computes other
+    bits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest absolute difference between two state dicts with the same keys."""
     assert a.keys() == b.keys()

@@ -6,8 +6,6 @@ such runs were 0.03 apart after 60 steps; bench/exactness.py runs the same layou
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from geotrain.node.data import Corpus
 from geotrain.node.local import train_local
 from geotrain.node.stage import StageRuntime
 from geotrain.scheduler.service import fetch_model_state
-from tests.conftest import SMALL_RUN, local_cluster, max_diff, wait_until
+from tests.conftest import SMALL_RUN, local_cluster, max_diff, one_compute_thread, wait_until
 from tests.test_replica_averaging import _together, averagers  # noqa: F401 - averagers is a fixture
 
 # A model so small that a step costs the RPCs, not the compute: 100 steps fit in a test.
@@ -32,18 +30,6 @@ _STEPS = 100
 
 def _tiny(*overrides: str) -> RunConfig:
     return load_config(None, [*SMALL_RUN, *_TINY, *overrides])
-
-
-@contextmanager
-def _one_compute_thread() -> Iterator[None]:
-    """Compute as the test's nodes do (OMP_NUM_THREADS=1): LayerNorm's weight and bias gradients are summed in
-    per-thread chunks, so a process with another thread count computes other bits."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _gradients(runtime: StageRuntime, corpus: Corpus, microbatches: list[int], reduce=None) -> list[torch.Tensor]:
@@ -130,7 +116,7 @@ def _run_against_local(tmp_path, n_nodes: int, stages: int, kill_after: int | No
     assert summary.steps == _STEPS
     if kill_after is not None:
         assert victim not in {n for stage in plan.stages for n in stage.node_ids}
-    with _one_compute_thread():
+    with one_compute_thread():
         runtime, _ = train_local(_tiny(*settings))
     return max_diff(state, {name: p.detach() for name, p in runtime.named_state()})
 

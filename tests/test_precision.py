@@ -16,7 +16,7 @@ from geotrain.node.stage import StageRuntime
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.status_cli import render_status
 from geotrain.scheduler.stepdriver import current_loss_scale
-from tests.conftest import local_cluster, run_cli
+from tests.conftest import local_cluster, one_compute_thread, run_cli
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -297,7 +297,8 @@ def test_three_stage_pipeline_equals_train_local_in_reduced_precision(tmp_path: 
     assert all(n.device.startswith("cpu (") and n.precision == precision for n in status.nodes)
     assert "DEVICE" in render_status(status) and f"{status.nodes[0].device} {precision}" in render_status(status)
     local_losses: list[float] = []
-    runtime, _ = train_local(cfg, lambda r: local_losses.append(r["loss"]))
+    with one_compute_thread():
+        runtime, _ = train_local(cfg, lambda r: local_losses.append(r["loss"]))
     # Same arithmetic, same order (the float64 gradient sums are order-free): equal, not merely close.
     assert losses == local_losses
     assert scale.scale == runtime.loss_scale == cfg.train.initial_loss_scale().scale / 2**skipped
