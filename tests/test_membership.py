@@ -13,7 +13,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused
-from geotrain.scheduler.membership import Lifecycle
+from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -117,12 +117,13 @@ def test_spares_of_a_large_run_beat_less_often_and_are_given_as_many_of_their_in
     beat = lambda node_id: c.heartbeat(pb.HeartbeatRequest(node_id=node_id)).next_heartbeat_s  # noqa: E731
     assert beat(ids[1]) == 1.0, "a small crowd of spares beats at the run's interval until the timer counts them"
     c.membership.check_liveness()
-    assert beat(ids[1]) == pytest.approx(199 / 50) and beat(ids[0]) == 1.0
+    spare_interval = 199 / _SPARE_HEARTBEATS_PER_S
+    assert beat(ids[1]) == pytest.approx(spare_interval) and beat(ids[0]) == 1.0
     for member in (serving, c.members[ids[1]]):
-        member.last_seen -= 10  # two of the run's timeouts, half of the spare's
+        member.last_seen -= 10  # two of the run's timeouts, less than the spare's (as many of its intervals)
     c.membership.check_liveness()
     assert not serving.alive and c.members[ids[1]].alive
-    c.members[ids[1]].last_seen -= 15
+    c.members[ids[1]].last_seen -= 5 * spare_interval
     c.membership.check_liveness()
     assert not c.members[ids[1]].alive
     assert not c.heartbeat(pb.HeartbeatRequest(node_id=ids[1])).known

@@ -46,7 +46,7 @@ class Rejected(Exception):
 # Spares (members that serve no stage) heartbeat this often per second all together at most: a thousand idle
 # volunteers would otherwise cost the coordinator a thousand calls a second, on the cores the run needs. Only the
 # plan's nodes need the run's interval: a spare found dead a little later costs nothing until it is planned in.
-_SPARE_HEARTBEATS_PER_S = 50.0
+_SPARE_HEARTBEATS_PER_S = 20.0
 # libp2p peer ids are about 52 characters; a node reports counters for the links it sends on, a few per neighbour.
 _PEER_ID_CHARS = 128
 _LINKS = 1024
