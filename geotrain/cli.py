@@ -687,6 +687,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     check_out(out)  # before reading the model, which may take a while
+    _stop_on_sigterm()
     saved = _saved_model(args.checkpoint)
     tokenizer = choose_tokenizer(args.tokenizer, saved.data, saved.model.vocab)
     try:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from geotrain.compression.policy import StageTimer
 from geotrain.node.dataplane import DataPlane, LinkEmulator
+from geotrain.node.device import resolve_device
 from geotrain.node.handover import HeldStates
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
-from geotrain.node.device import resolve_device
 from geotrain.node.profiler import NodeProfiler
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer
