@@ -104,9 +104,11 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
-    # Measured placement, two stages, node-2 eight times slower than node-1: the first plan gives node-2 few layers.
-    # Once node-3, as fast as node-1, joins, the planner's best plan spreads the layers over node-1 and node-3 and
-    # leaves node-2 out, so layers move; they travel through a checkpoint of the committed step.
+    # Measured placement, two stages over node-1 and node-2, both four times slower than node-3, which joins after
+    # step 2. Adding node-3 as a replica would leave the other slow stage as slow as before; the planner's best plan
+    # gives node-3 most layers, so layers move, and they travel through a checkpoint of the committed step. (With a
+    # single slow node the replica and the move come within the re-plan margin of each other, and profile noise
+    # decides.)
     cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5", "profile.layer_repeats=1")
     plans: list[pb.Plan] = []
     step_2_done = threading.Event()
@@ -122,7 +124,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
             wait_until(lambda: "node-3" in members and members["node-3"].profile is not None, 60,
                        "node-3 reported its profile")
 
-    slow = {"node-2": ["--slowdown", "8"]}
+    slow = {"node-1": ["--slowdown", "4"], "node-2": ["--slowdown", "4"]}
     state_dir = tmp_path / "state"
     with local_cluster(cfg, 2, tmp_path, on_event=hold_for_node_3, state_dir=state_dir, node_args=slow) as cluster:
         running.append(cluster)
@@ -138,8 +140,11 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
         return {n: (s.layer_start, s.layer_end) for s in plan.stages for n in s.node_ids}
 
     before, after = ranges(plans[0]), ranges(plans[-1])
-    assert set(before) == {"node-1", "node-2"} and set(after) == {"node-1", "node-3"}, (before, after)
-    assert before["node-1"] != after["node-1"]
+    assert set(before) == {"node-1", "node-2"} and "node-3" in after, (before, after)
+    # node-3 holds more layers than any slow node, and no slow node holds a layer it did not hold before.
+    size = lambda r: r[1] - r[0]  # noqa: E731
+    assert all(size(after["node-3"]) > size(r) for n, r in after.items() if n != "node-3"), after
+    assert all(before[n][0] <= r[0] and r[1] <= before[n][1] for n, r in after.items() if n != "node-3"), after
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
     assert max_diff(state, _reference(cfg)) <= 1e-4
