@@ -40,7 +40,7 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import TOKEN_ENV, auth_metadata, new_token
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator, RunAborted
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 log = logging.getLogger(__name__)

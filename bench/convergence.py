@@ -25,7 +25,7 @@ from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.geotrain_pb2 import StatusReply
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 CODECS = ["none", "fp16", "int8", "topk:0.1", "auto"]

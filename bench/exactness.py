@@ -23,7 +23,7 @@ from geotrain.config import RunConfig, load_config
 from geotrain.node.data import Corpus
 from geotrain.node.local import train_local
 from geotrain.protocol.auth import new_token
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
 
 # Small enough that a step costs the RPCs more than the compute; clipping stays active for most of the run.

@@ -18,7 +18,7 @@ from pathlib import Path
 from geotrain.config import load_config
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 NODES = 4

@@ -25,7 +25,7 @@ from geotrain.config import DATA_METADATA_KEY, MODEL_METADATA_KEY, ConfigError, 
 if TYPE_CHECKING:
     from geotrain.node.saved import SavedModel
     from geotrain.protocol.tls import TlsFiles
-    from geotrain.scheduler.local import LocalNodes
+    from geotrain.localnodes import LocalNodes
 
 log = logging.getLogger("geotrain")
 
@@ -343,7 +343,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
-    from geotrain.scheduler.local import exit_with_parent
 
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
@@ -362,7 +361,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         device=args.device,
     )
     _announce_device(args.device)
-    exit_with_parent()
+    torch_threads()  # torch may have been imported before this process had OMP_NUM_THREADS (a local node is forked)
     agent = Agent(options)
     interrupted = threading.Event()
     _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
@@ -405,7 +404,7 @@ def _announce_device(spec: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
-    from geotrain.scheduler.local import Chaos, LocalNodes
+    from geotrain.localnodes import Chaos, LocalNodes
 
     if args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")

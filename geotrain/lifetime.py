@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import threading
@@ -69,3 +70,25 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(_WATCH_INTERVAL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_when_process_ends(pid: int, sig: int) -> None:
+    """Send `sig` to this process once process `pid`, which need not be its parent, has ended (at once if it has).
+    A daemon thread waits for it: on a pidfd where Linux has them (an ended process that nobody reaped yet counts
+    as ended), else by polling."""
+    threading.Thread(target=_signal_when_ended, args=(pid, sig), name="watch-starter", daemon=True).start()
+
+
+def _signal_when_ended(pid: int, sig: int) -> None:
+    try:
+        if hasattr(os, "pidfd_open"):
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])  # readable once the process has ended
+            os.close(fd)
+        else:
+            while True:
+                os.kill(pid, 0)
+                time.sleep(_WATCH_INTERVAL_S)
+    except ProcessLookupError:  # already gone
+        pass
+    os.kill(os.getpid(), sig)

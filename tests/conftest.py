@@ -23,15 +23,17 @@ from geotrain.config import RunConfig, load_config
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A multi-process run kept short: three steps of four microbatches, no evaluation, deaths noticed in 2.5 s.
+# A multi-process run kept short: three steps of four microbatches, no evaluation, deaths noticed in 2.5 s, each
+# layer timed once in the node's profile (uniform placement does not use the timings).
 SMALL_RUN = [
     "run.steps=3", "run.eval_every=0", "run.eval_microbatches=2", "train.microbatches=4",
     "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", "scheduler.placement=uniform",
+    "profile.layer_repeats=1",
 ]
 
 
@@ -163,3 +165,39 @@ def local_cluster(
 def small_config() -> RunConfig:
     """A fast configuration for multi-process tests."""
     return small_run()
+
+
+def process_stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time) of a process, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": the name may hold spaces and parentheses
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every process below root, as pid -> start time (which tells a reused pid from the process it was)."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        stat = process_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None:
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[2]))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, start in parents.get(todo.pop(), []):
+            found[pid] = start
+            todo.append(pid)
+    return found
+
+
+def running_of(procs: dict[int, int]) -> list[int]:
+    """The pids of procs that still run (zombies and reused pids do not)."""
+    running = []
+    for pid, start in procs.items():
+        stat = process_stat(pid)
+        if stat is not None and stat[1] != "Z" and stat[2] == start:
+            running.append(pid)
+    return running

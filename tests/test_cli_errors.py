@@ -344,7 +344,7 @@ def test_saved_model_records_its_config(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_node_exits_1_in_one_line_when_the_run_is_aborted(tmp_path):
     from geotrain.protocol.auth import new_token
-    from geotrain.scheduler.local import LocalNodes
+    from geotrain.localnodes import LocalNodes
     from tests.conftest import wait_until
 
     token = new_token()

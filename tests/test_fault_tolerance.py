@@ -21,7 +21,7 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.checkpoint import CheckpointStore, StageState
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.state import RunStore
 from tests.conftest import (
@@ -109,7 +109,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
     # gives node-3 most layers, so layers move, and they travel through a checkpoint of the committed step. (With a
     # single slow node the replica and the move come within the re-plan margin of each other, and profile noise
     # decides.)
-    cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5", "profile.layer_repeats=1")
+    cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5")
     plans: list[pb.Plan] = []
     step_2_done = threading.Event()
     running: list[LocalCluster] = []
@@ -141,10 +141,9 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
 
     before, after = ranges(plans[0]), ranges(plans[-1])
     assert set(before) == {"node-1", "node-2"} and "node-3" in after, (before, after)
-    # node-3 holds more layers than any slow node, and no slow node holds a layer it did not hold before.
+    # node-3 took most layers from the slow nodes, rather than becoming a replica of one of their stages.
     size = lambda r: r[1] - r[0]  # noqa: E731
-    assert all(size(after["node-3"]) > size(r) for n, r in after.items() if n != "node-3"), after
-    assert all(before[n][0] <= r[0] and r[1] <= before[n][1] for n, r in after.items() if n != "node-3"), after
+    assert all(size(after["node-3"]) > size(r) for n, r in after.items() if n != "node-3"), (before, after)
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
     assert max_diff(state, _reference(cfg)) <= 1e-4

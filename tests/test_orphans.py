@@ -15,9 +15,9 @@ import pytest
 from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
-from tests.conftest import REPO, geotrain_env, wait_until
+from tests.conftest import REPO, descendants, geotrain_env, process_stat, running_of, wait_until
 
 pytestmark = [
     pytest.mark.cluster,
@@ -25,42 +25,6 @@ pytestmark = [
 ]
 
 _GONE_WITHIN_S = 8.0  # torch_shm_manager lingers 2s after its last client
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time) of a process, or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": the name may hold spaces and parentheses
-    return int(fields[1]), fields[0], int(fields[19])
-
-
-def _descendants(root: int) -> dict[int, int]:
-    """Every process below root, as pid -> start time (which tells a reused pid from the process it was)."""
-    parents: dict[int, list[tuple[int, int]]] = {}
-    for entry in Path("/proc").iterdir():
-        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat is not None:
-            parents.setdefault(stat[0], []).append((int(entry.name), stat[2]))
-    found: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        for pid, start in parents.get(todo.pop(), []):
-            found[pid] = start
-            todo.append(pid)
-    return found
-
-
-def _running(procs: dict[int, int]) -> list[int]:
-    """The pids of procs that still run (zombies and reused pids do not)."""
-    running = []
-    for pid, start in procs.items():
-        stat = _stat(pid)
-        if stat is not None and stat[1] != "Z" and stat[2] == start:
-            running.append(pid)
-    return running
 
 
 def _names(pids: list[int]) -> list[str]:
@@ -75,9 +39,9 @@ def _names(pids: list[int]) -> list[str]:
 
 def _assert_all_end(procs: dict[int, int]) -> None:
     deadline = time.monotonic() + _GONE_WITHIN_S
-    while _running(procs) and time.monotonic() < deadline:
+    while running_of(procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _running(procs)
+    left = running_of(procs)
     assert not left, f"still running {_GONE_WITHIN_S}s after their parent died: {_names(left)} (pids {left})"
 
 
@@ -91,7 +55,7 @@ class Reaper:
     def lead(self, pid: int) -> None:
         """Track a process started as the leader of its own session, and all it will start."""
         self.leaders.append(pid)
-        self.procs[pid] = _stat(pid)[2]
+        self.procs[pid] = process_stat(pid)[2]
 
     def kill_all(self) -> None:
         """SIGKILL every process tracked, orphans included."""
@@ -100,7 +64,7 @@ class Reaper:
                 os.killpg(pid, signal.SIGKILL)  # an orphan keeps its process group when its parent dies
             except ProcessLookupError:
                 pass
-        for pid in _running(self.procs):
+        for pid in running_of(self.procs):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -129,7 +93,7 @@ def test_sigkilled_coordinator_leaves_no_processes(reaper):
             break
     else:
         pytest.fail(f"the coordinator exited with {coordinator.wait()} before listening")
-    children = _descendants(coordinator.pid)
+    children = descendants(coordinator.pid)
     reaper.procs.update(children)
     assert "p2pd" in _names(list(children)), _names(list(children))
 
@@ -163,14 +127,14 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         wait_until(dht_up_or_node_gone, 60, "the node's DHT came up")
         assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
         m = coordinator.members["node-1"]
-        children = _descendants(node.pid)
+        children = descendants(node.pid)
         reaper.procs.update(children)
         assert "p2pd" in _names(list(children)), (tmp_path / "node-1.log").read_text()[-3000:]
         # A later heartbeat: the thread that started the DHT has ended by now, and the DHT must outlive it.
         seen = m.last_seen
         wait_until(lambda: m.last_seen != seen or node.poll() is not None, 20, "another heartbeat")
         assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
-        assert sorted(_running(children)) == sorted(children), "the node's DHT ended while the node ran"
+        assert sorted(running_of(children)) == sorted(children), "the node's DHT ended while the node ran"
 
         node.send_signal(sig)
         node.wait(30)

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, geotrain_env
+from geotrain.localnodes import process_name
+from tests.conftest import REPO, descendants, geotrain_env
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -147,22 +148,19 @@ class _Elements(HTMLParser):
         return int(canvas["data-points"])
 
 
-def _node_pid(coordinator_port: int, node_id: str) -> int:
-    """The pid of the demo's `geotrain join` process for node_id."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def _node_pid(demo_pid: int, node_id: str) -> int:
+    """The pid of the demo's local node node_id."""
+    for pid in descendants(demo_pid):
         try:
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+            if Path(f"/proc/{pid}/comm").read_text().strip() == process_name(node_id):
+                return pid
         except OSError:
             continue
-        if "join" in argv and f"127.0.0.1:{coordinator_port}" in argv and node_id in argv:
-            return int(entry.name)
     raise AssertionError(f"no process for {node_id}")
 
 
 def test_status_page_tracks_a_live_demo(demo, tmp_path):
-    coordinator_port = int(demo.wait_for_line(r"coordinator listening on [\d.]+:(\d+)", 30).group(1))
+    demo.wait_for_line(r"coordinator listening on", 30)
     url = demo.wait_for_line(r"status page at (http://127\.0\.0\.1:\d+/)", 30).group(1)
     status = _wait_status(url, lambda s: int(s["step"]) >= 3, "3 steps", 60)
 
@@ -181,7 +179,7 @@ def test_status_page_tracks_a_live_demo(demo, tmp_path):
 
     # Kill the middle stage's node outright: no goodbye, only missing heartbeats.
     victim = status["stages"][1]["node_ids"][0]
-    os.kill(_node_pid(coordinator_port, victim), signal.SIGKILL)
+    os.kill(_node_pid(demo.proc.pid, victim), signal.SIGKILL)
     status = _wait_status(
         url, lambda s: any(n["node_id"] == victim and not n["alive"] for n in s["nodes"]), f"{victim} dead", 25
     )

@@ -28,7 +28,7 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import ClientAuth, new_token
 from geotrain.protocol.tls import CA_FILE, CERT_FILE, KEY_FILE, RUN_TLS_NAME, TlsFiles, init_run_tls
 from geotrain.protocol.transport import make_channel, make_server
-from geotrain.scheduler.local import LocalNodes
+from geotrain.localnodes import LocalNodes
 from tests.conftest import REPO, SMALL_RUN, as_set_flags, geotrain_env, run_cli
 
 TOKEN = new_token()
