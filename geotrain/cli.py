@@ -404,7 +404,7 @@ def _announce_device(spec: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
-    from geotrain.localnodes import Chaos, LocalNodes
+    from geotrain.localnodes import Chaos, LocalNodes, start_forkserver
 
     if args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
@@ -424,6 +424,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as e:  # parse's way of naming what is wrong
         raise UsageError(str(e)) from None
     torch_threads()
+    start_forkserver()
     token = os.environ.get(TOKEN_ENV) or new_token()
     work_dir = Path(tempfile.mkdtemp(prefix="geotrain-demo-"))
     if not args.state_dir:

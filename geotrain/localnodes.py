@@ -14,6 +14,7 @@ scheduler may not import.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
 import runpy
@@ -106,6 +107,19 @@ class NodeProcess:
         self.send_signal(signal.SIGTERM)
 
 
+def _forkserver() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, not with the first node, so that its imports overlap with whatever the caller
+    does until then (a demo: the coordinator's start)."""
+    _forkserver()
+    multiprocessing.forkserver.ensure_running()
+
+
 def spawn_node(
     coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None
 ) -> NodeProcess:
@@ -114,10 +128,8 @@ def spawn_node(
         "--log-level", "info", "join",
         "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0", *(extra_args or []),
     ]
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
     env = {**_NODE_ENV, "GEOTRAIN_TOKEN": token}
-    process = context.Process(
+    process = _forkserver().Process(
         target=_run_join, args=(node_id, argv, env, str(log_dir / f"{node_id}.log"), os.getpid()), name=f"geotrain-{node_id}"
     )
     process.start()

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from geotrain.config import RunConfig, load_config
+from geotrain.localnodes import LocalNodes
 from geotrain.node.data import Corpus
+from geotrain.node.local import train_local
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
-from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +59,13 @@ def one_compute_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def train_local_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The parameters after `geotrain train-local` of cfg, computed here as the tests' nodes compute."""
+    with one_compute_thread():
+        runtime, _ = train_local(cfg)
+    return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from geotrain.config import RunConfig, load_config
-from geotrain.node.local import train_local
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -25,7 +24,8 @@ from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.state import RunStore
 from tests.conftest import (
-    REPO, SMALL_RUN, LocalCluster, as_set_flags, geotrain_env, local_cluster, max_diff, small_run, wait_until,
+    REPO, SMALL_RUN, LocalCluster, as_set_flags, geotrain_env, local_cluster, max_diff, small_run, train_local_state,
+    wait_until,
 )
 
 pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nodes
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nod
 
 def _config(*overrides: str) -> RunConfig:
     return small_run("run.steps=6", "scheduler.step_timeout_s=60", *overrides)
-
-
-def _reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    runtime, _ = train_local(cfg)
-    return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
 def _is_phase(kind: str, data: dict, step: int, phase: str) -> bool:
@@ -69,7 +64,7 @@ def test_replica_killed_mid_step_changes_nothing_but_time(tmp_path):
         state = fetch_model_state(final_plan, cluster.token, summary.steps)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert "dead" in kinds and "rollback" not in kinds
-    assert max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -99,7 +94,7 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
     assert final_plan.stages[1].node_ids == [spare] and "dead" in kinds
     # Every step committed once, none rolled back and redone.
     assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
-    assert max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -146,7 +141,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
     assert all(size(after["node-3"]) > size(r) for n, r in after.items() if n != "node-3"), (before, after)
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
-    assert max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -179,7 +174,7 @@ def test_node_restarted_while_a_decided_step_is_applied(tmp_path):
         steps = [r.step for r in coordinator.store.steps()]
         kinds = [kind for _, kind, _, _ in coordinator.store.events()]
     assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
-    assert max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -311,7 +306,7 @@ def test_coordinator_killed_and_restarted_on_its_state_dir(tmp_path):
         if nodes is not None:
             nodes.stop_all()
     state = load_file(state_dir / "final.safetensors")
-    assert max_diff(state, _reference(load_config(None, settings))) <= 1e-4
+    assert max_diff(state, train_local_state(load_config(None, settings))) <= 1e-4
 
 
 @pytest.mark.timeout(150)
@@ -342,4 +337,4 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path
         state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert summary.steps == 6 and "rollback" not in kinds
-    assert max_diff(state, _reference(cfg)) <= 1e-4
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4

@@ -12,45 +12,50 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from geotrain.config import load_config
 from geotrain.localnodes import process_name
 from geotrain.node.data import Corpus
-from geotrain.node.model import GPT, load_gpt, loss_fn
-from tests.conftest import REPO, as_set_flags, descendants, geotrain_env, max_diff, run_cli, running_of, wait_until
+from geotrain.node.model import load_gpt, loss_fn
+from geotrain.node.stage import StageRuntime
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler.service import fetch_model_state
+from tests.conftest import (
+    REPO, descendants, geotrain_env, local_cluster, max_diff, run_cli, running_of, train_local_state, wait_until,
+)
 
 pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nodes
 
 
-def _train_both(tmp_path: Path, nodes: int, settings: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    overrides = as_set_flags(settings)
-    demo = run_cli("demo", "--nodes", str(nodes), "--save-final", str(tmp_path / "pipe.safetensors"), *overrides)
-    assert demo.returncode == 0, demo.stderr[-3000:]
-    local = run_cli("train-local", "--save-final", str(tmp_path / "local.safetensors"), *overrides)
-    assert local.returncode == 0, local.stderr[-3000:]
-    diff = max_diff(load_file(tmp_path / "pipe.safetensors"), load_file(tmp_path / "local.safetensors"))
-    return demo, diff
+def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> tuple[pb.Plan, dict, float]:
+    """A run of `nodes` local nodes and its plan, its final parameters, and their largest difference from
+    train-local's."""
+    cfg = load_config(None, settings)
+    with local_cluster(cfg, nodes, tmp_path) as cluster:
+        summary = cluster.wait(90)
+        plan = cluster.coordinator.plan
+        state = fetch_model_state(plan, cluster.token, summary.steps)
+    assert summary.steps == cfg.run.steps
+    return plan, state, max_diff(state, train_local_state(cfg))
 
 
 @pytest.mark.timeout(120)
 def test_three_stages_equal_train_local(tmp_path):
     settings = ["run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0", "scheduler.placement=uniform"]
-    demo, diff = _train_both(tmp_path, 3, settings)
-    assert diff <= 1e-4
-    assert demo.stdout.count("stage ") >= 3
-    # The parameters the run changed: the saved model differs from the initial one.
-    initial = {k: v for k, v in GPT(load_config().model, seed=load_config().run.seed).state_dict().items()}
-    assert max_diff(initial, load_file(tmp_path / "pipe.safetensors")) > 1e-3
+    plan, state, diff = _pipeline_against_local(tmp_path, 3, settings)
+    assert len(plan.stages) == 3 and diff <= 1e-4
+    # The parameters the run changed: they differ from the initial ones.
+    cfg = load_config(None, settings)
+    initial = dict(StageRuntime(cfg, 0, cfg.model.total_layers).named_state())
+    assert max_diff(initial, state) > 1e-3
 
 
 @pytest.mark.timeout(120)
 def test_two_uneven_stages_equal_train_local(tmp_path):
     # 3 blocks + embedding + head = 5 layers on 2 stages: a 3 / 2 split.
     settings = ["model.n_layers=3", "run.steps=5", "train.microbatches=5", "run.eval_every=0", "scheduler.placement=uniform"]
-    demo, diff = _train_both(tmp_path, 2, settings)
-    assert diff <= 1e-4
-    assert "stage 0: layers 0-2" in demo.stdout and "stage 1: layers 3-4" in demo.stdout
+    plan, _, diff = _pipeline_against_local(tmp_path, 2, settings)
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 3), (3, 5)] and diff <= 1e-4
 
 
 @pytest.mark.timeout(120)
