@@ -14,7 +14,10 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geotrain.protocol.limits import LimitValues
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -406,6 +409,43 @@ class ProfileSection:
 
 
 @dataclass(kw_only=True)
+class LimitsSection:
+    """[limits]: what one peer may hold or send at a node's and the coordinator's gRPC servers, so that a token holder
+    cannot starve the run (a peer is a node id from one host)."""
+
+    streams_per_peer: int = _bounded(
+        16, 1, 10000, "streams a peer may have open at once (Forward, Backward, Probe); a sender opens 8 at most"
+    )
+    streams_per_host: int = _bounded(128, 1, 100000, "streams all peers on one host may have open at once")
+    idle_stream_s: float = _bounded(
+        30.0, 0.1, 3600.0, "a stream that sends nothing for this long is cut (a 1 MiB chunk at 1 Mbit/s takes 8 s)"
+    )
+    calls_per_s: float = _bounded(200.0, 1.0, 1e6, "calls a peer may start per second, on average")
+    call_burst: int = _bounded(400, 1, 10**7, "calls a peer may start at once after being quiet")
+    registrations_per_s: float = _bounded(
+        50.0, 0.01, 1e6, "new members one host may register per second, on average (the coordinator)"
+    )
+    registration_burst: int = _bounded(100, 1, 10**7, "new members one host may register at once")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "limits")
+        if self.streams_per_host < self.streams_per_peer:
+            raise ConfigError(
+                f"limits.streams_per_host must be at least limits.streams_per_peer ({self.streams_per_peer}), "
+                f"got {self.streams_per_host}"
+            )
+
+    def values(self) -> LimitValues:
+        """The numbers a server's PeerLimits enforces (registrations are the coordinator's own)."""
+        from geotrain.protocol.limits import LimitValues
+
+        return LimitValues(
+            streams_per_peer=self.streams_per_peer, streams_per_host=self.streams_per_host,
+            idle_stream_s=self.idle_stream_s, calls_per_s=self.calls_per_s, call_burst=self.call_burst,
+        )
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -417,6 +457,7 @@ class RunConfig:
     compression: CompressionSection = field(default_factory=CompressionSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
 
     @property
     def tokens_per_step(self) -> int:
@@ -512,7 +553,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile")
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:

@@ -206,7 +206,7 @@ class ProfileSettings(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ..., memory_headroom_mib: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class RunConfig(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     EMULATION_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
@@ -221,7 +222,26 @@ class RunConfig(_message.Message):
     compression: CompressionSettings
     emulation: EmulationSettings
     profile: ProfileSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ...) -> None: ...
+    limits: LimitsSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ...) -> None: ...
+
+class LimitsSettings(_message.Message):
+    __slots__ = ("streams_per_peer", "streams_per_host", "idle_stream_s", "calls_per_s", "call_burst", "registrations_per_s", "registration_burst")
+    STREAMS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_PER_HOST_FIELD_NUMBER: _ClassVar[int]
+    IDLE_STREAM_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CALL_BURST_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_BURST_FIELD_NUMBER: _ClassVar[int]
+    streams_per_peer: int
+    streams_per_host: int
+    idle_stream_s: float
+    calls_per_s: float
+    call_burst: int
+    registrations_per_s: float
+    registration_burst: int
+    def __init__(self, streams_per_peer: _Optional[int] = ..., streams_per_host: _Optional[int] = ..., idle_stream_s: _Optional[float] = ..., calls_per_s: _Optional[float] = ..., call_burst: _Optional[int] = ..., registrations_per_s: _Optional[float] = ..., registration_burst: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps")
