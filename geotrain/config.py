@@ -302,6 +302,7 @@ class SchedulerSection:
 
 
 _NO_CODEC = "none"
+_CODEC_KEYS = ("activations", "activation_grads", "replica_grads")
 # protocol.probe.MAX_PROBE_BYTES (a test checks they agree): importing it loads torch through protocol.framing,
 # which `geotrain --help`, `plan` and `status` must not pay for.
 MAX_PROBE_BYTES = 64 << 20
@@ -321,17 +322,34 @@ class CompressionSection:
         default="none",
         metadata={"doc": "how replicas average gradients: none (exact) or powersgd[:rank=R] (low-rank factors)"},
     )
+    replica_robust: str = field(
+        default="none",
+        metadata={
+            "doc": "none: replicas take the exact mean of their gradients; centered_clip: CenteredClip (BTARD), so "
+            "that a replica sending an outlying gradient is clipped toward the others and flagged (lossy: honest "
+            "replicas' gradients differ by their data, and farther than the radius they are clipped too)"
+        },
+    )
+    replica_clip_rms: float = _bounded(
+        0.1, 1e-12, 1e6, "CenteredClip's radius, as a root mean square per gradient value (a part of n values: x sqrt(n))"
+    )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not getattr(self, f.name):
-                raise ConfigError(f"compression.{f.name} must name a codec, e.g. 'none' or 'int8'")
-        if all(getattr(self, f.name).strip() == _NO_CODEC for f in dataclasses.fields(self)):
+        _check_bounds(self, "compression")
+        if self.replica_robust not in ("none", "centered_clip"):
+            raise ConfigError(f"compression.replica_robust must be none or centered_clip, got {self.replica_robust!r}")
+        codecs = [f.name for f in dataclasses.fields(self) if f.name in _CODEC_KEYS]
+        for name in codecs:
+            if not getattr(self, name):
+                raise ConfigError(f"compression.{name} must name a codec, e.g. 'none' or 'int8'")
+        if all(getattr(self, name).strip() == _NO_CODEC for name in codecs):
             return  # the default needs no codec machinery, which loads torch (seconds) for `plan` and `--help`
         from geotrain.compression import CodecError, get_codec
         from geotrain.compression.policy import check_spec
 
         for f in dataclasses.fields(self):
+            if f.name not in _CODEC_KEYS:
+                continue
             try:
                 check_spec(f.name, getattr(self, f.name))
             except CodecError as e:
@@ -344,6 +362,14 @@ class CompressionSection:
                 f"compression.replica_grads must be 'none' or 'powersgd[:rank=R]', got {self.replica_grads!r}: "
                 "a lossy all-reduce leaves stage replicas with different parameters"
             )
+        if self.replica_robust != "none" and self.replica_rank is not None:
+            raise ConfigError("compression.replica_robust clips gradients, not PowerSGD's factors: "
+                              "set compression.replica_grads = 'none' with it")
+
+    @property
+    def replica_clip(self) -> float:
+        """CenteredClip's radius per value when replicas aggregate robustly, 0 when they take the mean."""
+        return self.replica_clip_rms if self.replica_robust == "centered_clip" else 0.0
 
     @property
     def replica_rank(self) -> int | None:

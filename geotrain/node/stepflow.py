@@ -271,6 +271,7 @@ class StepFlow:
             lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
             hierarchical=stage.hierarchical_allreduce,
             presummed=self._low_rank is None,
+            clip_rms=self.cfg.compression.replica_clip,
         )
         if self._low_rank is not None:
             runtime.mean_gradients(step)

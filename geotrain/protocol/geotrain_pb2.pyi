@@ -178,14 +178,18 @@ class TrainSettings(_message.Message):
     def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ..., precision: _Optional[str] = ..., precision_fallback: _Optional[str] = ..., recompute: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ...) -> None: ...
 
 class CompressionSettings(_message.Message):
-    __slots__ = ("activations", "activation_grads", "replica_grads")
+    __slots__ = ("activations", "activation_grads", "replica_grads", "replica_robust", "replica_clip_rms")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_GRADS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GRADS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ROBUST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_CLIP_RMS_FIELD_NUMBER: _ClassVar[int]
     activations: str
     activation_grads: str
     replica_grads: str
-    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ...) -> None: ...
+    replica_robust: str
+    replica_clip_rms: float
+    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ..., replica_robust: _Optional[str] = ..., replica_clip_rms: _Optional[float] = ...) -> None: ...
 
 class EmulationSettings(_message.Message):
     __slots__ = ("links",)
