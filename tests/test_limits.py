@@ -318,3 +318,22 @@ def test_robust_averaging_refuses_powersgd_and_travels_to_the_nodes():
     on_node = from_proto(to_proto(cfg))
     assert on_node.compression.replica_clip == 0.5 and on_node.limits == cfg.limits
     assert small_run().compression.replica_clip == 0.0  # the default: the exact mean
+
+
+def test_a_clipped_replica_is_an_event_once_per_step():
+    from geotrain.scheduler.coordinator import Coordinator
+
+    coordinator = Coordinator(small_run())
+    for node_id, peer in (("a", "peer-a"), ("b", "peer-b")):
+        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id,
+                                                address="127.0.0.1:1"))
+        coordinator.heartbeat(pb.HeartbeatRequest(node_id=node_id, dht_peer_id=peer))
+    # No step is in progress: the norm itself is stale and ignored, what it saw is still noted.
+    for _ in range(3):  # the same report again, and from the other replica: one event
+        for reporter in ("a", "b"):
+            coordinator.grad_norm(pb.GradNormRequest(node_id=reporter, step=4, clipped_peers=["peer-b", "nobody"]))
+    coordinator.grad_norm(pb.GradNormRequest(node_id="a", step=5, clipped_peers=["peer-b"]))
+    clipped = [(node, detail) for _, kind, node, detail in coordinator.store.events() if kind == "clipped"]
+    assert clipped == [("b", "step 4: CenteredClip clipped its gradient (seen by a)"),
+                       ("b", "step 5: CenteredClip clipped its gradient (seen by a)")]
+    assert [e.kind for e in coordinator.status().events].count("clipped") == 2

@@ -203,7 +203,8 @@ class ReplicaAverager(ServicerBase):
         self._thread.start()
         self._runners: dict[bytes, asyncio.Future[AllReduceRunner]] = {}
         self._running: set[concurrent.futures.Future] = set()
-        self.clipped: list[tuple[bytes, str]] = []  # (group, peer) of every part CenteredClip clipped here
+        self._clipped: set[str] = set()  # peers whose parts CenteredClip clipped here since take_clipped()
+        self._clipped_lock = threading.Lock()
         self._refusals = RefusalLog()  # parts from peers outside their group: one line per peer and interval
         self._p2p = self._call(self.dht.replicate_p2p())
         self._call(self.add_p2p_handlers(self._p2p, namespace=_NAMESPACE))
@@ -244,6 +245,12 @@ class ReplicaAverager(ServicerBase):
             for task in tasks:  # one failed or the caller gave up: the round fails as a whole
                 task.cancel()
 
+    def take_clipped(self) -> list[str]:
+        """The peers (base58) whose parts CenteredClip clipped here since the last call, sorted."""
+        with self._clipped_lock:
+            clipped, self._clipped = self._clipped, set()
+        return sorted(clipped)
+
     def cancel_all(self) -> None:
         """Abandon every all-reduce in progress (its group changed); their average() calls raise CancelledError."""
         for future in list(self._running):
@@ -280,7 +287,8 @@ class ReplicaAverager(ServicerBase):
             if isinstance(runner, _ClipRunner):
                 for peer in runner.clipped_peers():
                     log.warning("replica %s sent an outlying gradient: CenteredClip clipped it", peer)
-                    self.clipped.append((gid, peer))
+                    with self._clipped_lock:
+                        self._clipped.add(peer)
             container = runner.tensor_part_container
             if container.failed_size:  # hivemind keeps this replica's own values for those: replicas would differ
                 received = 1 - container.failed_size / container.total_size
