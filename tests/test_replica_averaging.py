@@ -142,6 +142,19 @@ def test_two_by_two_run_with_powersgd_replica_averaging(tmp_path):
     assert diff > 1e-4  # the low-rank averages changed the training: it is not the exact run
 
 
+@pytest.mark.cluster
+@pytest.mark.timeout(150)
+def test_two_by_two_run_with_centered_clip_and_a_wide_radius_trains_as_the_mean(tmp_path):
+    # Honest replicas' gradients lie well inside a radius of 10 per value: CenteredClip clips nothing and its
+    # estimate is the mean (to float64 rounding), so the run ends where training in one process ends.
+    plan, steps, diff, summary = _live_and_local(
+        tmp_path, ["run.steps=4", "scheduler.stages=2"],
+        ["compression.replica_robust=centered_clip", "compression.replica_clip_rms=10"], 120,
+    )
+    assert all(len(stage.node_ids) == 2 for stage in plan.stages)
+    assert summary.steps == 4 and diff <= 1e-4
+
+
 # -- region by region -------------------------------------------------------------------------------------------
 
 _PEERS = 6
