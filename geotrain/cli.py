@@ -289,7 +289,7 @@ def _run_coordinator(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
     )
     coordinator = process.coordinator
-    http = StatusHttpServer(coordinator.status, http_listen) if http_listen is not None else None
+    http = StatusHttpServer(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
     _install_signal_handlers(coordinator.stop_requested.set)
     print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{process.port}", file=out, flush=True)
     try:
@@ -783,6 +783,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=0.0,
             metavar="SECONDS",
             help="keep the status page up this long after the run ends (default 0)",
+        )
+        p.add_argument(
+            "--http-token",
+            metavar="TOKEN",
+            help="serve the page and its data only with ?token=TOKEN or an 'Authorization: Bearer TOKEN' header "
+            "(default: anyone who can reach --http)",
         )
 
     p = add("coordinator", "Run the coordinator that admits nodes and drives training.", [common])

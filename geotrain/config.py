@@ -14,7 +14,10 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geotrain.protocol.limits import LimitValues
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -299,6 +302,7 @@ class SchedulerSection:
 
 
 _NO_CODEC = "none"
+_CODEC_KEYS = ("activations", "activation_grads", "replica_grads")
 # protocol.probe.MAX_PROBE_BYTES (a test checks they agree): importing it loads torch through protocol.framing,
 # which `geotrain --help`, `plan` and `status` must not pay for.
 MAX_PROBE_BYTES = 64 << 20
@@ -318,17 +322,34 @@ class CompressionSection:
         default="none",
         metadata={"doc": "how replicas average gradients: none (exact) or powersgd[:rank=R] (low-rank factors)"},
     )
+    replica_robust: str = field(
+        default="none",
+        metadata={
+            "doc": "none: replicas take the exact mean of their gradients; centered_clip: CenteredClip (BTARD), so "
+            "that a replica sending an outlying gradient is clipped toward the others and flagged (lossy: honest "
+            "replicas' gradients differ by their data, and farther than the radius they are clipped too)"
+        },
+    )
+    replica_clip_rms: float = _bounded(
+        0.1, 1e-12, 1e6, "CenteredClip's radius, as a root mean square per gradient value (a part of n values: x sqrt(n))"
+    )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not getattr(self, f.name):
-                raise ConfigError(f"compression.{f.name} must name a codec, e.g. 'none' or 'int8'")
-        if all(getattr(self, f.name).strip() == _NO_CODEC for f in dataclasses.fields(self)):
+        _check_bounds(self, "compression")
+        if self.replica_robust not in ("none", "centered_clip"):
+            raise ConfigError(f"compression.replica_robust must be none or centered_clip, got {self.replica_robust!r}")
+        codecs = [f.name for f in dataclasses.fields(self) if f.name in _CODEC_KEYS]
+        for name in codecs:
+            if not getattr(self, name):
+                raise ConfigError(f"compression.{name} must name a codec, e.g. 'none' or 'int8'")
+        if all(getattr(self, name).strip() == _NO_CODEC for name in codecs):
             return  # the default needs no codec machinery, which loads torch (seconds) for `plan` and `--help`
         from geotrain.compression import CodecError, get_codec
         from geotrain.compression.policy import check_spec
 
         for f in dataclasses.fields(self):
+            if f.name not in _CODEC_KEYS:
+                continue
             try:
                 check_spec(f.name, getattr(self, f.name))
             except CodecError as e:
@@ -341,6 +362,14 @@ class CompressionSection:
                 f"compression.replica_grads must be 'none' or 'powersgd[:rank=R]', got {self.replica_grads!r}: "
                 "a lossy all-reduce leaves stage replicas with different parameters"
             )
+        if self.replica_robust != "none" and self.replica_rank is not None:
+            raise ConfigError("compression.replica_robust clips gradients, not PowerSGD's factors: "
+                              "set compression.replica_grads = 'none' with it")
+
+    @property
+    def replica_clip(self) -> float:
+        """CenteredClip's radius per value when replicas aggregate robustly, 0 when they take the mean."""
+        return self.replica_clip_rms if self.replica_robust == "centered_clip" else 0.0
 
     @property
     def replica_rank(self) -> int | None:
@@ -406,6 +435,43 @@ class ProfileSection:
 
 
 @dataclass(kw_only=True)
+class LimitsSection:
+    """[limits]: what one peer may hold or send at a node's and the coordinator's gRPC servers, so that a token holder
+    cannot starve the run (a peer is a node id from one host)."""
+
+    streams_per_peer: int = _bounded(
+        16, 1, 10000, "streams a peer may have open at once (Forward, Backward, Probe); a sender opens 8 at most"
+    )
+    streams_per_host: int = _bounded(128, 1, 100000, "streams all peers on one host may have open at once")
+    idle_stream_s: float = _bounded(
+        30.0, 0.1, 3600.0, "a stream that sends nothing for this long is cut (a 1 MiB chunk at 1 Mbit/s takes 8 s)"
+    )
+    calls_per_s: float = _bounded(200.0, 1.0, 1e6, "calls a peer may start per second, on average")
+    call_burst: int = _bounded(400, 1, 10**7, "calls a peer may start at once after being quiet")
+    registrations_per_s: float = _bounded(
+        50.0, 0.01, 1e6, "new members one host may register per second, on average (the coordinator)"
+    )
+    registration_burst: int = _bounded(100, 1, 10**7, "new members one host may register at once")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "limits")
+        if self.streams_per_host < self.streams_per_peer:
+            raise ConfigError(
+                f"limits.streams_per_host must be at least limits.streams_per_peer ({self.streams_per_peer}), "
+                f"got {self.streams_per_host}"
+            )
+
+    def values(self) -> LimitValues:
+        """The numbers a server's PeerLimits enforces (registrations are the coordinator's own)."""
+        from geotrain.protocol.limits import LimitValues
+
+        return LimitValues(
+            streams_per_peer=self.streams_per_peer, streams_per_host=self.streams_per_host,
+            idle_stream_s=self.idle_stream_s, calls_per_s=self.calls_per_s, call_burst=self.call_burst,
+        )
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -417,6 +483,7 @@ class RunConfig:
     compression: CompressionSection = field(default_factory=CompressionSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
 
     @property
     def tokens_per_step(self) -> int:
@@ -512,7 +579,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile")
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:

@@ -142,6 +142,19 @@ def test_two_by_two_run_with_powersgd_replica_averaging(tmp_path):
     assert diff > 1e-4  # the low-rank averages changed the training: it is not the exact run
 
 
+@pytest.mark.cluster
+@pytest.mark.timeout(150)
+def test_two_by_two_run_with_centered_clip_and_a_wide_radius_trains_as_the_mean(tmp_path):
+    # Honest replicas' gradients lie well inside a radius of 10 per value: CenteredClip clips nothing and its
+    # estimate is the mean (to float64 rounding), so the run ends where training in one process ends.
+    plan, steps, diff, summary = _live_and_local(
+        tmp_path, ["run.steps=4", "scheduler.stages=2"],
+        ["compression.replica_robust=centered_clip", "compression.replica_clip_rms=10"], 120,
+    )
+    assert all(len(stage.node_ids) == 2 for stage in plan.stages)
+    assert summary.steps == 4 and diff <= 1e-4
+
+
 # -- region by region -------------------------------------------------------------------------------------------
 
 _PEERS = 6
@@ -359,3 +372,91 @@ def test_four_replicas_in_two_regions_average_region_by_region_and_equal_train_l
     assert sorted(stage.regions) == ["eu", "eu", "us", "us"]
     assert all("averaging region by region" in (tmp_path / f"{n}.log").read_text() for n in regions)
     assert diff <= 1e-4
+
+
+# -- robust averaging: CenteredClip, and outsiders ---------------------------------------------------------------
+
+
+def test_centered_clip_moves_at_most_the_outliers_share_of_the_radius():
+    from geotrain.node.averaging import centered_clip
+
+    g = torch.Generator().manual_seed(5)
+    honest = torch.randn(1000, generator=g, dtype=torch.float64)
+    values = [honest + 1e-3 * torch.randn(1000, generator=g, dtype=torch.float64) for _ in range(3)]
+    values.append(100 * honest)
+    radius = 0.1 * 1000**0.5
+    estimate, clipped = centered_clip(values, [1.0] * 4, radius)
+    assert clipped == [3]
+    honest_mean = sum(values[:3]) / 3
+    # At its fixed point the honest pull, 3 |v - m|, balances the outlier's, at most the radius.
+    assert (estimate - honest_mean).norm() <= radius / 3 + 1e-6
+    assert (sum(values) / 4 - honest_mean).norm() > 100 * radius  # the mean would follow the outlier
+    same, none_clipped = centered_clip(values[:3], [1.0] * 3, radius)
+    assert none_clipped == [] and torch.allclose(same, honest_mean, atol=1e-9)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_replica_sending_a_100x_gradient_is_clipped_and_flagged(averagers, request):
+    from geotrain.node.averaging import group_id, replica_all_reduce
+
+    clip_rms = 1e-3  # a tenth of the gradients' own scale; the honest replicas differ by far less
+    g = torch.Generator().manual_seed(13)
+    # 1.6 MB of float64: hivemind cuts parts of 512 KiB, so each replica reduces some of them.
+    n = 200_000
+    true_grads = [torch.randn(n, generator=g, dtype=torch.float64) * 0.01]
+    honest = [[true_grads[0] + 1e-4 * torch.randn(n, generator=g, dtype=torch.float64)] for _ in range(2)]
+    attacker = [100 * true_grads[0].clone()]  # a valid member of the group, weight 1 like the others
+    honest_mean = (honest[0][0] + honest[1][0]) / 2
+    plain_mean = (honest[0][0] + honest[1][0] + attacker[0]) / 3
+    tensors = [*honest, attacker]  # all-reduced in place
+    peers = [a.peer_id for a in averagers[:3]]
+    reduces = [
+        replica_all_reduce(a, peers, ["eu"] * 3, 1.0, lambda r, part: group_id(request.node.name, 0, 0, 1, r, part),
+                           hierarchical=True, presummed=True, clip_rms=clip_rms)
+        for a in averagers[:3]
+    ]
+    for a in averagers[:3]:
+        a.take_clipped()  # whatever earlier tests left
+    _together([lambda r=r, t=t: r(0, t) for r, t in zip(reduces, tensors)])
+    result = tensors[0][0]
+    assert all(torch.equal(t[0], result) for t in tensors)  # every replica, the attacker's too, ends alike
+    rms = lambda x: float(x.pow(2).mean().sqrt())  # noqa: E731
+    # The option's bound: the clipped attacker's pull (weight 1 of 3) against the two honest replicas' at most
+    # clip_rms / 2 (tight: its difference is clipped to exactly the radius), and float32 rounding.
+    assert rms(result - honest_mean) <= clip_rms / 2 + 1e-8
+    assert rms(plain_mean - honest_mean) > 100 * clip_rms * rms(true_grads[0])
+    # Each replica reduces parts of the vector; every one of them clipped the attacker there, and no one else.
+    assert [a.take_clipped() for a in averagers[:3]] == [[peers[2]]] * 3
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(90)
+def test_an_outsider_cannot_join_a_stages_averaging(averagers, request):
+    from geotrain.node.averaging import Job, group_id
+
+    g = torch.Generator().manual_seed(17)
+    members = [[torch.randn(2000, generator=g, dtype=torch.float64)] for _ in range(2)]
+    expected = ((members[0][0] + members[1][0]) / 2).float().double()
+    peers = [a.peer_id for a in averagers[:2]]
+    gid = group_id(request.node.name, 0, 0, 1)
+    outsider = averagers[3]
+    # It knows the group id (a member's run id leaked) and names itself a member: the members' reducers refuse its
+    # parts, since the coordinator's list of peers does not name it.
+    poison = [torch.full((2000,), 1e6, dtype=torch.float64)]
+    outcome: dict[str, BaseException] = {}
+
+    def intrude() -> None:
+        try:
+            outsider.average(gid, [*peers, outsider.peer_id], poison, 1.0)
+        except BaseException as e:  # noqa: BLE001 - what it failed with is checked below
+            outcome["error"] = e
+
+    _together([
+        *[lambda a=a, t=t: a.average_all([Job(gid, peers, t, 1.0, presummed="mean")])
+          for a, t in zip(averagers[:2], members)],
+        intrude,
+    ])
+    for t in members:
+        assert torch.equal(t[0].float().double(), expected)
+    assert "error" in outcome, "the outsider's all-reduce completed"

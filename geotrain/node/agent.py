@@ -31,6 +31,7 @@ from geotrain.node.stepflow import StepFlow
 from geotrain.node.worker import CONTROL, Worker
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.limits import PeerLimits
 from geotrain.protocol.transport import TlsFiles, make_channel, make_server
 
 __all__ = ["Agent", "NodeError", "NodeOptions", "RateMeter"]
@@ -142,8 +143,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.profiler = NodeProfiler(
             self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown, self.device
         )
-        self._server, self.port = make_server(options.token, options.listen, tls=options.tls)
-        servicer = StageServicer(self, options.max_tensor_bytes, options.check_finite)
+        self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
+        self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)
+        servicer = StageServicer(self, options.max_tensor_bytes, options.check_finite, self.limits.refusals)
         rpc.add_StageServicer_to_server(servicer, self._server)
         self.address = ""
         self.heartbeat_interval_s = 1.0

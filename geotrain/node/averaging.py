@@ -8,6 +8,11 @@ incoming parts to the runner of their group, waiting briefly for a peer that sta
 With compression.replica_grads = "powersgd[:rank=R]", node.lowrank.LowRankAveraging runs on top of it and
 all-reduces PowerSGD's two thin factors per matrix instead of the gradients.
 
+With compression.replica_robust = "centered_clip", each part's reducer keeps every replica's part and aggregates them
+with CenteredClip (Gorbunov et al. 2021, "Secure Distributed Training at Scale", as BTARD does per part) instead of
+the mean: a replica that sends an outlying gradient moves the result by at most its weight's share of the clip
+radius per iteration, and is flagged.
+
 A stage whose plan says hierarchical_allreduce averages region by region instead (HierarchicalAllReduce): fast
 links inside a region carry most of the traffic, and each replica sends only its shard across the slow ones.
 """
@@ -32,6 +37,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter
 
 from geotrain.node.lowrank import AllReduce
+from geotrain.protocol.auth import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,8 @@ class Job(NamedTuple):
     # "": hivemind's weighted mean. "mean" / "sum": float64 tensors holding weight x mean, added exactly
     # (_PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum").
     presummed: str = ""
+    # > 0: CenteredClip with this clip radius, as a root mean square per value, instead of the mean (presummed "mean").
+    clip_rms: float = 0.0
 
 
 class _SumAccumulator:
@@ -102,6 +110,88 @@ class _PresummedRunner(AllReduceRunner):
         unused.finished.set()  # it never takes a part: finalising it would warn that parts were missing
 
 
+# Iterations of CenteredClip: each moves the estimate by at most the clip radius; from the median these are plenty.
+CLIP_ITERATIONS = 20
+
+
+def centered_clip(values: Sequence[torch.Tensor], weights: Sequence[float], radius: float) -> tuple[torch.Tensor, list[int]]:
+    """CenteredClip of `values` (one tensor per replica, weighted): from their coordinate-wise median, repeat
+    v <- v + sum_i w_i clip(x_i - v, radius) / sum_i w_i, where clip scales a difference longer than `radius` (an L2
+    norm) down to it. Returns v and the indices of the values still farther than `radius` from it (the clipped)."""
+    stacked = torch.stack(list(values))
+    w = torch.tensor(weights, dtype=stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
+    total = float(sum(weights))
+    v = stacked.median(dim=0).values
+    for _ in range(CLIP_ITERATIONS):
+        diff = stacked - v
+        norms = diff.flatten(1).norm(dim=1)
+        scale = torch.clamp(radius / torch.clamp(norms, min=1e-300), max=1.0).view_as(w)
+        v = v + (w * scale * diff).sum(dim=0) / total
+    norms = (stacked - v).flatten(1).norm(dim=1)
+    return v, [i for i, n in enumerate(norms.tolist()) if n > radius and weights[i] > 0]
+
+
+class _ClipAccumulator:
+    """Takes the place of the reducer's accumulator under CenteredClip: keeps each sender's part (replicas' float64
+    sums, weight x mean) and, once all are in, returns their CenteredClip estimate of the mean on the float32 grid
+    (as _SumAccumulator's mean), noting which senders it clipped."""
+
+    def __init__(self, shape: torch.Size, clip_rms: float, clipped: set[int]) -> None:
+        self.shape = shape
+        self.radius = clip_rms * max(1, shape.numel()) ** 0.5
+        self.parts: list[tuple[int, torch.Tensor, float]] = []
+        self.clipped = clipped
+
+    def add_(self, sender_part: tuple[int, torch.Tensor], alpha: float) -> None:
+        sender, part = sender_part
+        self.parts.append((sender, part, alpha))
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        counted = [(sender, part / weight, weight) for sender, part, weight in self.parts if weight > 0]
+        # A NaN or an infinity would make the median and every distance NaN: such a part is left out, and flagged.
+        self.clipped.update(sender for sender, mean, _ in counted if not bool(torch.isfinite(mean).all()))
+        counted = [c for c in counted if c[0] not in self.clipped]
+        if not counted:  # no replica computed a microbatch: the mean of nothing, as the summing reducer gives
+            return torch.zeros(self.shape, dtype=torch.float64)
+        estimate, clipped = centered_clip([m for _, m, _ in counted], [w for _, _, w in counted], self.radius)
+        self.clipped.update(counted[i][0] for i in clipped)
+        return estimate.float().double()
+
+
+class _ClipReducer(TensorPartReducer):
+    """hivemind's reducer with _ClipAccumulator: each part travels to the accumulator with its sender's index."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, clip_rms: float) -> None:
+        self.clip_rms = clip_rms
+        self.clipped: set[int] = set()  # sender indices clipped in any part
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:  # noqa: D102
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _ClipAccumulator(self.part_shapes[self.current_part_index], self.clip_rms, self.clipped)
+
+    async def accumulate_part(  # noqa: D102
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        return await super().accumulate_part(sender_index, part_index, (sender_index, tensor_part), weight)
+
+
+class _ClipRunner(AllReduceRunner):
+    """AllReduceRunner whose reducer aggregates presummed parts by CenteredClip (_ClipReducer)."""
+
+    def __init__(self, clip_rms: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        unused, self.tensor_part_reducer = self.tensor_part_reducer, _ClipReducer(
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, clip_rms
+        )
+        unused.finished.set()
+
+    def clipped_peers(self) -> list[str]:
+        """The groupmates (base58) whose parts this peer's reducer clipped."""
+        return [self.ordered_peer_ids[i].to_base58() for i in sorted(self.tensor_part_reducer.clipped)]
+
+
 class ReplicaAverager(ServicerBase):
     """Weighted all-reduce of tensors with a group of peers the caller names."""
 
@@ -113,6 +203,9 @@ class ReplicaAverager(ServicerBase):
         self._thread.start()
         self._runners: dict[bytes, asyncio.Future[AllReduceRunner]] = {}
         self._running: set[concurrent.futures.Future] = set()
+        self._clipped: set[str] = set()  # peers whose parts CenteredClip clipped here since take_clipped()
+        self._clipped_lock = threading.Lock()
+        self._refusals = RefusalLog()  # parts from peers outside their group: one line per peer and interval
         self._p2p = self._call(self.dht.replicate_p2p())
         self._call(self.add_p2p_handlers(self._p2p, namespace=_NAMESPACE))
         self.peer_id = self._p2p.peer_id.to_base58()
@@ -141,7 +234,8 @@ class ReplicaAverager(ServicerBase):
     async def _average_all(self, jobs: Sequence[Job]) -> None:
         tasks = [
             asyncio.ensure_future(
-                self._average(j.gid, [PeerID.from_base58(p) for p in j.peers], j.tensors, j.weight, j.presummed)
+                self._average(j.gid, [PeerID.from_base58(p) for p in j.peers], j.tensors, j.weight, j.presummed,
+                              j.clip_rms)
             )
             for j in jobs
         ]
@@ -151,17 +245,29 @@ class ReplicaAverager(ServicerBase):
             for task in tasks:  # one failed or the caller gave up: the round fails as a whole
                 task.cancel()
 
+    def take_clipped(self) -> list[str]:
+        """The peers (base58) whose parts CenteredClip clipped here since the last call, sorted."""
+        with self._clipped_lock:
+            clipped, self._clipped = self._clipped, set()
+        return sorted(clipped)
+
     def cancel_all(self) -> None:
         """Abandon every all-reduce in progress (its group changed); their average() calls raise CancelledError."""
         for future in list(self._running):
             future.cancel()
 
     async def _average(
-        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float, presummed: str
+        self, gid: bytes, peers: list[PeerID], tensors: Sequence[torch.Tensor], weight: float, presummed: str,
+        clip_rms: float = 0.0,
     ) -> None:
         future = self._runner_future(gid)
         try:
-            kind = functools.partial(_PresummedRunner, presummed == "mean") if presummed else AllReduceRunner
+            if clip_rms > 0:
+                kind = functools.partial(_ClipRunner, clip_rms)
+            elif presummed:
+                kind = functools.partial(_PresummedRunner, presummed == "mean")
+            else:
+                kind = AllReduceRunner
             runner = kind(
                 p2p=self._p2p,
                 servicer_type=type(self),
@@ -178,6 +284,11 @@ class ReplicaAverager(ServicerBase):
             future.set_result(runner)
             async for index, delta in aenumerate(runner):
                 tensors[index].add_(delta)
+            if isinstance(runner, _ClipRunner):
+                for peer in runner.clipped_peers():
+                    log.warning("replica %s sent an outlying gradient: CenteredClip clipped it", peer)
+                    with self._clipped_lock:
+                        self._clipped.add(peer)
             container = runner.tensor_part_container
             if container.failed_size:  # hivemind keeps this replica's own values for those: replicas would differ
                 received = 1 - container.failed_size / container.total_size
@@ -198,6 +309,11 @@ class ReplicaAverager(ServicerBase):
             self._runners.pop(request.group_id, None)
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         else:
+            if context.remote_id not in runner.sender_peer_ids:
+                # Only the peers the coordinator named for this group may send parts (hivemind would raise on it).
+                self._refusals.refused(str(context.remote_id), "averaging part", "", "not a member of its group")
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
             async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
                 yield message
         await asyncio.sleep(self.timeout_s)  # hivemind's p2p layer cancels this wait when the groupmate closes
@@ -280,18 +396,24 @@ def replica_all_reduce(
     gid: Callable[[int, str], bytes],
     hierarchical: bool,
     presummed: bool = False,
+    clip_rms: float = 0.0,
 ) -> AllReduce:
     """The stage's all_reduce(round, tensors) for this replica: region by region when asked and the sites make it
     differ from one flat group (several sites, one of them with several replicas), else one flat group.
     gid(round, part) names each all-reduce's group. With `presummed` the tensors hold weight x mean (this replica's
-    float64 sums), which either way are added exactly, in any order, and divided by the total weight once."""
+    float64 sums), which either way are added exactly, in any order, and divided by the total weight once. With
+    `clip_rms` (presummed only) one flat group aggregates them by CenteredClip: a robust aggregate needs every
+    replica's values in one place, which the region-by-region phases never have."""
     sites = sites_of(peers, regions)
+    if clip_rms > 0:
+        assert presummed, "CenteredClip aggregates gradients, not PowerSGD's factors"
+        hierarchical = False
     if hierarchical and len(sites) > 1 and max(map(len, sites)) > 1:
         return HierarchicalAllReduce(averager, sites, weight, gid, presummed)
 
     def flat(round_: int, tensors: list[torch.Tensor]) -> None:
         if presummed:
-            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed="mean")])
+            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed="mean", clip_rms=clip_rms)])
         else:
             averager.average(gid(round_, ""), peers, tensors, weight)
         for t in tensors:

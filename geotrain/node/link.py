@@ -20,6 +20,7 @@ from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.worker import CONTROL
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.limits import PeerLimits
 from geotrain.protocol.tls import tls_mismatch
 from geotrain.protocol.transport import call_with_retry
 from geotrain.protocol.version import PROTOCOL_VERSION
@@ -46,6 +47,7 @@ class CoordinatorLink:
     run_id: str
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
     _must_register: threading.Event
+    limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
 
     def _register(self) -> None:
         """Register (again, after a coordinator restart, with the stage this node holds)."""
@@ -66,6 +68,7 @@ class CoordinatorLink:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
+        self.limits.configure(self.cfg.limits.values())
         try:
             self.precision = node_precision(self.device, self.cfg.train)
         except DeviceError as e:

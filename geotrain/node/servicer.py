@@ -7,7 +7,6 @@ this module imports nothing of the agent's.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Collection, Iterator
 from typing import Protocol
@@ -19,10 +18,9 @@ from geotrain.compression import CodecError, codec_from_payload
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.probe import serve_probe
-
-log = logging.getLogger(__name__)
 
 
 def decode_tensor(received: framing.ReceivedTensor, check_finite: bool) -> torch.Tensor:
@@ -60,10 +58,11 @@ class StageHandler(Protocol):
 class StageServicer(rpc.StageServicer):
     """Receives activations and gradients for a node's stage, and serves its state."""
 
-    def __init__(self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool) -> None:
+    def __init__(self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool, refusals: RefusalLog) -> None:
         self.handler = handler
         self.max_tensor_bytes = max_tensor_bytes
         self.check_finite = check_finite
+        self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
 
     def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
         handler = self.handler
@@ -73,7 +72,7 @@ class StageServicer(rpc.StageServicer):
             )
             tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:
-            log.warning("rejected %s from %s: %s", direction, context.peer(), e)
+            self.refusals.refused(context.peer(), direction, "", str(e))
             context.abort(e.code, str(e))
         handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
         return pb.Ack()
@@ -98,7 +97,7 @@ class StageServicer(rpc.StageServicer):
         yield from framing.state_chunks(snapshot)
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802
-        return serve_probe(request_iterator, context)
+        return serve_probe(request_iterator, context, self.refusals)
 
 
 # The dtype activations and their gradients travel in, by train.precision: the compute dtype.

@@ -252,7 +252,8 @@ class StepFlow:
                 raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
         parts = runtime.grad_sq_norm_parts()
         request = pb.GradNormRequest(
-            node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch
+            node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
+            clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
         )
         self._report(self.coordinator.GradNorm, request)
 
@@ -271,6 +272,7 @@ class StepFlow:
             lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
             hierarchical=stage.hierarchical_allreduce,
             presummed=self._low_rank is None,
+            clip_rms=self.cfg.compression.replica_clip,
         )
         if self._low_rank is not None:
             runtime.mean_gradients(step)

@@ -178,14 +178,18 @@ class TrainSettings(_message.Message):
     def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ..., precision: _Optional[str] = ..., precision_fallback: _Optional[str] = ..., recompute: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ...) -> None: ...
 
 class CompressionSettings(_message.Message):
-    __slots__ = ("activations", "activation_grads", "replica_grads")
+    __slots__ = ("activations", "activation_grads", "replica_grads", "replica_robust", "replica_clip_rms")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_GRADS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GRADS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ROBUST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_CLIP_RMS_FIELD_NUMBER: _ClassVar[int]
     activations: str
     activation_grads: str
     replica_grads: str
-    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ...) -> None: ...
+    replica_robust: str
+    replica_clip_rms: float
+    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ..., replica_robust: _Optional[str] = ..., replica_clip_rms: _Optional[float] = ...) -> None: ...
 
 class EmulationSettings(_message.Message):
     __slots__ = ("links",)
@@ -206,7 +210,7 @@ class ProfileSettings(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ..., memory_headroom_mib: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +218,7 @@ class RunConfig(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     EMULATION_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
@@ -221,7 +226,26 @@ class RunConfig(_message.Message):
     compression: CompressionSettings
     emulation: EmulationSettings
     profile: ProfileSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ...) -> None: ...
+    limits: LimitsSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ...) -> None: ...
+
+class LimitsSettings(_message.Message):
+    __slots__ = ("streams_per_peer", "streams_per_host", "idle_stream_s", "calls_per_s", "call_burst", "registrations_per_s", "registration_burst")
+    STREAMS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_PER_HOST_FIELD_NUMBER: _ClassVar[int]
+    IDLE_STREAM_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CALL_BURST_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_BURST_FIELD_NUMBER: _ClassVar[int]
+    streams_per_peer: int
+    streams_per_host: int
+    idle_stream_s: float
+    calls_per_s: float
+    call_burst: int
+    registrations_per_s: float
+    registration_burst: int
+    def __init__(self, streams_per_peer: _Optional[int] = ..., streams_per_host: _Optional[int] = ..., idle_stream_s: _Optional[float] = ..., calls_per_s: _Optional[float] = ..., call_burst: _Optional[int] = ..., registrations_per_s: _Optional[float] = ..., registration_burst: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps")
@@ -485,18 +509,20 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_PARTS_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_PEERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
     plan_epoch: int
     sq_norm_parts: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ...) -> None: ...
+    clipped_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepAppliedRequest(_message.Message):
     __slots__ = ("node_id", "step", "checksum")

@@ -6,15 +6,13 @@ Both the Stage and the Coordinator service answer Probe by counting it (`ProbeCo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 
 import grpc
 
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.framing import CHUNK_BYTES, FrameError
-
-log = logging.getLogger(__name__)
 
 COORDINATOR_PEER = "coordinator"
 """LinkProbe.peer of a node's link to the coordinator."""
@@ -75,10 +73,11 @@ def count_probe(chunks: Iterable[pb.ProbeChunk], max_bytes: int = MAX_PROBE_BYTE
     return count.reply()
 
 
-def serve_probe(chunks: Iterable[pb.ProbeChunk], context: grpc.ServicerContext) -> pb.ProbeReply:
-    """The Probe handler both services share: count the stream, or abort with the status count_probe names."""
+def serve_probe(chunks: Iterable[pb.ProbeChunk], context: grpc.ServicerContext, refusals: RefusalLog) -> pb.ProbeReply:
+    """The Probe handler of a sync server: count the stream, or abort with the status count_probe names (refusals
+    logs it, rate-limited)."""
     try:
         return count_probe(chunks)
     except FrameError as e:
-        log.warning("rejected probe from %s: %s", context.peer(), e)
+        refusals.refused(context.peer(), "Probe", "", str(e))
         context.abort(e.code, str(e))

@@ -14,6 +14,7 @@ from typing import TypeVar
 import grpc
 
 from geotrain.protocol.auth import AioServerAuth, ClientAuth, ServerAuth
+from geotrain.protocol.limits import AioLimitsInterceptor, LimitsInterceptor, PeerLimits
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -80,24 +81,30 @@ def check_listen(listen: str) -> str:
     return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
 
 
-def make_server(token: str, listen: str, max_workers: int = 32, tls: TlsFiles | None = None) -> tuple[grpc.Server, int]:
-    """A started-later server bound to `listen` (port 0 picks one); returns it and the bound port."""
+def make_server(
+    token: str, listen: str, limits: PeerLimits | None = None, max_workers: int = 64, tls: TlsFiles | None = None
+) -> tuple[grpc.Server, int]:
+    """A started-later server bound to `listen` (port 0 picks one) that enforces `limits` on authentic calls;
+    returns it and the bound port. One peer holds at most limits' streams_per_peer of its workers (default limits
+    when None)."""
     listen = check_listen(listen)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[ServerAuth(token)],
+        interceptors=[ServerAuth(token), LimitsInterceptor(limits or PeerLimits())],
         options=_SERVER_OPTIONS,
     )
     return server, _add_port(server, listen, tls)
 
 
 def make_aio_server(
-    token: str, listen: str, thread_pool: futures.Executor, tls: TlsFiles | None = None
+    token: str, listen: str, thread_pool: futures.Executor, tls: TlsFiles | None = None,
+    limits: PeerLimits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """make_server for grpc.aio, with the same auth, TLS and limits; call it on the event loop it will serve on.
     Its async handlers run on that loop, its plain (blocking) ones on thread_pool."""
     listen = check_listen(listen)
-    server = grpc.aio.server(thread_pool, interceptors=[AioServerAuth(token)], options=_SERVER_OPTIONS)
+    interceptors = [AioServerAuth(token), AioLimitsInterceptor(limits or PeerLimits())]
+    server = grpc.aio.server(thread_pool, interceptors=interceptors, options=_SERVER_OPTIONS)
     return server, _add_port(server, listen, tls)
 
 

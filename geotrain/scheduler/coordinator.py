@@ -103,6 +103,8 @@ class Coordinator:
         self.failures = 0
         self.recoveries: list[float] = []
         self._failed_at: float | None = None
+        self._clipped_step = -1  # the step _clipped holds the members flagged in (replica_robust)
+        self._clipped: set[str] = set()
 
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
         """Every part reports what happened here: the status is rendered anew, and the caller's sink hears it."""
@@ -189,8 +191,27 @@ class Coordinator:
         self.driver.eval_done(request)
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
-        """A stage replica's squared gradient norm for the step being committed."""
+        """A stage replica's squared gradient norm for the step being committed, and the replicas whose gradient
+        its CenteredClip clipped."""
         self.driver.grad_norm(request)
+        if request.clipped_peers:
+            self._note_clipped(request)
+
+    def _note_clipped(self, request: pb.GradNormRequest) -> None:
+        """An event (and a warning) for each member another replica says CenteredClip clipped, once per step: the
+        reports of a flood add nothing, and peer ids no member has are ignored."""
+        with self.membership.cond:
+            by_peer = {m.peer_id: m.node_id for m in self.members.values() if m.peer_id}
+            if request.step != self._clipped_step:
+                self._clipped_step, self._clipped = request.step, set()
+            fresh = {by_peer[p] for p in request.clipped_peers if p in by_peer} - self._clipped
+            self._clipped |= fresh
+        for node_id in sorted(fresh):
+            why = f"step {request.step}: CenteredClip clipped its gradient (seen by {request.node_id})"
+            log.warning("replica %s sent an outlying gradient: %s", node_id, why)
+            self.store.event("clipped", node_id, why)
+        if fresh:
+            self._status = None
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
         """A stage replica applied the step."""

@@ -1,13 +1,20 @@
 """The coordinator's status page over HTTP: the page itself, /api/status (JSON) and /metrics (Prometheus text).
 
-aiohttp runs on its own event loop in a daemon thread, so the coordinator's threads never wait on it; every
-request takes a fresh `status()` snapshot, so the server keeps no state of its own.
+aiohttp runs on its own event loop in a daemon thread, so the coordinator's threads never wait on it. The page is
+public by default, so nothing a request costs grows with the number of requests: `status()` is the coordinator's
+snapshot (rendered again after an event or when stale, never per request), its JSON and metrics bodies are encoded
+once per snapshot, each client gets a few requests a second (429 after that), an optional viewer token guards the
+data (the static files hold none), and event details lose filesystem paths.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import logging
+import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +31,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.auth import RefusalLog
+from geotrain.protocol.limits import TokenBuckets
 from geotrain.scheduler.status_cli import status_dict
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,14 @@ RECOVERY_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _START_TIMEOUT_S = 10.0
 # In-flight requests get this long to finish on stop; the page polls every second, so none should take longer.
 _SHUTDOWN_GRACE_S = 2.0
+# The page polls once a second and loads four files: a viewer stays far below this; a flood gets 429s.
+REQUESTS_PER_S = 10.0
+REQUEST_BURST = 30
+# No route is longer; a longer path is answered 404 before aiohttp's static handler (which fails on it) sees it.
+_MAX_PATH = 256
+# An absolute POSIX path in an event's detail (a checkpoint that failed to write, a data set that vanished): where the
+# coordinator keeps its files is nobody's business on a public page.
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.\-]+/)*[\w.\-]+")
 
 
 def metric_families(reply: pb.StatusReply) -> Iterator[Metric]:
@@ -113,40 +130,95 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class StatusHttpServer:
-    """Serves the status page, /api/status and /metrics from `status` on `listen` (HOST:PORT)."""
+class _RequestErrors(logging.LoggerAdapter):
+    """aiohttp's server logger: a request it cannot handle (a 100 kB URL, garbage bytes) is one line per client
+    and interval through RefusalLog, never a traceback per request, however many a client sends."""
 
-    def __init__(self, status: Callable[[], pb.StatusReply], listen: str) -> None:
+    def __init__(self) -> None:
+        super().__init__(log, {})
+        self.refusals = RefusalLog()
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **_kwargs: object) -> None:  # noqa: D102
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        client = str(args[0]) if args else "unknown client"
+        self.refusals.refused(client, "HTTP request", "", f"{msg % args if args else msg}: {error}")
+
+
+def without_paths(reply: pb.StatusReply) -> pb.StatusReply:
+    """A copy of reply whose event details name no filesystem path."""
+    public = pb.StatusReply()
+    public.CopyFrom(reply)
+    for event in public.events:
+        event.detail = _PATH.sub("<path>", event.detail)
+    return public
+
+
+class StatusHttpServer:
+    """Serves the status page, /api/status and /metrics from `status` on `listen` (HOST:PORT); with `viewer_token`,
+    the page and its data only to requests that carry it (?token=... or an `Authorization: Bearer` header)."""
+
+    def __init__(self, status: Callable[[], pb.StatusReply], listen: str, viewer_token: str | None = None) -> None:
         self._status = status
         self._host, self._port = _split_listen(listen)
-        self._registry = CollectorRegistry()
-        self._registry.register(StatusCollector(status))
+        self._viewer_token = viewer_token
+        self._clients = TokenBuckets(REQUESTS_PER_S, REQUEST_BURST)
+        self._encoded: tuple[pb.StatusReply, bytes, bytes] | None = None  # a snapshot, its JSON and its metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
 
     def _app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._guard])
         app.router.add_get("/", self._index)
         app.router.add_get("/api/status", self._api_status)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_static("/static/", STATIC_DIR)
         return app
 
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Over-long paths 404, a client past its rate 429, and the viewer token (not for the static files) 401."""
+        if len(request.rel_url.raw_path) > _MAX_PATH:
+            raise web.HTTPNotFound()
+        if not self._clients.take(request.remote):
+            raise web.HTTPTooManyRequests(headers={"Retry-After": "1"})
+        if self._viewer_token is not None and not request.path.startswith("/static/"):
+            offered = request.query.get("token", "")
+            bearer = request.headers.get("Authorization", "")
+            if bearer.startswith("Bearer "):
+                offered = bearer.removeprefix("Bearer ")
+            if not hmac.compare_digest(offered.encode(), self._viewer_token.encode()):
+                raise web.HTTPUnauthorized(text="this status page needs its viewer token: add ?token=...")
+        return await handler(request)
+
     async def _index(self, _request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    def _bodies(self) -> tuple[bytes, bytes]:
+        """The JSON and metrics bodies of the current snapshot, encoded once per snapshot."""
+        reply = self._status()
+        encoded = self._encoded
+        if encoded is None or encoded[0] is not reply:
+            public = without_paths(reply)
+            registry = CollectorRegistry()
+            registry.register(StatusCollector(lambda: public))
+            encoded = (reply, json.dumps(status_dict(public)).encode(), generate_latest(registry))
+            self._encoded = encoded
+        return encoded[1], encoded[2]
+
     async def _api_status(self, _request: web.Request) -> web.Response:
-        # status() takes the coordinator's lock and reads SQLite: keep it off the event loop.
-        reply = await asyncio.get_running_loop().run_in_executor(None, self._status)
-        return web.json_response(status_dict(reply), headers={"Cache-Control": "no-store"})
+        # status() may take the coordinator's lock and read SQLite: keep it off the event loop.
+        body, _ = await asyncio.get_running_loop().run_in_executor(None, self._bodies)
+        return web.Response(body=body, content_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self._registry)
+        _, body = await asyncio.get_running_loop().run_in_executor(None, self._bodies)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _serve(self) -> int:
-        self._runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+        self._runner = web.AppRunner(
+            self._app(), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S, logger=_RequestErrors()
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, self._host, self._port).start()
         return self._runner.addresses[0][1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import re
 import threading
 import time
@@ -53,6 +52,11 @@ _LINKS = 1024
 # Ids, regions and addresses end up in plans, logs and the status page: short, printable, no spaces.
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+# Data heads get microbatch ids in proportion to their speeds; past this no node computes, and a sum of such speeds
+# stays finite.
+_MAX_MICROBATCHES_PER_S = 1e6
 
 
 def _check_registration(request: pb.RegisterRequest) -> None:
@@ -177,8 +181,10 @@ class Membership:
     def heartbeat(self, request: pb.HeartbeatRequest) -> float | None:
         """Note that a node is alive, which plan and state it runs, and what it measured; returns the seconds until
         its next heartbeat, None if it is unknown or dead."""
-        if not (math.isfinite(request.microbatches_per_s) and request.microbatches_per_s >= 0):
-            raise ReportRefused(f"heartbeat from {request.node_id} refused: its speed is not a finite number >= 0")
+        if not 0 <= request.microbatches_per_s <= _MAX_MICROBATCHES_PER_S:
+            raise ReportRefused(
+                f"heartbeat from {request.node_id} refused: its speed must be in [0, {_MAX_MICROBATCHES_PER_S:g}]"
+            )
         if len(request.dht_peer_id) > _PEER_ID_CHARS or len(request.links) > _LINKS:
             raise ReportRefused(f"heartbeat from {request.node_id} refused: oversized peer id or link list")
         with self.cond:

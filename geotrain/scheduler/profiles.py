@@ -38,39 +38,66 @@ class Profiled(Protocol):
 
 _DEVICE = re.compile(r"cpu|mps|cuda:\d{1,4}")
 _MAX_NAME = 200
+# What a profile may claim. Numbers outside these are no hardware's; inside them the planner's arithmetic stays finite
+# (a 5e-324 bit/s link once made a step last longer than any float, and the coordinator failed at its next commit).
+LAYER_SECONDS = (1e-7, 1e5)
+"""A layer's forward and backward of one microbatch, in seconds."""
+BANDWIDTH_BPS = (1e3, 1e13)
+"""A link's bandwidth, in bits per second: a kilobit to ten terabits."""
+RTT_S = (0.0, 600.0)
+"""A link's round trip, in seconds."""
+COPY_BYTES_PER_S = (0.0, 1e13)
+"""Host-device copy speed, in bytes per second (0: nothing is copied)."""
+MAX_BYTES = 1 << 50
+"""Memory, and any one layer's parameter, boundary or activation bytes: a pebibyte."""
+_MAX_LINKS = 10_000
+_MAX_PEER = 64
+_MAX_DIM = 1 << 31
+_MAX_TENSORS_PER_LAYER = 1000
+
+
+def _in_range(what: str, value: float, bounds: tuple[float, float], unit: str) -> None:
+    """ValueError naming `what` unless lo <= value <= hi (NaN is never in range)."""
+    lo, hi = bounds
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be in [{lo:g}, {hi:g}] {unit}, got {value!r}")
 
 
 def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
-    """Raise ValueError unless a report describes every layer of the model with finite, sensible numbers."""
+    """Raise ValueError, with one reason, unless a report describes every layer of the model with finite numbers
+    that some hardware could measure."""
     if not report.node_id:
         raise ValueError("node_id is empty")
     for name in ("layer_seconds", "boundary_bytes", "param_bytes", "activation_bytes"):
         if len(getattr(report, name)) != total_layers:
             raise ValueError(f"{name} has {len(getattr(report, name))} entries, the model has {total_layers} layers")
-    if not all(math.isfinite(t) and t > 0 for t in report.layer_seconds):
-        raise ValueError("layer_seconds must be finite and > 0")
+    for layer, seconds in enumerate(report.layer_seconds):
+        _in_range(f"layer_seconds[{layer}]", seconds, LAYER_SECONDS, "s")
+    for name in ("boundary_bytes", "param_bytes", "activation_bytes"):
+        for layer, nbytes in enumerate(getattr(report, name)):
+            _in_range(f"{name}[{layer}]", nbytes, (0, MAX_BYTES), "bytes")
     if report.param_shapes and len(report.param_shapes) != total_layers:
         raise ValueError(f"param_shapes has {len(report.param_shapes)} entries, the model has {total_layers} layers")
     for layer, shapes in enumerate(report.param_shapes):
-        if any(not shape.dims or 0 in shape.dims for shape in shapes.tensors):
-            raise ValueError(f"layer {layer} has a parameter shape without dimensions or with a zero one")
-    if report.memory_bytes <= 0:
-        raise ValueError("memory_bytes must be > 0")
+        if len(shapes.tensors) > _MAX_TENSORS_PER_LAYER:
+            raise ValueError(f"layer {layer} lists more than {_MAX_TENSORS_PER_LAYER} parameter tensors")
+        if any(not shape.dims or 0 in shape.dims or max(shape.dims) > _MAX_DIM for shape in shapes.tensors):
+            raise ValueError(f"layer {layer} has a parameter shape without dimensions, or with a zero or huge one")
+    _in_range("memory_bytes", report.memory_bytes, (1, MAX_BYTES), "bytes")
     if not _DEVICE.fullmatch(report.device):
         raise ValueError(f"device must be cpu, mps or cuda:N, got {report.device[:40]!r}")
     if len(report.device_name) > _MAX_NAME or not report.device_name.isprintable():
         raise ValueError(f"device_name must be printable and at most {_MAX_NAME} characters")
     if report.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {report.precision[:40]!r}")
-    if not (math.isfinite(report.copy_bytes_per_s) and report.copy_bytes_per_s >= 0):
-        raise ValueError(f"copy_bytes_per_s must be finite and >= 0, got {report.copy_bytes_per_s}")
+    _in_range("copy_bytes_per_s", report.copy_bytes_per_s, COPY_BYTES_PER_S, "bytes/s")
+    if len(report.links) > _MAX_LINKS:
+        raise ValueError(f"more than {_MAX_LINKS} link probes")
     for link in report.links:
-        if not link.peer:
-            raise ValueError("a link probe names no peer")
-        if not (math.isfinite(link.bandwidth_bps) and link.bandwidth_bps > 0):
-            raise ValueError(f"bandwidth to {link.peer} must be finite and > 0, got {link.bandwidth_bps}")
-        if not (math.isfinite(link.rtt_s) and link.rtt_s >= 0):
-            raise ValueError(f"round trip to {link.peer} must be finite and >= 0, got {link.rtt_s}")
+        if not link.peer or len(link.peer) > _MAX_PEER:
+            raise ValueError(f"a link probe's peer must be 1-{_MAX_PEER} characters")
+        _in_range(f"bandwidth to {link.peer}", link.bandwidth_bps, BANDWIDTH_BPS, "bit/s")
+        _in_range(f"round trip to {link.peer}", link.rtt_s, RTT_S, "s")
 
 
 def measured_link(probe: pb.LinkProbe | None) -> dict[str, float]:

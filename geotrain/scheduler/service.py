@@ -21,7 +21,9 @@ from geotrain.lifetime import tie_children_to_this_process
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import RefusalLog, peer_host
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
@@ -51,9 +53,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(self, coordinator: Coordinator, blocking: Executor) -> None:
+    def __init__(self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog) -> None:
         self.c = coordinator
         self._blocking = blocking
+        self._refusals = refusals
+        limits = coordinator.cfg.limits
+        self._registrations = TokenBuckets(limits.registrations_per_s, limits.registration_burst)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
@@ -67,6 +72,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Register(self, request, context):  # noqa: D102, N802
+        if not self._registrations.take(peer_host(context.peer())):
+            limits = self.c.cfg.limits
+            why = (f"more than {limits.registrations_per_s:g} registrations a second (burst "
+                   f"{limits.registration_burst}) from this host")
+            self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         return await self._off_loop(self.c.register, request)
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
@@ -135,7 +146,7 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
                 count.add(chunk)
             return count.reply()
         except FrameError as e:
-            log.warning("rejected probe from %s: %s", context.peer(), e)
+            self._refusals.refused(context.peer(), "Probe", "", str(e))
             await context.abort(e.code, str(e))
 
 
@@ -195,8 +206,9 @@ def make_coordinator_server(
     """A server for `coordinator` bound to `listen` (not yet started); returns it and its port."""
 
     async def make(blocking: Executor) -> tuple[grpc.aio.Server, int]:
-        server, port = make_aio_server(token, listen, blocking, tls)
-        rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, blocking), server)
+        limits = PeerLimits(coordinator.cfg.limits.values())
+        server, port = make_aio_server(token, listen, blocking, tls, limits)
+        rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, blocking, limits.refusals), server)
         return server, port
 
     server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)

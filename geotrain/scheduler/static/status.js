@@ -168,7 +168,8 @@ function renderCharts(s) {
 
 async function poll() {
   try {
-    const reply = await fetch("/api/status", { cache: "no-store" });
+    // A page behind a viewer token was opened as /?token=...: its data needs the same token.
+    const reply = await fetch("/api/status" + location.search, { cache: "no-store" });
     if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
     const s = await reply.json();
     renderFigures(s);
