@@ -62,10 +62,11 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import numpy as np
+from dtfm import dtfm_plan, uniform_cuts
 
 from geotrain.scheduler.cluster import DEVICES, layer_seconds_from_tflops
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
@@ -84,6 +85,7 @@ VOLUNTEER_DEVICES = ["RTX-4090", "RTX-3090", "RTX-3090", "RTX-3060", "RTX-3060",
 VOLUNTEER_UPLINK_MBPS = [20, 50, 100, 200, 500]
 WAN_REGIONS = ["Virginia", "Oregon", "Ireland", "Tokyo"]
 
+STRATEGIES = ("uniform", "proportional", "uniform_fixed_stages", "proportional_fixed_stages", "dtfm")
 Scenario = Callable[[int, ModelProfile], tuple[list[NodeProfile], Network]]
 
 
@@ -193,7 +195,7 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
 
 
 def _uniform_cuts(cm: CostModel, n_stages: int, _groups: list[list[int]]) -> list[int]:
-    return [round(k * cm.model.n_layers / n_stages) for k in range(n_stages + 1)]
+    return uniform_cuts(cm.model.n_layers, n_stages)
 
 
 def _proportional_cuts(cm: CostModel, n_stages: int, groups: list[list[int]]) -> list[int]:
@@ -208,12 +210,12 @@ def _proportional_cuts(cm: CostModel, n_stages: int, groups: list[list[int]]) ->
     return cuts + [cm.model.n_layers]
 
 
-def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
-    """Best step time over stage counts of a round-robin deal of shuffled nodes with the given layer cuts."""
+def simple_strategy(cm: CostModel, cuts_for: Callable, stage_counts: Iterable[int]) -> float:
+    """Best step time over the given stage counts of a round-robin deal of shuffled nodes with the given layer cuts."""
     order = list(range(len(cm.nodes)))
     random.Random(SEED).shuffle(order)
     best = float("inf")
-    for n_stages in range(1, min(cm.model.n_layers, len(order)) + 1):
+    for n_stages in stage_counts:
         groups = [order[s::n_stages] for s in range(n_stages)]
         cuts = cuts_for(cm, n_stages, groups)
         stages = []
@@ -224,9 +226,17 @@ def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
     return best
 
 
-def run(replica_rank: int | None) -> None:
+def _timed(f: Callable, *args, **kwargs) -> tuple:
+    """f's result and the seconds it took."""
+    t0 = time.perf_counter()
+    result = f(*args, **kwargs)
+    return result, time.perf_counter() - t0
+
+
+def run(replica_rank: int | None, strategies: Collection[str]) -> None:
     """Run every scenario, size and strategy; one JSON line each. replica_rank: replicas average PowerSGD factors of
-    that rank (compression.replica_grads = "powersgd:rank=R"), None: raw gradients."""
+    that rank (compression.replica_grads = "powersgd:rank=R"), None: raw gradients. geotrain plans always (the
+    fixed-stage strategies take its stage count); the others run where named in strategies."""
     replica_grads = "none" if replica_rank is None else f"powersgd:rank={replica_rank}"
     for name, (build, multi_region) in SCENARIOS.items():
         for n in SIZES:
@@ -238,13 +248,26 @@ def run(replica_rank: int | None) -> None:
             cm = CostModel(nodes=nodes, model=model, network=network, shape=shape)
             bound = cm.compute_bound(cm.usable)
             samples_per_step = shape.microbatches * shape.microbatch_size
-            results = {}
-            for strategy, cuts_for in (("uniform", _uniform_cuts), ("proportional", _proportional_cuts)):
-                t0 = time.perf_counter()
-                results[strategy] = (samples_per_step / simple_strategy(cm, cuts_for), time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ours = plan(nodes=nodes, model=model, network=network, shape=shape)
-            results["geotrain"] = (ours.samples_per_s, time.perf_counter() - t0)
+            every_count = range(1, min(cm.model.n_layers, len(cm.nodes)) + 1)
+            steps = {}
+            ours, seconds = _timed(plan, nodes=nodes, model=model, network=network, shape=shape)
+            own_count = [len(ours.stages)]
+            for strategy, cuts_for, counts in (
+                ("uniform", _uniform_cuts, every_count),
+                ("proportional", _proportional_cuts, every_count),
+                ("uniform_fixed_stages", _uniform_cuts, own_count),
+                ("proportional_fixed_stages", _proportional_cuts, own_count),
+            ):
+                if strategy in strategies:
+                    steps[strategy] = _timed(simple_strategy, cm, cuts_for, counts)
+            if "dtfm" in strategies:
+                # A cost model of its own, as the planner builds one: neither starts from the other's memos.
+                (step, _), dtfm_seconds = _timed(
+                    lambda: dtfm_plan(CostModel(nodes=nodes, model=model, network=network, shape=shape), SEED)
+                )
+                steps["dtfm"] = (step, dtfm_seconds)
+            steps["geotrain"] = (ours.step_seconds, seconds)
+            results = {k: (samples_per_step / step, seconds) for k, (step, seconds) in steps.items()}
             results["bound"] = (bound, 0.0)
             for strategy, (samples_per_s, seconds) in results.items():
                 line = dict(
@@ -276,11 +299,17 @@ if __name__ == "__main__":
         default=MICROBATCHES_PER_NODE,
         help=f"global batch in microbatches per node (default {MICROBATCHES_PER_NODE})",
     )
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated strategies besides geotrain and bound (empty: none)"
+    )
     args = parser.parse_args()
+    strategies = {s for s in args.strategies.split(",") if s}
+    if strategies - set(STRATEGIES):
+        parser.error(f"unknown strategies: {', '.join(sorted(strategies - set(STRATEGIES)))}")
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     SCENARIOS = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
     SIZES = tuple(int(x) for x in args.sizes.split(","))
     MICROBATCHES_PER_NODE = args.microbatches_per_node
-    run(args.replica_rank)
+    run(args.replica_rank, strategies)
