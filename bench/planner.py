@@ -1,8 +1,8 @@
-"""Planner benchmark: geotrain's planner against two simple strategies and the compute bound.
+"""Planner benchmark: geotrain's planner against DT-FM's scheduler, simple strategies and the compute bound.
 
 Prints one JSON line per (scenario, nodes, strategy): scenario, nodes, multi_region, strategy, samples_per_s,
 ratio_to_bound, plan_seconds, replica_grads, microbatches. Nothing else goes to stdout. Run: python bench/planner.py
-[--replica-rank R] [--scenarios a,b] [--sizes 16,64] [--microbatches-per-node K].
+[--replica-rank R] [--scenarios a,b] [--sizes 16,64] [--strategies dtfm,uniform] [--microbatches-per-node K].
 
 Model: GPT with 24 blocks, d_model 2048, 16 heads, seq 1024, vocab 50257 (1.42B parameters, head untied),
 microbatches of 1 sequence, 16 microbatches per node per step (the global batch grows with the cluster;
@@ -17,10 +17,24 @@ as the issue's goals are stated.
 Strategies, all scored by the same CostModel:
 - uniform: equal layer counts per stage, nodes in join order (a seeded shuffle) dealt round-robin to stages.
 - proportional: the same node deal, layer cuts proportional to each stage's total compute (links ignored).
+- uniform_fixed_stages, proportional_fixed_stages: the same, at the stage count geotrain's plan chose (DT-FM's
+  baselines keep the stage count fixed).
+- dtfm: DT-FM's scheduler (bench/dtfm.py, whose docstring names what it simplifies): balanced data-parallel groups
+  searched by its genetic algorithm, the pipeline order as the cheapest open path over the groups, equal layers.
 - geotrain: geotrain.scheduler.planner.
 - bound: the compute bound, every node's full-model speed summed, no communication.
-Both simple strategies get every stage count from 1 to the layer count and keep the one the cost model likes best,
-and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
+uniform and proportional get every stage count from 1 to the layer count and keep the one the cost model likes
+best, and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
+--strategies names which of them run (empty: geotrain and bound only, e.g. --sizes 4096 --strategies "").
+
+Measured (issue 19; all 36 scenario x size pairs, raw averaging, one run under the CPU lock): geotrain is at or above
+every other strategy everywhere; its samples/s over dtfm's is 1.04-1.16 in homogeneous_datacenter and
+mixed_one_region, 1.12-1.45 in dtfm_datacenter, dtfm_spot, dtfm_two_universities and dtfm_regional, 1.76-2.80 in
+dtfm_worldwide, 1.20-2.16 in four_regions_wan, 3.85-7.13 for volunteers; the median over the 20 multi-region pairs
+is 1.61.
+Its plan time is 0.13 to 3.0 times dtfm's at dtfm's budget here (population 16, 64 offspring per D_PP, a few seconds),
+not the tenth the issue asks. At 4,096 nodes geotrain plans dtfm_worldwide in 7.1 s, volunteers_worldwide in
+10.5-12.1 s and dtfm_spot (2,560 machines as regions) in 32.5 s.
 
 Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
 (hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the
@@ -62,10 +76,11 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import numpy as np
+from dtfm import dtfm_plan, uniform_cuts
 
 from geotrain.scheduler.cluster import DEVICES, layer_seconds_from_tflops
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
@@ -84,6 +99,7 @@ VOLUNTEER_DEVICES = ["RTX-4090", "RTX-3090", "RTX-3090", "RTX-3060", "RTX-3060",
 VOLUNTEER_UPLINK_MBPS = [20, 50, 100, 200, 500]
 WAN_REGIONS = ["Virginia", "Oregon", "Ireland", "Tokyo"]
 
+STRATEGIES = ("uniform", "proportional", "uniform_fixed_stages", "proportional_fixed_stages", "dtfm")
 Scenario = Callable[[int, ModelProfile], tuple[list[NodeProfile], Network]]
 
 
@@ -193,7 +209,7 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
 
 
 def _uniform_cuts(cm: CostModel, n_stages: int, _groups: list[list[int]]) -> list[int]:
-    return [round(k * cm.model.n_layers / n_stages) for k in range(n_stages + 1)]
+    return uniform_cuts(cm.model.n_layers, n_stages)
 
 
 def _proportional_cuts(cm: CostModel, n_stages: int, groups: list[list[int]]) -> list[int]:
@@ -208,12 +224,12 @@ def _proportional_cuts(cm: CostModel, n_stages: int, groups: list[list[int]]) ->
     return cuts + [cm.model.n_layers]
 
 
-def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
-    """Best step time over stage counts of a round-robin deal of shuffled nodes with the given layer cuts."""
+def simple_strategy(cm: CostModel, cuts_for: Callable, stage_counts: Iterable[int]) -> float:
+    """Best step time over the given stage counts of a round-robin deal of shuffled nodes with the given layer cuts."""
     order = list(range(len(cm.nodes)))
     random.Random(SEED).shuffle(order)
     best = float("inf")
-    for n_stages in range(1, min(cm.model.n_layers, len(order)) + 1):
+    for n_stages in stage_counts:
         groups = [order[s::n_stages] for s in range(n_stages)]
         cuts = cuts_for(cm, n_stages, groups)
         stages = []
@@ -224,9 +240,17 @@ def simple_strategy(cm: CostModel, cuts_for: Callable) -> float:
     return best
 
 
-def run(replica_rank: int | None) -> None:
+def _timed(f: Callable, *args, **kwargs) -> tuple:
+    """f's result and the seconds it took."""
+    t0 = time.perf_counter()
+    result = f(*args, **kwargs)
+    return result, time.perf_counter() - t0
+
+
+def run(replica_rank: int | None, strategies: Collection[str]) -> None:
     """Run every scenario, size and strategy; one JSON line each. replica_rank: replicas average PowerSGD factors of
-    that rank (compression.replica_grads = "powersgd:rank=R"), None: raw gradients."""
+    that rank (compression.replica_grads = "powersgd:rank=R"), None: raw gradients. geotrain plans always (the
+    fixed-stage strategies take its stage count); the others run where named in strategies."""
     replica_grads = "none" if replica_rank is None else f"powersgd:rank={replica_rank}"
     for name, (build, multi_region) in SCENARIOS.items():
         for n in SIZES:
@@ -238,13 +262,26 @@ def run(replica_rank: int | None) -> None:
             cm = CostModel(nodes=nodes, model=model, network=network, shape=shape)
             bound = cm.compute_bound(cm.usable)
             samples_per_step = shape.microbatches * shape.microbatch_size
-            results = {}
-            for strategy, cuts_for in (("uniform", _uniform_cuts), ("proportional", _proportional_cuts)):
-                t0 = time.perf_counter()
-                results[strategy] = (samples_per_step / simple_strategy(cm, cuts_for), time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ours = plan(nodes=nodes, model=model, network=network, shape=shape)
-            results["geotrain"] = (ours.samples_per_s, time.perf_counter() - t0)
+            every_count = range(1, min(cm.model.n_layers, len(cm.nodes)) + 1)
+            steps = {}
+            ours, seconds = _timed(plan, nodes=nodes, model=model, network=network, shape=shape)
+            own_count = [len(ours.stages)]
+            for strategy, cuts_for, counts in (
+                ("uniform", _uniform_cuts, every_count),
+                ("proportional", _proportional_cuts, every_count),
+                ("uniform_fixed_stages", _uniform_cuts, own_count),
+                ("proportional_fixed_stages", _proportional_cuts, own_count),
+            ):
+                if strategy in strategies:
+                    steps[strategy] = _timed(simple_strategy, cm, cuts_for, counts)
+            if "dtfm" in strategies:
+                # A cost model of its own, as the planner builds one: neither starts from the other's memos.
+                (step, _), dtfm_seconds = _timed(
+                    lambda: dtfm_plan(CostModel(nodes=nodes, model=model, network=network, shape=shape), SEED)
+                )
+                steps["dtfm"] = (step, dtfm_seconds)
+            steps["geotrain"] = (ours.step_seconds, seconds)
+            results = {k: (samples_per_step / step, seconds) for k, (step, seconds) in steps.items()}
             results["bound"] = (bound, 0.0)
             for strategy, (samples_per_s, seconds) in results.items():
                 line = dict(
@@ -276,11 +313,17 @@ if __name__ == "__main__":
         default=MICROBATCHES_PER_NODE,
         help=f"global batch in microbatches per node (default {MICROBATCHES_PER_NODE})",
     )
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated strategies besides geotrain and bound (empty: none)"
+    )
     args = parser.parse_args()
+    strategies = {s for s in args.strategies.split(",") if s}
+    if strategies - set(STRATEGIES):
+        parser.error(f"unknown strategies: {', '.join(sorted(strategies - set(STRATEGIES)))}")
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     SCENARIOS = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
     SIZES = tuple(int(x) for x in args.sizes.split(","))
     MICROBATCHES_PER_NODE = args.microbatches_per_node
-    run(args.replica_rank)
+    run(args.replica_rank, strategies)

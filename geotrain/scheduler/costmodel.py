@@ -503,16 +503,18 @@ class CostModel:
 
     def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
         """mean_link over link classes ca, cb with summed weights va, vb."""
-        return float(va @ self.class_seconds_per_bit[ca][:, cb] @ vb), float(va @ self.class_lat[ca][:, cb] @ vb)
+        pairs = np.ix_(ca, cb)  # gathers only the pairs: thousands of classes where machines are regions
+        return float(va @ self.class_seconds_per_bit[pairs] @ vb), float(va @ self.class_lat[pairs] @ vb)
 
     def _group_terms(self, idx: np.ndarray) -> tuple:
         """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
-        (seconds per bit, seconds): a list of them per region for the in-region rounds, one for the shards."""
+        (seconds per bit, seconds): arrays of them over the regions for the in-region rounds, one pair for the
+        shards."""
         key = tuple(idx.tolist())
         if key not in self._allreduce_terms:  # planners score the same replica group many times
             n = len(idx)
             classes, counts = self._class_weights(idx, np.ones(n))
-            bw, lat = self.class_bw[classes][:, classes], self.class_lat[classes][:, classes]
+            bw, lat = self.class_bw[np.ix_(classes, classes)], self.class_lat[np.ix_(classes, classes)]
             # Two different nodes of one class meet over the class's own link only when the class has two of them.
             alone = np.flatnonzero(counts < 2)
             bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
@@ -521,10 +523,20 @@ class CostModel:
             region = np.unique(self.class_region[classes], return_inverse=True)[1]  # of each class, from 0
             k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
             if self.shape.allreduce != "flat" and len(k) > 1 and k.max() > 1:
-                inside = []
-                for r in np.flatnonzero(k > 1):
-                    mine = region == r
-                    inside.append((2 * (k[r] - 1) / k[r] / bw[mine][:, mine].min(), 2 * lat[mine][:, mine].max()))
+                # Per region with two replicas or more, (seconds per bit, seconds) of its in-region rounds. A region
+                # of one link class (the usual case; thousands of them where machines are regions) reads its class's
+                # own link; the others take the slowest pair of their classes.
+                shared = np.flatnonzero(k > 1)
+                classes_in = np.bincount(region)
+                in_bw = np.empty(len(shared))
+                in_lat = np.empty(len(shared))
+                one = classes_in[shared] == 1
+                only_class = np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]
+                in_bw[one], in_lat[one] = bw[only_class, only_class], lat[only_class, only_class]
+                for j in np.flatnonzero(~one):
+                    mine = region == shared[j]
+                    in_bw[j], in_lat[j] = bw[mine][:, mine].min(), lat[mine][:, mine].max()
+                inside = (2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat)
                 across = region[:, None] != region[None, :]
                 m, shards = len(k), int(k.max())
                 share = max(math.ceil(shards / kr) for kr in k) / shards
@@ -539,8 +551,10 @@ class CostModel:
         if hierarchical is None:
             return flat_per_bit * bits + flat_s, math.inf
         flat = flat_per_bit * bits + flat_s if self.shape.allreduce == "auto" else math.inf
-        inside, (shard_per_bit, shard_s) = hierarchical
-        region_rounds = np.max([per_bit * np.asarray(bits) + s for per_bit, s in inside], axis=0)
+        (inside_per_bit, inside_s), (shard_per_bit, shard_s) = hierarchical
+        region_rounds = np.max(
+            np.multiply.outer(inside_per_bit, bits) + inside_s.reshape((-1,) + (1,) * np.ndim(bits)), axis=0
+        )
         return flat, 2 * region_rounds + shard_per_bit * bits + shard_s
 
     def _sync_both(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> tuple:

@@ -100,6 +100,7 @@ class Planner:
         self._starts, self._ends = np.ogrid[: cm.model.n_layers + 1, : cm.model.n_layers + 1]  # [a, b] grids
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
+        self._region_members: dict[tuple, dict[str, list[int]]] = {}
         self._best_split = math.inf  # the DP's best step time over every group list split so far
         self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
         self.region_cost = self._region_costs()
@@ -266,13 +267,9 @@ class Planner:
         """Replica groups in pipeline order. mode "merge": a region too small for a stage joins its neighbour's;
         "drop": it stays out; "flat": region borders are ignored, the chain of nodes is cut into equal stages;
         "deal": every stage gets its share of every region."""
-        cm = self.cm
-        by_region: dict[str, list[int]] = {r: [] for r in chain}
-        members = np.asarray(subset, dtype=np.int64)
-        for i in members[np.argsort(self.rank[members], kind="stable")].tolist():
-            by_region[cm.nodes[i].region].append(i)
         if n_stages > len(subset):
             return None
+        by_region = self._by_region(subset, chain)
         if mode == "flat":
             return self._cut_equal_rate([i for r in chain for i in by_region[r]], n_stages)
         if mode == "deal":
@@ -320,16 +317,28 @@ class Planner:
                     groups[min(nearest[r])[2]].extend(by_region[r])
         return groups
 
+    def _by_region(self, subset: Sequence[int], chain: Sequence[str]) -> dict[str, list[int]]:
+        """The subset's nodes of each region of the chain, in rank order. Memoised: every stage count and grouping
+        mode of a node pool starts from them."""
+        key = (tuple(subset), tuple(chain))
+        if key not in self._region_members:
+            members = np.asarray(subset, dtype=np.int64)
+            members = members[np.argsort(self.rank[members], kind="stable")]
+            of = self.cm.region_of[members]
+            self._region_members[key] = {r: members[of == self.region_index[r]].tolist() for r in chain}
+        return self._region_members[key]
+
     def _cut_equal_rate(self, members: Sequence[int], k: int) -> list[list[int]]:
+        """members cut in order into k runs of near-equal summed speed: a run takes a node while the node's midpoint
+        on the cumulative speed falls short of the run's share, leaving one node for each later run."""
         rates = self.speed[list(members)]
         cum = np.cumsum(rates)
-        total = cum[-1]
-        out, pos, n = [], 0, len(members)
+        midpoints = cum - rates / 2
+        n = len(members)
+        ends = np.searchsorted(midpoints, np.arange(1, k) / k * cum[-1], side="left")
+        out, pos = [], 0
         for j in range(k):
-            end = n if j == k - 1 else pos + 1
-            # Take a node while its midpoint falls short of this cut, leaving one node per later stage.
-            while j < k - 1 and end < n - (k - 1 - j) and cum[end] - rates[end] / 2 < (j + 1) / k * total:
-                end += 1
+            end = n if j == k - 1 else int(min(max(ends[j], pos + 1), n - (k - 1 - j)))
             out.append(list(members[pos:end]))
             pos = end
         return out
