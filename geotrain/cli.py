@@ -343,6 +343,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
+    from geotrain.protocol.identity import IdentityError
     from geotrain.scheduler.local import exit_with_parent
 
     token, tls = _token(args), _tls(args)
@@ -360,10 +361,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         tls=tls,
         give_up_after_s=args.give_up_after,
         device=args.device,
+        state_dir=args.state_dir,
     )
     _announce_device(args.device)
     exit_with_parent()
-    agent = Agent(options)
+    try:
+        agent = Agent(options)
+    except IdentityError as e:
+        raise UsageError(f"--state-dir: {e}") from None
     interrupted = threading.Event()
     _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
     progress = ProgressReporter(agent, sys.stderr)
@@ -802,6 +807,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:0", help="host:port for peers to reach this node (default any port)")
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
+    p.add_argument(
+        "--state-dir", default="",
+        help="directory for this node's key (node.key, created on first join): the id belongs to the key, so a node "
+        "restarted with the same directory keeps its id (default: a key in memory, a new identity on restart)",
+    )
     p.add_argument("--region", default="", help="region label used by the planner")
     p.add_argument(
         "--slowdown", type=_number(1.0), default=1.0, help="emulate a slower machine: compute takes F times as long"

@@ -19,8 +19,11 @@ import grpc
 import pytest
 import torch
 
+from geotrain.compression import get_codec
 from geotrain.config import RunConfig, load_config
 from geotrain.node.data import Corpus
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
 from geotrain.scheduler.local import LocalNodes
@@ -56,6 +59,19 @@ def one_compute_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def tensor_chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_overrides: Any) -> list[pb.TensorChunk]:
+    """A Forward or Backward request: `tensor` uncompressed in 64 KiB chunks, its header's fields overridden."""
+    payload = get_codec("none").encode(tensor, None)
+    header = framing.make_header("", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+    for key, value in header_overrides.items():
+        if key == "shape":
+            del header.shape[:]
+            header.shape.extend(value)
+        else:
+            setattr(header, key, value)
+    return list(framing.chunk_tensor(header, payload, ref, chunk_bytes=64 << 10))
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -20,6 +20,7 @@ from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.worker import CONTROL
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.tls import tls_mismatch
 from geotrain.protocol.transport import call_with_retry
 from geotrain.protocol.version import PROTOCOL_VERSION
@@ -45,6 +46,7 @@ class CoordinatorLink:
     _next_beat_at: float = 0.0  # time.monotonic() from which the heartbeat loop sends the next heartbeat
     run_id: str
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
+    key: NodeKey  # the node's identity: its id belongs to this key, which signs every call
     _must_register: threading.Event
 
     def _register(self) -> None:
@@ -59,6 +61,7 @@ class CoordinatorLink:
             layer_start=runtime.start if runtime else 0,
             layer_end=runtime.end if runtime else 0,
             applied_steps=runtime.applied_step + 1 if runtime else 0,
+            public_key=self.key.public,
         )
         reply = self._retry_until_reachable(lambda: self.coordinator.Register(request, timeout=RPC_DEADLINE_S))
         if not reply.accepted:

@@ -33,13 +33,15 @@ def exit_with_parent() -> None:
 def spawn_node(
     coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None
 ) -> subprocess.Popen:
-    """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log."""
+    """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log, its
+    key to log_dir/<node_id>/ (so that a node started again under the same id is the same node)."""
     # One thread per process: several processes share a small machine, and more threads oversubscribe it.
     env = {**os.environ, "GEOTRAIN_TOKEN": token, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            PARENT_ENV: str(os.getpid())}
     cmd = [
         sys.executable, "-m", "geotrain", "--log-level", "info", "join",
-        "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0", *(extra_args or []),
+        "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0",
+        "--state-dir", str(log_dir / node_id), *(extra_args or []),
     ]
     with open(log_dir / f"{node_id}.log", "ab") as log_file:
         # A session of its own: killing the node's process group also ends its hivemind DHT fork and p2pd.
