@@ -118,8 +118,7 @@ def _node_key(state_dir: str) -> NodeKey:
     """The node's key from its state directory (created there on first join), else one for this process only;
     IdentityError for a key file that holds no key, OSError for a directory it cannot write."""
     if not state_dir:
-        log.info("no --state-dir: this node's key lives in memory only, so once restarted it joins as a new node")
-        return NodeKey.generate()
+        return NodeKey.generate()  # said at registration (CoordinatorLink._register), as the node's first log line
     key, created = NodeKey.load_or_create(state_dir)
     log.debug("%s this node's key in %s", "created" if created else "loaded", state_dir)
     return key

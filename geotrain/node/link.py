@@ -85,6 +85,8 @@ class CoordinatorLink:
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
+        if not self.options.state_dir:
+            log.info("no --state-dir: this node's key lives in memory only, so once restarted it joins as a new node")
 
     def _retry_until_reachable(self, call: Callable[[], object]):
         """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""
