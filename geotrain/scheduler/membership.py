@@ -159,7 +159,7 @@ class Membership:
                 raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
             if not node_id:
                 # Ids of an earlier coordinator incarnation belong to their keys too.
-                while f"node-{self._next_id}" in self.members or self.store.member_key(f"node-{self._next_id}") is not None:
+                while (n := f"node-{self._next_id}") in self.members or self.store.member_key(n) is not None:
                     self._next_id += 1
                 node_id = f"node-{self._next_id}"
             now = time.monotonic()

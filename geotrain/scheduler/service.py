@@ -88,7 +88,8 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         try:
             return fn(request)
         except ReportRefused as e:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), type(request).__name__, request.node_id)
+            what = type(request).__name__
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), what, request.node_id)
 
     async def Register(self, request, context):  # noqa: D102, N802
         reply = await self._off_loop(self.c.register, request, signer(context) or b"")

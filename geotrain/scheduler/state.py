@@ -168,7 +168,8 @@ class RunStore:
         """Record a member and its state (alive, dead, evicted); the first public key recorded for an id stays."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO members (node_id, address, region, joined_at, state, public_key) VALUES (?, ?, ?, ?, ?, ?) "
+                "INSERT INTO members (node_id, address, region, joined_at, state, public_key) "
+                "VALUES (?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(node_id) DO UPDATE SET address = excluded.address, region = excluded.region, "
                 "state = excluded.state, "
                 "public_key = CASE members.public_key WHEN '' THEN excluded.public_key ELSE members.public_key END",
