@@ -439,7 +439,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def launch(port: int, stop: threading.Event) -> None:
         nonlocal nodes
-        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args))
+        # The nodes' keys live with the run's state, so that `demo --resume` brings the same nodes back.
+        nodes = LocalNodes(
+            f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args), Path(args.state_dir) / "nodes"
+        )
         for i in range(args.nodes):
             nodes.start(f"node-{i + 1}")
         print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
@@ -838,7 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stages get replicas; 0: the planner chooses everything)",
     )
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
-    p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")
+    p.add_argument(
+        "--state-dir", help="directory for run state, checkpoints and the nodes' keys (default: a temporary one)"
+    )
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     p.add_argument(
         "--regions", metavar="eu,us", help="give the local nodes these regions in turn (for emulation.links)"

@@ -31,17 +31,18 @@ def exit_with_parent() -> None:
 
 
 def spawn_node(
-    coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None
+    coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None,
+    state_dir: Path | None = None,
 ) -> subprocess.Popen:
     """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log, its
-    key to log_dir/<node_id>/ (so that a node started again under the same id is the same node)."""
+    key to (state_dir or log_dir)/<node_id>/, so that a node started again under the same id is the same node."""
     # One thread per process: several processes share a small machine, and more threads oversubscribe it.
     env = {**os.environ, "GEOTRAIN_TOKEN": token, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            PARENT_ENV: str(os.getpid())}
     cmd = [
         sys.executable, "-m", "geotrain", "--log-level", "info", "join",
         "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0",
-        "--state-dir", str(log_dir / node_id), *(extra_args or []),
+        "--state-dir", str((state_dir or log_dir) / node_id), *(extra_args or []),
     ]
     with open(log_dir / f"{node_id}.log", "ab") as log_file:
         # A session of its own: killing the node's process group also ends its hivemind DHT fork and p2pd.
@@ -68,8 +69,12 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 class LocalNodes:
     """Named local node processes that can be killed and started again under the same identity."""
 
-    def __init__(self, coordinator: str, token: str, log_dir: Path, extra_args: dict[str, list[str]] | None = None):
+    def __init__(
+        self, coordinator: str, token: str, log_dir: Path, extra_args: dict[str, list[str]] | None = None,
+        state_dir: Path | None = None,
+    ):
         self.coordinator, self.token, self.log_dir = coordinator, token, log_dir
+        self.state_dir = state_dir  # where each node keeps its key, under its id (default: log_dir)
         self.extra_args = extra_args or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
@@ -80,7 +85,7 @@ class LocalNodes:
     def start(self, node_id: str) -> subprocess.Popen:
         """Start (or restart) the node `node_id`."""
         with self._lock:
-            args = (self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id))
+            args = (self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id), self.state_dir)
             proc = self._spawner.submit(spawn_node, *args).result()
             self.procs[node_id] = proc
             return proc
