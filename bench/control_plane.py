@@ -38,6 +38,7 @@ from geotrain.node.data import Corpus
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import TOKEN_ENV, auth_metadata, new_token
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator, RunAborted
 from geotrain.localnodes import LocalNodes
@@ -69,9 +70,10 @@ class Members:
         self.tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
         self._gate = asyncio.Semaphore(_REGISTERING)
+        self.key = NodeKey.generate()  # one key owns every simulated member and signs their calls
 
     def _md(self, method: str, node_id: str) -> list[tuple[str, str]]:
-        return auth_metadata(self.token, _SERVICE + method, node_id)
+        return auth_metadata(self.token, _SERVICE + method, node_id, self.key)
 
     async def grow(self, n: int) -> None:
         """Add members until there are n, each registered with its order stream open."""
@@ -87,7 +89,9 @@ class Members:
         stub = rpc.CoordinatorStub(channel)
         try:
             async with self._gate:
-                request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, address=f"127.0.0.3:{i + 1}")
+                request = pb.RegisterRequest(
+                    protocol_version=PROTOCOL_VERSION, address=f"127.0.0.3:{i + 1}", public_key=self.key.public
+                )
                 reply = await stub.Register(request, metadata=self._md("Register", ""), timeout=120)
             if not reply.accepted:
                 raise RuntimeError(reply.message)

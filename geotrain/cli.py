@@ -343,6 +343,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
+    from geotrain.protocol.identity import IdentityError
 
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
@@ -359,10 +360,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         tls=tls,
         give_up_after_s=args.give_up_after,
         device=args.device,
+        state_dir=args.state_dir,
     )
     _announce_device(args.device)
     torch_threads()  # torch may have been imported before this process had OMP_NUM_THREADS (a local node is forked)
-    agent = Agent(options)
+    try:
+        agent = Agent(options)
+    except IdentityError as e:
+        raise UsageError(f"--state-dir: {e}") from None
     interrupted = threading.Event()
     _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
     progress = ProgressReporter(agent, sys.stderr)
@@ -434,7 +439,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def launch(port: int, stop: threading.Event) -> None:
         nonlocal nodes
-        nodes = LocalNodes(f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args))
+        # The nodes' keys live with the run's state, so that `demo --resume` brings the same nodes back.
+        nodes = LocalNodes(
+            f"127.0.0.1:{port}", token, work_dir, _per_node_flags(args), Path(args.state_dir) / "nodes"
+        )
         for i in range(args.nodes):
             nodes.start(f"node-{i + 1}")
         print(f"started {args.nodes} local nodes (logs and state in {work_dir})", file=_out(args.json), flush=True)
@@ -808,6 +816,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:0", help="host:port for peers to reach this node (default any port)")
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
+    p.add_argument(
+        "--state-dir", default="",
+        help="directory for this node's key (node.key, created on first join): the id belongs to the key, so a node "
+        "restarted with the same directory keeps its id (default: a key in memory, a new identity on restart)",
+    )
     p.add_argument("--region", default="", help="region label used by the planner")
     p.add_argument(
         "--slowdown", type=_number(1.0), default=1.0, help="emulate a slower machine: compute takes F times as long"
@@ -834,7 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stages get replicas; 0: the planner chooses everything)",
     )
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
-    p.add_argument("--state-dir", help="directory for run state and checkpoints (default: a temporary one)")
+    p.add_argument(
+        "--state-dir", help="directory for run state, checkpoints and the nodes' keys (default: a temporary one)"
+    )
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     p.add_argument(
         "--regions", metavar="eu,us", help="give the local nodes these regions in turn (for emulation.links)"

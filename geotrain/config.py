@@ -275,6 +275,9 @@ class SchedulerSection:
     keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")
     rejoin_timeout_s: float = _bounded(60.0, 0.0, 86400.0, "how long a stage without nodes waits for one to join")
     max_members: int = _bounded(10000, 1, 10**6, "nodes the coordinator admits at most, dead ones included")
+    max_offences: int = _bounded(
+        5, 1, 10**6, "refused reports (contradicting the plan, or for another member) that evict their sender"
+    )
     placement: str = field(
         default="measured",
         metadata={"doc": "measured: the planner places stages by the nodes' profiles; uniform: equal layer counts"},

@@ -121,12 +121,15 @@ def start_forkserver() -> None:
 
 
 def spawn_node(
-    coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None
+    coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None,
+    state_dir: Path | None = None,
 ) -> NodeProcess:
-    """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log."""
+    """Start `geotrain join` for a local node with one compute thread; its output goes to log_dir/<node_id>.log, its
+    key to (state_dir or log_dir)/<node_id>/, so that a node started again under the same id is the same node."""
     argv = [
         "--log-level", "info", "join",
-        "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0", *(extra_args or []),
+        "--coordinator", coordinator, "--node-id", node_id, "--listen", "127.0.0.1:0",
+        "--state-dir", str((state_dir or log_dir) / node_id), *(extra_args or []),
     ]
     env = {**_NODE_ENV, "GEOTRAIN_TOKEN": token}
     process = _forkserver().Process(
@@ -155,8 +158,12 @@ def stop_processes(procs: list[NodeProcess], grace_s: float = 5.0) -> None:
 class LocalNodes:
     """Named local node processes that can be killed and started again under the same identity."""
 
-    def __init__(self, coordinator: str, token: str, log_dir: Path, extra_args: dict[str, list[str]] | None = None):
+    def __init__(
+        self, coordinator: str, token: str, log_dir: Path, extra_args: dict[str, list[str]] | None = None,
+        state_dir: Path | None = None,
+    ):
         self.coordinator, self.token, self.log_dir = coordinator, token, log_dir
+        self.state_dir = state_dir  # where each node keeps its key, under its id (default: log_dir)
         self.extra_args = extra_args or {}
         self.procs: dict[str, NodeProcess] = {}
         self._lock = threading.Lock()
@@ -164,7 +171,9 @@ class LocalNodes:
     def start(self, node_id: str) -> NodeProcess:
         """Start (or restart) the node `node_id`."""
         with self._lock:
-            proc = spawn_node(self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id))
+            proc = spawn_node(
+                self.coordinator, node_id, self.token, self.log_dir, self.extra_args.get(node_id), self.state_dir
+            )
             self.procs[node_id] = proc
             return proc
 

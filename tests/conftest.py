@@ -19,10 +19,13 @@ import grpc
 import pytest
 import torch
 
+from geotrain.compression import get_codec
 from geotrain.config import RunConfig, load_config
 from geotrain.localnodes import LocalNodes
 from geotrain.node.data import Corpus
 from geotrain.node.local import train_local
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.coordinator import Coordinator, RunSummary
 from geotrain.scheduler.service import CoordinatorProcess
@@ -66,6 +69,19 @@ def train_local_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
     with one_compute_thread():
         runtime, _ = train_local(cfg)
     return {name: p.detach().clone() for name, p in runtime.named_state()}
+
+
+def tensor_chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_overrides: Any) -> list[pb.TensorChunk]:
+    """A Forward or Backward request: `tensor` uncompressed in 64 KiB chunks, its header's fields overridden."""
+    payload = get_codec("none").encode(tensor, None)
+    header = framing.make_header("", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+    for key, value in header_overrides.items():
+        if key == "shape":
+            del header.shape[:]
+            header.shape.extend(value)
+        else:
+            setattr(header, key, value)
+    return list(framing.chunk_tensor(header, payload, ref, chunk_bytes=64 << 10))
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -16,6 +16,7 @@ import pytest
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import placement
@@ -30,7 +31,9 @@ IDLE_MEMBERS = 200
 def idle_members(cluster: LocalCluster, n: int, interval_s: float) -> Iterator[list[str]]:
     """n members registered from one client, each holding its order stream open and heartbeating every interval_s
     from one thread; yields their ids; always cancels the streams. Raises, on leaving, what a heartbeat met."""
-    channel = make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "idle-client")
+    # One client key owns every member it registers, and signs their calls.
+    key = NodeKey.generate()
+    channel = make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "idle-client", key=key)
     stub = rpc.CoordinatorStub(channel)
     streams: list[grpc.Call] = []
     stop = threading.Event()
@@ -53,7 +56,9 @@ def idle_members(cluster: LocalCluster, n: int, interval_s: float) -> Iterator[l
     beater.start()
     try:
         for i in range(n):
-            request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, address=f"127.0.0.2:{i + 1}")
+            request = pb.RegisterRequest(
+                protocol_version=PROTOCOL_VERSION, address=f"127.0.0.2:{i + 1}", public_key=key.public
+            )
             reply = stub.Register(request, timeout=30)
             assert reply.accepted, reply.message
             # A server-streaming call is open once made; nothing here reads it, as an idle node reads nothing.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import new_token
+from geotrain.protocol.identity import KEY_FILE
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.localnodes import LocalNodes
@@ -329,9 +331,12 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path
         store.write(6, 1, [stage], before_manifest=crash)
     assert store.latest().steps_done == 4  # the half-written step-6 checkpoint does not exist
 
-    # A fresh cluster resumes the run from the state dir: no node holds state, so the checkpoint feeds them.
+    # A fresh cluster resumes the run from the state dir: no node holds state, so the checkpoint feeds them. Its
+    # nodes are the same two (their ids belong to their keys, which they keep in their state dirs).
     cfg = _config("run.steps=6", "scheduler.checkpoint_every=2")
-    (tmp_path / "again").mkdir()
+    for node_id in ("node-1", "node-2"):
+        (tmp_path / "again" / node_id).mkdir(parents=True)
+        shutil.copy(tmp_path / node_id / KEY_FILE, tmp_path / "again" / node_id)
     with local_cluster(cfg, 2, tmp_path / "again", state_dir=state_dir, resume=True) as cluster:
         summary = cluster.wait(120)
         state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)

@@ -9,11 +9,13 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from geotrain.config import ConfigError, RunConfig, from_proto, load_config, to_proto
 from geotrain.node.llama import INDEX_FILE, Checkpoint, Llama, hf_config, hf_names
 from geotrain.node.model import ByteGPT, build_layer, family_of
 from geotrain.node.stage import StageRuntime
+from tests.conftest import as_set_flags, max_diff, run_cli
 
 LLAMA = [
     "model.family=llama", "model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -253,15 +255,15 @@ def test_llama_settings_travel_to_nodes_and_byte_gpt_refuses_them():
 @pytest.mark.timeout(120)
 def test_three_llama_stages_over_grpc_equal_train_local(tmp_path):
     """A seeded llama (grouped-query attention, tied at the start) on the byte corpus needs no file."""
-    from tests.test_pipeline import _train_both
+    from tests.test_pipeline import _pipeline_against_local
 
     settings = [
         "model.family=llama", "model.n_kv_heads=2", "model.tie_embeddings=true", "run.steps=5",
         "train.microbatches=6", "train.inflight=3", "run.eval_every=0", "scheduler.placement=uniform",
     ]
-    demo, diff = _train_both(tmp_path, 3, settings)
+    plan, _, diff = _pipeline_against_local(tmp_path, 3, settings)
     assert diff <= 1e-4
-    assert "stage 2: layers 4-5" in demo.stdout
+    assert (plan.stages[2].layer_start, plan.stages[2].layer_end) == (4, 6)
 
 
 @pytest.mark.cluster
@@ -274,8 +276,6 @@ def test_three_llama_stages_on_a_prepared_data_set_equal_train_local(tmp_path):
     from geotrain import prepare
     from geotrain.dataset import PreparedDataset
     from tests.test_data import write_text_corpus
-    from tests.test_pipeline import _train_both
-
     write_text_corpus(tmp_path / "text", 12)
     prepare.train_tokenizer([str(tmp_path / "text" / "*.txt")], 300, tmp_path / "tok.json")
     prepare.prepare([str(tmp_path / "text" / "*.txt")], tmp_path / "tok.json", tmp_path / "data", val_fraction=0.25)
@@ -286,8 +286,13 @@ def test_three_llama_stages_on_a_prepared_data_set_equal_train_local(tmp_path):
         "run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=0", "run.eval_microbatches=2",
         "scheduler.placement=uniform",
     ]
-    demo, diff = _train_both(tmp_path, 3, settings)
-    assert diff <= 1e-4
+    # As a run owner would: `geotrain demo`, whose output says the validation loss in bits per byte too.
+    overrides = as_set_flags(settings)
+    demo = run_cli("demo", "--nodes", "3", "--save-final", str(tmp_path / "pipe.safetensors"), *overrides)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    local = run_cli("train-local", "--save-final", str(tmp_path / "local.safetensors"), *overrides)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert max_diff(load_file(tmp_path / "pipe.safetensors"), load_file(tmp_path / "local.safetensors")) <= 1e-4
     assert "stage 2: layers 3-3" in demo.stdout
     val_loss, bits = map(float, re.search(r"validation ([\d.]+) \(([\d.]+) bits/byte\)", demo.stdout).groups())
     assert bits == pytest.approx(dataset.bits_per_byte(val_loss), abs=2e-3)

@@ -25,6 +25,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.probe import COORDINATOR_PEER, MAX_PROBE_BYTES
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.service import make_coordinator_server
@@ -213,7 +214,7 @@ def _check_probe_rejections(stub: rpc.StageStub | rpc.CoordinatorStub) -> None:
 @pytest.mark.timeout(30)
 def test_bad_probes_and_reports_are_rejected_by_the_coordinator(coordinator_address):
     address, token = coordinator_address
-    channel = make_channel(address, token, lambda: "tester")
+    channel = make_channel(address, token, lambda: "tester", key=NodeKey.generate())  # reports must be signed
     try:
         stub = rpc.CoordinatorStub(channel)
         _check_probe_rejections(stub)

@@ -10,6 +10,7 @@ waits on the network. Every data task carries its plan epoch: a new epoch drops 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import socket
 import threading
@@ -32,9 +33,12 @@ from geotrain.node.worker import CONTROL, Worker
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import TlsFiles, make_channel, make_server
 
 __all__ = ["Agent", "NodeError", "NodeOptions", "RateMeter"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -65,6 +69,9 @@ class NodeOptions:
     """Emulate this one-way latency to every peer (with bandwidth_mbps)."""
     device: str = "auto"
     """Where the stage computes: auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps."""
+    state_dir: str = ""
+    """Where the node keeps its key (node.key, created on first join), so that a restarted node keeps its identity;
+    empty: a key in memory for this process's lifetime only."""
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -108,6 +115,16 @@ def _advertise_address(options: NodeOptions, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _node_key(state_dir: str) -> NodeKey:
+    """The node's key from its state directory (created there on first join), else one for this process only;
+    IdentityError for a key file that holds no key, OSError for a directory it cannot write."""
+    if not state_dir:
+        return NodeKey.generate()  # said at registration (CoordinatorLink._register), as the node's first log line
+    key, created = NodeKey.load_or_create(state_dir)
+    log.debug("%s this node's key in %s", "created" if created else "loaded", state_dir)
+    return key
+
+
 class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
     """One node of a geotrain run: a facade that wires its parts together and runs their threads."""
 
@@ -116,6 +133,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         # attributes mean.
         self.options = options
         self.node_id = options.node_id
+        self.key = _node_key(options.state_dir)
         self.device = resolve_device(options.device)
         self.precision = "fp32"
         self.stopped = threading.Event()
@@ -136,9 +154,10 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._sender = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="send")
         self.router = ReplicaRouter()
         self.dataplane = DataPlane(
-            options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure
+            options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure,
+            self.key,
         )
-        self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls)
+        self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls, self.key)
         self.coordinator = rpc.CoordinatorStub(self._channel)
         self.profiler = NodeProfiler(
             self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown, self.device

@@ -30,6 +30,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.probe import probe_chunks
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,12 @@ class DataPlane:
         tls: TlsFiles | None = None,
         emulator: LinkEmulator | None = None,
         on_peer_unavailable: Callable[[str, str], None] | None = None,
+        key: NodeKey | None = None,
     ) -> None:
         self._token = token
         self._node_id = node_id
         self._tls = tls
+        self._key = key  # signs every stream at its open: the receiver accepts tensors only from the plan's sender
         self._lock = threading.Lock()
         self._stubs: dict[str, rpc.StageStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -146,7 +149,7 @@ class DataPlane:
         """The Stage stub for a peer, creating its channel on first use."""
         with self._lock:
             if address not in self._stubs:
-                channel = make_channel(address, self._token, self._node_id, self._tls)
+                channel = make_channel(address, self._token, self._node_id, self._tls, self._key)
                 self._channels[address] = channel
                 self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]

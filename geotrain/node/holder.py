@@ -125,7 +125,9 @@ class StageHolder:
     def _fetch_state(self, order: pb.LoadState, start: int, end: int) -> dict[str, torch.Tensor]:
         """Layers [start, end) after order.steps_done steps, from the order's source node or the checkpoint."""
         if order.source_address:
-            channel = make_channel(order.source_address, self.options.token, lambda: self.node_id, self.options.tls)
+            channel = make_channel(
+                order.source_address, self.options.token, lambda: self.node_id, self.options.tls, self.key
+            )
             try:
                 request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=start, layer_end=end)
                 stream = rpc.StageStub(channel).FetchState(request, timeout=_STATE_DEADLINE_S)

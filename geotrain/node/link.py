@@ -21,6 +21,7 @@ from geotrain.node.worker import CONTROL
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.tls import tls_mismatch
 from geotrain.protocol.transport import call_with_retry
 from geotrain.protocol.version import PROTOCOL_VERSION
@@ -46,6 +47,7 @@ class CoordinatorLink:
     _next_beat_at: float = 0.0  # time.monotonic() from which the heartbeat loop sends the next heartbeat
     run_id: str
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
+    key: NodeKey  # the node's identity: its id belongs to this key, which signs every call
     _must_register: threading.Event
     limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
 
@@ -61,6 +63,7 @@ class CoordinatorLink:
             layer_start=runtime.start if runtime else 0,
             layer_end=runtime.end if runtime else 0,
             applied_steps=runtime.applied_step + 1 if runtime else 0,
+            public_key=self.key.public,
         )
         reply = self._retry_until_reachable(lambda: self.coordinator.Register(request, timeout=RPC_DEADLINE_S))
         if not reply.accepted:
@@ -85,6 +88,8 @@ class CoordinatorLink:
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
+        if not self.options.state_dir:
+            log.info("no --state-dir: this node's key lives in memory only, so once restarted it joins as a new node")
 
     def _retry_until_reachable(self, call: Callable[[], object]):
         """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""

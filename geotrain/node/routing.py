@@ -40,6 +40,11 @@ class ReplicaRouter:
             self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
             self._sent_at[(peer, step, microbatch)] = time.monotonic()
 
+    def awaits(self, peer: str, step: int, microbatch: int) -> bool:
+        """Whether the microbatch went to peer and its gradient has not come back yet."""
+        with self._lock:
+            return (peer, step, microbatch) in self._sent_at
+
     def returned(self, peer: str, step: int, microbatch: int) -> None:
         """The microbatch's gradient came back from peer: update its service time."""
         with self._lock:

@@ -19,6 +19,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import RefusalLog
+from geotrain.protocol.auth import signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.probe import serve_probe
 
@@ -39,8 +40,11 @@ def decode_tensor(received: framing.ReceivedTensor, check_finite: bool) -> torch
 class StageHandler(Protocol):
     """What the Stage service needs of the node behind it; `direction` is "forward" or "backward"."""
 
-    def check_incoming(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader) -> None:
-        """Raise FrameError unless the node's current plan expects this tensor (called before its payload is read)."""
+    def check_incoming(
+        self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, signer: bytes | None
+    ) -> None:
+        """Raise FrameError unless the node's current plan expects this tensor from the node whose key is `signer`
+        (the key that signed the stream; None: unsigned), called before its payload is read."""
 
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Take a validated, decoded tensor (queue its compute); must not block on compute."""
@@ -65,10 +69,10 @@ class StageServicer(rpc.StageServicer):
         self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
 
     def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
-        handler = self.handler
+        handler, key = self.handler, signer(context)
         try:
             received = framing.read_one_tensor(
-                chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h)
+                chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h, key)
             )
             tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:

@@ -33,6 +33,23 @@ _MAX_DHT_PEERS = 32
 _MAX_MULTIADDR_CHARS = 512
 
 
+def _sender(direction: str, ref: pb.MicrobatchRef, stage_index: int) -> tuple[str, int]:
+    """Who sends a tensor that passed check_incoming's path checks, and their stage: activations come from the
+    path's last node, gradients from the next stage's node on it."""
+    if direction == "forward":
+        return ref.path[-1], stage_index - 1
+    return ref.path[stage_index + 1], stage_index + 1
+
+
+def plan_key(plan: pb.Plan, stage: int, node_id: str) -> bytes | None:
+    """The public key the plan gives node_id as a node of `stage`; None when it serves no such stage."""
+    assignment = plan.stages[stage]
+    for n, key in zip(assignment.node_ids, assignment.public_keys):
+        if n == node_id:
+            return key
+    return None
+
+
 @dataclass
 class _HeadState:
     """A data head's share of the current step."""
@@ -140,8 +157,11 @@ class StepFlow:
             self._head.in_flight.discard(microbatch)
             self._launch_next()
 
-    def check_incoming(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader) -> None:
-        """Raise FrameError unless this node's current plan expects this tensor."""
+    def check_incoming(
+        self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, signer: bytes | None
+    ) -> None:
+        """Raise FrameError unless this node's current plan expects this tensor, from the node that signed it: the
+        path's last node for activations; for gradients, the node this one sent the microbatch's activations to."""
         plan, runtime, cfg = self.plan, self.runtime, self.cfg
         if plan is None or runtime is None or cfg is None:
             raise FrameError(grpc.StatusCode.UNAVAILABLE, "this node has no stage yet")
@@ -161,6 +181,16 @@ class StepFlow:
             if len(ref.path) != len(plan.stages) or ref.path[self.stage_index] != self.node_id:
                 raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "gradient path does not pass through this node")
             kind = "activation_grads"
+        sender, sender_stage = _sender(direction, ref, self.stage_index)
+        if signer is None or signer != plan_key(plan, sender_stage, sender):
+            raise FrameError(
+                grpc.StatusCode.PERMISSION_DENIED, f"{direction} from {sender} is not signed by {sender}'s key"
+            )
+        if direction == "backward" and not self.router.awaits(sender, ref.step, ref.microbatch):
+            raise FrameError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this node sent step {ref.step} microbatch {ref.microbatch} to no {sender}, or has its gradient",
+            )
         shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
         check_activation_header(
             header, shape, WIRE_DTYPES[cfg.train.precision], self._policies[kind].accepted_ids,
@@ -174,7 +204,7 @@ class StepFlow:
 
     def accept(self, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor, wire_bytes: int) -> None:
         """Queue the compute for a validated incoming tensor."""
-        sender = ref.path[-1] if direction == "forward" else ref.path[self.stage_index + 1]
+        sender, _ = _sender(direction, ref, self.stage_index)
         self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
         if direction == "forward":
             self._submit(FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)

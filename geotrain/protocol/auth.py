@@ -1,7 +1,11 @@
-"""Run-token authentication of every RPC: an HMAC over method, node id, timestamp and nonce.
+"""Run-token authentication of every RPC (an HMAC over method, node id, timestamp and nonce), and a node's signature
+over the same fields with its key (protocol.identity).
 
 The token never travels. A request is accepted when its MAC verifies, its timestamp is within MAX_SKEW_S of the
 server's clock, and its nonce was not seen before within that window (so a captured request cannot be replayed).
+A call that carries a public key must also carry that key's signature of the same fields, or it is refused; the
+handler then knows the caller holds the key (`signer`) and decides whether that key may make the call: the token
+proves membership of the run, the key which member is speaking.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from typing import Any
 
 import grpc
 
+from geotrain.protocol.identity import NodeKey, verify
+
 MD_NODE = "x-geotrain-node"
 MD_TS = "x-geotrain-ts"
 MD_NONCE = "x-geotrain-nonce"
 MD_MAC = "x-geotrain-mac"
+MD_KEY = "x-geotrain-key"  # the caller's Ed25519 public key, hex
+MD_SIG = "x-geotrain-sig"  # its signature of the same fields the MAC covers, hex
 MAX_SKEW_S = 60.0
 TOKEN_ENV = "GEOTRAIN_TOKEN"
 # A peer retrying with a wrong token calls many times a second: its first refusal is logged, then one a minute.
@@ -44,17 +52,43 @@ def new_token() -> str:
     return secrets.token_hex(24)
 
 
+def _message(method: str, node_id: str, ts: str, nonce: str) -> bytes:
+    """What the MAC and the signature of one request cover: a replay (same nonce) or a swapped field fails both."""
+    return "\n".join((method, node_id, ts, nonce)).encode()
+
+
 def sign(token: str, method: str, node_id: str, ts: str, nonce: str) -> str:
     """The MAC of one request."""
-    msg = "\n".join((method, node_id, ts, nonce)).encode()
-    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+    return hmac.new(token.encode(), _message(method, node_id, ts, nonce), hashlib.sha256).hexdigest()
 
 
-def auth_metadata(token: str, method: str, node_id: str) -> list[tuple[str, str]]:
-    """Metadata that proves knowledge of the token for one call of `method`."""
+def auth_metadata(token: str, method: str, node_id: str, key: NodeKey | None = None) -> list[tuple[str, str]]:
+    """Metadata that proves knowledge of the token for one call of `method` and, with `key`, that the caller holds
+    that key."""
     ts = f"{time.time():.6f}"
     nonce = secrets.token_hex(16)
-    return [(MD_NODE, node_id), (MD_TS, ts), (MD_NONCE, nonce), (MD_MAC, sign(token, method, node_id, ts, nonce))]
+    metadata = [(MD_NODE, node_id), (MD_TS, ts), (MD_NONCE, nonce), (MD_MAC, sign(token, method, node_id, ts, nonce))]
+    if key is not None:
+        signature = key.sign(_message(method, node_id, ts, nonce))
+        metadata += [(MD_KEY, key.public.hex()), (MD_SIG, signature.hex())]
+    return metadata
+
+
+def _as_dict(metadata: Any) -> dict[str, str]:
+    """gRPC metadata as a dict of its text values (the last of a repeated key, as everywhere here)."""
+    return {k: v for k, v in metadata if isinstance(v, str)}
+
+
+def _hex(value: str | None) -> bytes | None:
+    try:
+        return bytes.fromhex(value) if value else None
+    except ValueError:
+        return None
+
+
+def signer(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> bytes | None:
+    """The public key whose signature of this call ServerAuth verified, or None for a call signed by no key."""
+    return _hex(_as_dict(context.invocation_metadata() or ()).get(MD_KEY))
 
 
 class _ClientCallDetails(grpc.ClientCallDetails):
@@ -73,14 +107,18 @@ class ClientAuth(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds fresh auth metadata to every outgoing call."""
+    """Adds fresh auth metadata to every outgoing call, signed with `key` if given (once per call: a stream is
+    signed when it opens, not per message)."""
 
-    def __init__(self, token: str, node_id: Callable[[], str]) -> None:
+    def __init__(self, token: str, node_id: Callable[[], str], key: NodeKey | None = None) -> None:
         self._token = token
         self._node_id = node_id
+        self._key = key
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = list(details.metadata or []) + auth_metadata(self._token, details.method, self._node_id())
+        metadata = list(details.metadata or []) + auth_metadata(
+            self._token, details.method, self._node_id(), self._key
+        )
         return _ClientCallDetails(details, metadata)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: D102
@@ -175,7 +213,8 @@ def _rejecting_handler(handler: Any, message: str, on_refused: Callable[[str], N
 
 
 class ServerAuth(grpc.ServerInterceptor):
-    """Rejects calls whose token proof is missing, wrong, stale or replayed."""
+    """Rejects calls whose token proof is missing, wrong, stale or replayed, or whose key signature (if the call
+    carries a key) does not verify."""
 
     def __init__(self, token: str, max_skew_s: float = MAX_SKEW_S) -> None:
         self._token = token
@@ -197,6 +236,10 @@ class ServerAuth(grpc.ServerInterceptor):
             return "malformed timestamp"
         if abs(age) > self._max_skew_s:
             return f"stale request: timestamp {age:.1f}s off (clocks out of sync?)"
+        if MD_KEY in metadata or MD_SIG in metadata:
+            key, signature = _hex(metadata.get(MD_KEY)), _hex(metadata.get(MD_SIG))
+            if key is None or signature is None or not verify(key, signature, _message(method, node, ts, nonce)):
+                return "bad key signature: the call is not signed by the key it presents"
         if not self._replays.first_use(nonce, now):
             return "replayed request rejected"
         return None
@@ -206,7 +249,7 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def admit(self, handler: Any, handler_call_details: grpc.HandlerCallDetails, aio: bool = False) -> Any:
         """`handler` for an authentic call, else a handler of its kind that refuses it (with `aio`, for grpc.aio)."""
-        metadata = {k: v for k, v in handler_call_details.invocation_metadata if isinstance(v, str)}
+        metadata = _as_dict(handler_call_details.invocation_metadata)
         problem = self.check(handler_call_details.method, metadata)
         if problem is None:
             return handler

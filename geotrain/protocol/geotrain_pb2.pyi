@@ -37,6 +37,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_DUPLICATE_NODE: _ClassVar[RejectReason]
     REJECT_REASON_BAD_REQUEST: _ClassVar[RejectReason]
     REJECT_REASON_FULL: _ClassVar[RejectReason]
+    REJECT_REASON_IDENTITY: _ClassVar[RejectReason]
+    REJECT_REASON_EVICTED: _ClassVar[RejectReason]
 
 class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -66,6 +68,8 @@ REJECT_REASON_RUN_FINISHED: RejectReason
 REJECT_REASON_DUPLICATE_NODE: RejectReason
 REJECT_REASON_BAD_REQUEST: RejectReason
 REJECT_REASON_FULL: RejectReason
+REJECT_REASON_IDENTITY: RejectReason
+REJECT_REASON_EVICTED: RejectReason
 FAILURE_REASON_UNSPECIFIED: FailureReason
 FAILURE_REASON_STATE: FailureReason
 FAILURE_REASON_AVERAGING: FailureReason
@@ -248,7 +252,7 @@ class LimitsSettings(_message.Message):
     def __init__(self, streams_per_peer: _Optional[int] = ..., streams_per_host: _Optional[int] = ..., idle_stream_s: _Optional[float] = ..., calls_per_s: _Optional[float] = ..., call_burst: _Optional[int] = ..., registrations_per_s: _Optional[float] = ..., registration_burst: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps")
+    __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps", "public_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +261,7 @@ class RegisterRequest(_message.Message):
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     APPLIED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     address: str
@@ -265,7 +270,8 @@ class RegisterRequest(_message.Message):
     layer_start: int
     layer_end: int
     applied_steps: int
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., applied_steps: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., applied_steps: _Optional[int] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "run_id")
@@ -336,7 +342,7 @@ class OrdersRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids", "hierarchical_allreduce")
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids", "hierarchical_allreduce", "public_keys")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +351,7 @@ class StageAssignment(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     PEER_IDS_FIELD_NUMBER: _ClassVar[int]
     HIERARCHICAL_ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer_start: int
     layer_end: int
@@ -353,7 +360,8 @@ class StageAssignment(_message.Message):
     regions: _containers.RepeatedScalarFieldContainer[str]
     peer_ids: _containers.RepeatedScalarFieldContainer[str]
     hierarchical_allreduce: bool
-    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ...) -> None: ...
+    public_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded")

@@ -15,6 +15,7 @@ import grpc
 
 from geotrain.protocol.auth import AioServerAuth, ClientAuth, ServerAuth
 from geotrain.protocol.limits import AioLimitsInterceptor, LimitsInterceptor, PeerLimits
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ _OPTIONS = [
 _SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
-def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None) -> grpc.Channel:
-    """A channel to `address` that signs every call with the run token."""
+def make_channel(
+    address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None, key: NodeKey | None = None
+) -> grpc.Channel:
+    """A channel to `address` that proves the run token on every call, and signs it with `key` if given."""
     if tls is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
         # Peers are dialled by whatever IP:port they advertise; every run certificate names RUN_TLS_NAME instead.
@@ -47,7 +50,7 @@ def make_channel(address: str, token: str, node_id: Callable[[], str], tls: TlsF
         channel = grpc.secure_channel(address, creds, options=options)
     else:
         channel = grpc.insecure_channel(address, options=_OPTIONS)
-    return grpc.intercept_channel(channel, ClientAuth(token, node_id))
+    return grpc.intercept_channel(channel, ClientAuth(token, node_id, key))
 
 
 class ListenError(OSError):

@@ -137,8 +137,10 @@ class Coordinator:
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
-    def register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
-        """Admit a node (new, or returning with the stage it holds), or say why not."""
+    def register(self, request: pb.RegisterRequest, signer: bytes | None = None) -> pb.RegisterReply:
+        """Admit a node (new, or returning with the stage it holds), or say why not. `signer`: the key that signed
+        the call (the RPC service passes it, b"" for an unsigned call), which must be the key the request carries;
+        None in-process, where the request's key is taken as it is."""
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -148,6 +150,12 @@ class Coordinator:
             )
         if self.finished:
             return pb.RegisterReply(accepted=False, reason=pb.REJECT_REASON_RUN_FINISHED, message="the run is over")
+        if signer is not None and (not signer or signer != request.public_key):
+            return pb.RegisterReply(
+                accepted=False,
+                reason=pb.REJECT_REASON_IDENTITY,
+                message="a registration must carry the node's public key and be signed with it",
+            )
         try:
             member = self.membership.admit(request, set(placement.plan_nodes(self.plan)))
         except Rejected as e:
@@ -159,6 +167,16 @@ class Coordinator:
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
             run_id=self.run_id,
         )
+
+    def authorize(self, node_id: str, signer: bytes | None) -> None:
+        """Unauthorized unless a call about member `node_id` was signed by its key (Membership.authorize)."""
+        self.membership.authorize(node_id, signer)
+
+    def refused(self, sender: str | None, why: str) -> None:
+        """A report from `sender` (a member whose key signed it; None: no member's) was refused: it counts against
+        the sender, and scheduler.max_offences of them evict it."""
+        if sender is not None:
+            self.membership.offence(sender, why)
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """Note that a node is alive, which plan and state it runs, and what it measured."""

@@ -11,3 +11,7 @@ class StepFailed(RuntimeError):
 
 class ReportRefused(ValueError):
     """A report that contradicts the plan (wrong sender, path or numbers): refused, and nothing changes."""
+
+
+class Unauthorized(PermissionError):
+    """A call about a member that its key did not sign: refused, and nothing changes."""

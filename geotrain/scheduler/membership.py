@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from geotrain.config import SchedulerSection
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
+from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed, Unauthorized
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore
 
@@ -107,6 +107,8 @@ class Member:
     beat_every: float = 0.0  # the heartbeat interval it was last told (0: the run's, from registration)
     failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
     failure: str = ""  # why, as it reported
+    public_key: bytes = b""  # the Ed25519 key its id belongs to; every call about it must be signed with it
+    offences: int = 0  # its refused reports; scheduler.max_offences of them evict it
 
     @property
     def alive(self) -> bool:
@@ -139,9 +141,20 @@ class Membership:
     def admit(self, request: pb.RegisterRequest, plan_nodes: set[str]) -> Member:
         """Admit a registration (a new node, or a known id returning); Rejected with the reason otherwise."""
         _check_registration(request)
+        key = request.public_key
+        if key and self.store.evicted(key):
+            raise Rejected(pb.REJECT_REASON_EVICTED, "this node's key was evicted from the run for refused reports")
         with self.cond:
             node_id = request.node_id
             existing = self.members.get(node_id) if node_id else None
+            # Under the condition, so that of two first registrations of one id only the first key gets it.
+            owner = existing.public_key if existing is not None else self.store.member_key(node_id) if node_id else None
+            if owner is not None and owner != key:
+                raise Rejected(
+                    pb.REJECT_REASON_IDENTITY,
+                    f"node id {node_id} belongs to another key (the node that first registered it); a node keeps "
+                    "its key in its --state-dir: join with that directory, or under another --node-id",
+                )
             # The same id from a new address is that node restarted (its old process is gone); from the same
             # address while the old one still heartbeats, it is a second node claiming a live identity.
             if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
@@ -149,11 +162,12 @@ class Membership:
             if existing is None and len(self.members) >= self.cfg.max_members:
                 raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
             if not node_id:
-                while f"node-{self._next_id}" in self.members:
+                # Ids of an earlier coordinator incarnation belong to their keys too.
+                while (n := f"node-{self._next_id}") in self.members or self.store.member_key(n) is not None:
                     self._next_id += 1
                 node_id = f"node-{self._next_id}"
             now = time.monotonic()
-            member = Member(node_id, request.address, request.region or "local", now, now)
+            member = Member(node_id, request.address, request.region or "local", now, now, public_key=key)
             if request.layer_end:
                 member.held = (request.layer_start, request.layer_end)
                 member.applied_steps = request.applied_steps
@@ -169,10 +183,45 @@ class Membership:
             self.orders.open(node_id)
             self.cond.notify_all()
         kind = "rejoin" if existing is not None else "join"
-        self.store.upsert_member(node_id, request.address, member.region, "alive")
+        self.store.upsert_member(node_id, request.address, member.region, "alive", key)
         self.store.event(kind, node_id, request.address)
         self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
         return member
+
+    def authorize(self, node_id: str, signer: bytes | None) -> None:
+        """Unauthorized unless the call about member `node_id` was signed by the key its id belongs to. An id this
+        coordinator does not know passes: every call about it is answered as about no member (register again)."""
+        with self.cond:
+            member = self.members.get(node_id)
+            if signer is None or (member is not None and member.public_key != signer):
+                raise Unauthorized(f"a call about node {node_id!r} must be signed by that node's key")
+
+    def owner(self, signer: bytes | None) -> str | None:
+        """The live member whose id belongs to this key, if any (the first, when a key registered several)."""
+        with self.cond:
+            return next((m.node_id for m in self.members.values() if m.alive and m.public_key == signer), None)
+
+    def offence(self, node_id: str, why: str) -> bool:
+        """Count a refused report against a live member; at scheduler.max_offences evict it (dead, its key refused
+        from then on, a reason in the event log). True when it was evicted now."""
+        with self.cond:
+            member = self.members.get(node_id)
+            if member is None or not member.alive:
+                return False
+            member.offences += 1
+            if member.offences < self.cfg.max_offences:
+                log.debug("offence %d of %s: %s", member.offences, node_id, why)
+                return False
+            member.lifecycle = Lifecycle.DEAD
+            self._suspects.discard(node_id)
+            self.orders.close(node_id)
+            self.cond.notify_all()
+        detail = f"{member.offences} refused reports; the last: {why}"
+        log.warning("node %s evicted: %s", node_id, detail)
+        self.store.upsert_member(node_id, member.address, member.region, "evicted", member.public_key)
+        self.store.event("evicted", node_id, detail)
+        self._on_event("evicted", {"node_id": node_id, "why": detail})
+        return True
 
     def _silent(self, member: Member) -> bool:
         """The member has missed more than two heartbeats (a restarted node may take its id back)."""
@@ -301,7 +350,7 @@ class Membership:
             self._spare_interval_s = max(base, spares / _SPARE_HEARTBEATS_PER_S)
         for member, why in died:
             log.warning("node %s is dead: %s", member.node_id, why)
-            self.store.upsert_member(member.node_id, member.address, member.region, "dead")
+            self.store.upsert_member(member.node_id, member.address, member.region, "dead", member.public_key)
             self.store.event("dead", member.node_id, why)
             self._on_event("dead", {"node_id": member.node_id})
 

@@ -266,6 +266,7 @@ class Planning:
                 addresses=[m.address for m in group],
                 regions=[m.region for m in group],
                 peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
+                public_keys=[m.public_key for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
         self.plan = plan

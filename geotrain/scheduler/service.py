@@ -6,7 +6,7 @@ import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
@@ -21,14 +21,14 @@ from geotrain.lifetime import tie_children_to_this_process
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.auth import RefusalLog, peer_host
+from geotrain.protocol.auth import RefusalLog, peer_host, signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
-from geotrain.scheduler.errors import ReportRefused
+from geotrain.scheduler.errors import ReportRefused, Unauthorized
 from geotrain.scheduler.state import RunStore
 
 if TYPE_CHECKING:
@@ -63,13 +63,36 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
 
-    async def _refusable(self, context: grpc.aio.ServicerContext, fn: Callable[[Any], T], request: Any) -> T:
-        """fn(request) on the loop; a report the coordinator refuses (it contradicts the plan, or is malformed)
-        answers INVALID_ARGUMENT with the reason."""
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, why: str, what: str, sender: str | None
+    ) -> None:
+        """Answer `code` with why; one log line per peer host a minute; the refusal counts against `sender`, the
+        member whose key signed the call (None: no member's)."""
+        self._refusals.refused(context.peer(), what, sender or "", why)
+        if sender is not None:
+            await self._off_loop(self.c.refused, sender, why)
+        await context.abort(code, why)
+
+    async def _check_member(self, context: grpc.aio.ServicerContext, request: Any) -> None:
+        """PERMISSION_DENIED unless the key of member request.node_id signed the call (which counts against the
+        member whose key did, if any)."""
+        key = signer(context)
+        try:
+            self.c.authorize(request.node_id, key)
+        except Unauthorized as e:
+            why, sender = str(e), self.c.membership.owner(key)
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, type(request).__name__, sender)
+
+    async def _from_member(self, context: grpc.aio.ServicerContext, fn: Callable[[Any], T], request: Any) -> T:
+        """fn(request) on the loop, for a call that member request.node_id's key must sign (_check_member); a report
+        the coordinator refuses (it contradicts the plan, or is malformed) answers INVALID_ARGUMENT with the reason
+        and counts against that member."""
+        await self._check_member(context, request)
         try:
             return fn(request)
         except ReportRefused as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            what = type(request).__name__
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), what, request.node_id)
 
     async def Register(self, request, context):  # noqa: D102, N802
         if not self._registrations.take(peer_host(context.peer())):
@@ -78,43 +101,55 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
                    f"{limits.registration_burst}) from this host")
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-        return await self._off_loop(self.c.register, request)
+        reply = await self._off_loop(self.c.register, request, signer(context) or b"")
+        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
+            self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
+        return reply
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
-        return await self._refusable(context, self.c.heartbeat, request)
+        return await self._from_member(context, self.c.heartbeat, request)
 
     async def Orders(self, request, context):  # noqa: D102, N802
-        try:
-            orders = self.c.order_stream(request.node_id)
-        except KeyError:
+        orders = await self._from_member(context, self._order_stream, request)
+        if orders is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
         async for order in orders:
             yield order
 
+    def _order_stream(self, request: pb.OrdersRequest) -> AsyncIterator[pb.Order] | None:
+        """The member's order stream; None for an id the coordinator does not know."""
+        try:
+            return self.c.order_stream(request.node_id)
+        except KeyError:
+            return None
+
     async def MicrobatchDone(self, request, context):  # noqa: D102, N802
-        await self._refusable(context, self.c.microbatch_done, request)
+        await self._from_member(context, self.c.microbatch_done, request)
         return pb.Ack()
 
     async def EvalDone(self, request, context):  # noqa: D102, N802
-        await self._refusable(context, self.c.eval_done, request)
+        await self._from_member(context, self.c.eval_done, request)
         return pb.Ack()
 
     async def GradNorm(self, request, context):  # noqa: D102, N802
-        await self._refusable(context, self.c.grad_norm, request)
+        await self._from_member(context, self.c.grad_norm, request)
         return pb.Ack()
 
     async def StepApplied(self, request, context):  # noqa: D102, N802
-        await self._refusable(context, self.c.step_applied, request)
+        await self._from_member(context, self.c.step_applied, request)
         return pb.Ack()
 
     async def Status(self, request, context):  # noqa: D102, N802
         return await self._off_loop(self.c.status)
 
     async def ReportFailure(self, request, context):  # noqa: D102, N802
-        await self._refusable(context, self.c.report_failure, request)
+        await self._from_member(context, self.c.report_failure, request)
         return pb.Ack()
 
     async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
+        if self.c.membership.owner(signer(context)) is None:
+            why = "checkpoint state goes only to a live member, signed by its key"
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "FetchCheckpoint", None)
         state = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
         if not state:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
@@ -125,12 +160,14 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             yield chunk
 
     async def ReportProfile(self, request, context):  # noqa: D102, N802
+        await self._check_member(context, request)
         try:
             await self._off_loop(self.c.report_profile, request)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id}: register first")
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad profile from {request.node_id}: {e}")
+            why = f"bad profile from {request.node_id}: {e}"
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, why, "NodeProfileReport", request.node_id)
         return pb.Ack()
 
     async def Windows(self, request, context):  # noqa: D102, N802

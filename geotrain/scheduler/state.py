@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS members (
     address TEXT NOT NULL,
     region TEXT NOT NULL,
     joined_at REAL NOT NULL,
-    state TEXT NOT NULL
+    state TEXT NOT NULL,
+    public_key TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -80,6 +81,9 @@ class RunStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(members)")}
+        if "public_key" not in columns:  # a run store written before node keys: its members are bound on return
+            self._db.execute("ALTER TABLE members ADD COLUMN public_key TEXT NOT NULL DEFAULT ''")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -160,15 +164,31 @@ class RunStore:
             ).fetchall()
         return [StepRecord(*row) for row in rows]
 
-    def upsert_member(self, node_id: str, address: str, region: str, state: str) -> None:
-        """Record a member and its state (alive, dead, left)."""
+    def upsert_member(self, node_id: str, address: str, region: str, state: str, public_key: bytes = b"") -> None:
+        """Record a member and its state (alive, dead, evicted); the first public key recorded for an id stays."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO members (node_id, address, region, joined_at, state) VALUES (?, ?, ?, ?, ?) "
+                "INSERT INTO members (node_id, address, region, joined_at, state, public_key) "
+                "VALUES (?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(node_id) DO UPDATE SET address = excluded.address, region = excluded.region, "
-                "state = excluded.state",
-                (node_id, address, region, time.time(), state),
+                "state = excluded.state, "
+                "public_key = CASE members.public_key WHEN '' THEN excluded.public_key ELSE members.public_key END",
+                (node_id, address, region, time.time(), state, public_key.hex()),
             )
+
+    def member_key(self, node_id: str) -> bytes | None:
+        """The public key that owns a member's id (b"" when it registered without one); None for an unknown id."""
+        with self._lock:
+            row = self._db.execute("SELECT public_key FROM members WHERE node_id = ?", (node_id,)).fetchone()
+        return bytes.fromhex(row[0]) if row else None
+
+    def evicted(self, public_key: bytes) -> bool:
+        """Whether a member registered with this key was evicted."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM members WHERE public_key = ? AND state = 'evicted' LIMIT 1", (public_key.hex(),)
+            ).fetchone()
+        return row is not None
 
     def event(self, kind: str, node_id: str = "", detail: str = "") -> None:
         """Append to the event log."""
