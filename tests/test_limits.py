@@ -22,6 +22,7 @@ import pytest
 from geotrain.node.local import train_local
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
@@ -205,8 +206,11 @@ def test_3000_status_page_requests(tmp_path):
 
 @pytest.mark.cluster
 def test_profile_with_extreme_numbers(tmp_path):
-    with _attacked_run(tmp_path) as (cluster, _):
-        stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1"))
+    # Sent as node-1 itself, signed with its key; refused profiles count as offences, which would evict it before the
+    # last of them (another test's subject).
+    with _attacked_run(tmp_path, "scheduler.max_offences=100") as (cluster, _):
+        key, _ = NodeKey.load_or_create(tmp_path / "node-1")
+        stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1", key=key))
         honest = cluster.coordinator.members["node-1"].profile
         for value in (0.0, 5e-324, 1e308, math.nan, math.inf):
             for field in ("layer_seconds", "bandwidth_bps", "memory_bytes"):
