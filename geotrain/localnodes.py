@@ -44,8 +44,8 @@ def process_name(node_id: str) -> str:
 
 def _run_join(node_id: str, argv: list[str], env: dict[str, str], log_path: str, starter: int) -> None:
     """A local node's process, forked by the forkserver: `geotrain` with argv, its output in log_path; stopped as
-    by Ctrl+C once the process that started it (`starter`) ends, however it ended. (The forkserver does not end
-    before the nodes: each holds the pipe by which it watches its starter.)"""
+    by Ctrl+C once the process that started it (`starter`) ends, however it ended. (Ending with the forkserver would
+    not do: it outlives the starter while any node runs, since every child it forks holds its alive pipe.)"""
     os.setsid()  # a session of its own: killing the node's process group also ends its hivemind DHT fork and p2pd
     try:
         Path("/proc/self/comm").write_text(process_name(node_id))
@@ -132,8 +132,9 @@ def spawn_node(
         "--state-dir", str((state_dir or log_dir) / node_id), *(extra_args or []),
     ]
     env = {**_NODE_ENV, "GEOTRAIN_TOKEN": token}
+    log_path = str(log_dir / f"{node_id}.log")
     process = _forkserver().Process(
-        target=_run_join, args=(node_id, argv, env, str(log_dir / f"{node_id}.log"), os.getpid()), name=f"geotrain-{node_id}"
+        target=_run_join, args=(node_id, argv, env, log_path, os.getpid()), name=f"geotrain-{node_id}"
     )
     process.start()
     return NodeProcess(process)
