@@ -409,7 +409,8 @@ def _announce_device(spec: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
-    from geotrain.localnodes import Chaos, LocalNodes, start_forkserver
+    from geotrain.lifetime import start_forkserver
+    from geotrain.localnodes import Chaos, LocalNodes
 
     if args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")

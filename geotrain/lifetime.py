@@ -6,14 +6,22 @@ without touching hivemind: Python runs it in the DHT process after os.fork, and 
 DHT process, runs it between fork and exec. (torch_shm_manager, which torch starts without Python's hooks, already
 exits once no process uses it.)
 
+The process's forkserver lives here too. Local nodes (localnodes.py) and the coordinator's DHT process
+(scheduler.service) are both forked from it: it is a fresh process without threads, so nothing it forks inherits a
+lock that a thread held (a fork from a process with busy gRPC threads can hang the child), and it imports once what
+a node imports, so a forked local node starts without seconds of imports. multiprocessing keeps one forkserver per
+process, whose imports are fixed by whoever starts it first: both go through forkserver() so that they agree.
+
 The node (agent) and the coordinator (scheduler.service) both start a DHT and neither may import the other, so this
 sits beside config.py at the top of the package and imports nothing of ours (protocol/ is shared too, but it is the
-wire contract).
+wire contract); the forkserver's imports are named, not imported.
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import select
 import signal
@@ -22,6 +30,10 @@ import threading
 import time
 
 _PR_SET_PDEATHSIG = 1
+# What `geotrain join` imports up to its first optimizer step, and hivemind for the coordinator's DHT process; in a
+# forked child they cost nothing. (forkserver skips a module that fails to import: the child then imports it itself,
+# or reports why.)
+_FORKSERVER_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo", "hivemind"]
 _WATCH_INTERVAL_S = 0.5
 
 # This process as its children see it: its pid and its main thread, once tie_children_to_this_process has run.
@@ -92,3 +104,17 @@ def _signal_when_ended(pid: int, sig: int) -> None:
     except ProcessLookupError:  # already gone
         pass
     os.kill(os.getpid(), sig)
+
+
+def forkserver() -> multiprocessing.context.BaseContext:
+    """multiprocessing's forkserver context, its imports set (they take effect if it is not running yet)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return context
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, not with the first process forked from it, so that its imports overlap with
+    whatever the caller does until then (a demo: the coordinator's start)."""
+    forkserver()
+    multiprocessing.forkserver.ensure_running()

@@ -13,8 +13,6 @@ scheduler may not import.
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import random
 import runpy
@@ -27,11 +25,8 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from geotrain.lifetime import signal_when_process_ends
+from geotrain.lifetime import forkserver, signal_when_process_ends
 
-# What `geotrain join` imports, up to its first optimizer step, in the forkserver; imported again in a node, they
-# cost nothing. (forkserver skips a module that fails to import: the node then imports it itself, or reports why.)
-_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo"]
 # One thread per process: several processes share a small machine, and more threads oversubscribe it.
 _NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -107,19 +102,6 @@ class NodeProcess:
         self.send_signal(signal.SIGTERM)
 
 
-def _forkserver() -> multiprocessing.context.BaseContext:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
-    return context
-
-
-def start_forkserver() -> None:
-    """Start the forkserver now, not with the first node, so that its imports overlap with whatever the caller
-    does until then (a demo: the coordinator's start)."""
-    _forkserver()
-    multiprocessing.forkserver.ensure_running()
-
-
 def spawn_node(
     coordinator: str, node_id: str, token: str, log_dir: Path, extra_args: list[str] | None = None,
     state_dir: Path | None = None,
@@ -133,7 +115,7 @@ def spawn_node(
     ]
     env = {**_NODE_ENV, "GEOTRAIN_TOKEN": token}
     log_path = str(log_dir / f"{node_id}.log")
-    process = _forkserver().Process(
+    process = forkserver().Process(
         target=_run_join, args=(node_id, argv, env, log_path, os.getpid()), name=f"geotrain-{node_id}"
     )
     process.start()

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import secrets
+import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent import futures
 from concurrent.futures import Executor, ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from geotrain.config import RunConfig
-from geotrain.lifetime import tie_children_to_this_process
+from geotrain.lifetime import forkserver, tie_children_to_this_process
 
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -30,9 +32,6 @@ from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler.errors import ReportRefused, Unauthorized
 from geotrain.scheduler.state import RunStore
-
-if TYPE_CHECKING:
-    from hivemind import DHT
 
 log = logging.getLogger(__name__)
 
@@ -273,24 +272,58 @@ def fetch_model_state(plan: pb.Plan, token: str, steps_done: int, tls: TlsFiles 
     return state
 
 
-def _start_dht(host_maddr: str) -> DHT:
-    """The coordinator's DHT process, ready. A forked DHT process that never reports ready (seen once in ~30 starts
-    inside a test process that had run gRPC servers: a fork while other threads hold locks) is killed and started
-    once more, instead of waiting forever."""
+class DhtProcess:
+    """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
+    which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
+    gRPC threads are busy can leave the child stuck on a lock it inherited (a test process that had run many servers
+    hung so about once in thirty starts). The coordinator needs only the DHT's addresses; the DHT ends when this object is
+    closed or its coordinator dies, however it died (the process reads the end of a pipe that only the coordinator
+    holds open)."""
+
+    def __init__(self, host_maddr: str) -> None:
+        context = forkserver()
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_serve_dht, args=(host_maddr, child_conn), name="geotrain-dht",
+                                        daemon=True)
+        self._process.start()
+        child_conn.close()
+        try:
+            if not self._conn.poll(_DHT_READY_S):
+                raise RuntimeError(f"the coordinator's DHT process did not start within {_DHT_READY_S:.0f} s")
+            self.maddrs: list[str] = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise RuntimeError("the coordinator's DHT process ended before it was ready: its error is above") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._conn.close()
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+
+def _serve_dht(host_maddr: str, conn: Connection) -> None:
+    """DhtProcess's process: start the DHT, send its addresses, and run it until the coordinator's end of `conn`
+    closes. Ctrl+C at a terminal reaches this process too; the coordinator decides when it ends."""
     from hivemind import DHT
 
-    for attempt in (1, 2):
-        dht = DHT(host_maddrs=[host_maddr], start=False)
-        dht.run_in_background(await_ready=False)
-        try:
-            dht.wait_until_ready(timeout=_DHT_READY_S)
-            return dht
-        except futures.TimeoutError:  # the builtin TimeoutError only from Python 3.11
-            log.warning("the DHT process was not ready after %.0f s (attempt %d): starting another", _DHT_READY_S,
-                        attempt)
-            dht.kill()
-            dht.join(5)
-    raise RuntimeError(f"the coordinator's DHT process did not start within {_DHT_READY_S:.0f} s, twice")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Daemonic, so that multiprocessing ends it if its coordinator exits without closing it; multiprocessing then
+    # refuses it children, because it could not end them, but tie_children_to_this_process does.
+    multiprocessing.current_process().daemon = False
+    tie_children_to_this_process()  # hivemind's DHT process and its p2pd die with this one, even by SIGKILL
+    dht = DHT(host_maddrs=[host_maddr], start=True)
+    try:
+        conn.send([str(m) for m in dht.get_visible_maddrs()])
+        conn.recv()  # nothing is ever sent: this returns, by EOFError, once the coordinator's end is closed
+    except EOFError:
+        pass
+    finally:
+        dht.shutdown()
 
 
 class CoordinatorProcess:
@@ -318,23 +351,26 @@ class CoordinatorProcess:
         checkpoints = (
             CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
         )
-        # Started before any gRPC object: hivemind forks its DHT process, and a fork while gRPC threads run breaks it.
         host = listen.rsplit(":", 1)[0]
-        tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed coordinator
-        self.dht = _start_dht(f"/ip4/{host}/tcp/0")
-        self.coordinator = Coordinator(
-            cfg,
-            store=self.store,
-            checkpoints=checkpoints,
-            fetch_state=lambda address, steps_done: fetch_stage_state(address, token, steps_done, tls),
-            dht_peers=[str(m) for m in self.dht.get_visible_maddrs()],
-            run_id=self.store.get("run_id", ""),
-            on_event=on_event,
-        )
-        self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
+        self.dht = DhtProcess(f"/ip4/{host}/tcp/0")
+        try:
+            self.coordinator = Coordinator(
+                cfg,
+                store=self.store,
+                checkpoints=checkpoints,
+                fetch_state=lambda address, steps_done: fetch_stage_state(address, token, steps_done, tls),
+                dht_peers=self.dht.maddrs,
+                run_id=self.store.get("run_id", ""),
+                on_event=on_event,
+            )
+            self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
+        except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind
+            self.dht.close()
+            self.store.close()
+            raise
 
     def close(self) -> None:
         """Stop the server and the DHT, and close the run state."""
         self.server.stop(grace=1.0).wait(3.0)
-        self.dht.shutdown()
+        self.dht.close()
         self.store.close()
