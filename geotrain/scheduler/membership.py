@@ -375,6 +375,10 @@ class Membership:
         plan epoch (scope), StepFailed when a node of it is lost or reports failing in that epoch, or on timeout."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
+            # A node that said it cannot take part fails the epoch even if the others got as far as predicate: what
+            # it would have done (apply the step, average with its replicas) did not happen.
+            if scope is not None:
+                self._check_failure_reports(scope)
             while not predicate():
                 if self.stop_requested.is_set():
                     raise RunAborted("stopped")
@@ -390,6 +394,9 @@ class Membership:
         lost = self.lost() & set(scope.nodes)
         if lost:
             raise StepFailed(f"node(s) {', '.join(sorted(lost))} lost")
+        self._check_failure_reports(scope)
+
+    def _check_failure_reports(self, scope: Scope) -> None:
         for n in scope.nodes:
             member = self.members.get(n)
             if member is not None and member.failed_epoch == scope.epoch:
