@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from geotrain.cli import _per_node_flags, build_parser
-from geotrain.config import ConfigError, RunConfig, build_config, from_proto, load_config, to_proto
+from geotrain.config import ConfigError, LimitsSection, RunConfig, build_config, from_proto, load_config, to_proto
+from geotrain.protocol.limits import LimitValues
 from tests.conftest import run_cli
 
 
@@ -97,3 +98,8 @@ def test_replica_rank_follows_replica_grads():
     assert load_config().compression.replica_rank is None
     assert load_config(None, ["compression.replica_grads=powersgd"]).compression.replica_rank == 4
     assert load_config(None, ["compression.replica_grads=powersgd:rank=8"]).compression.replica_rank == 8
+
+
+def test_a_servers_limits_before_the_run_config_arrives_are_the_configs_defaults():
+    # protocol/ cannot import config, so LimitValues writes the defaults down again; they must not drift apart.
+    assert LimitsSection().values() == LimitValues()

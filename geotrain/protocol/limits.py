@@ -29,7 +29,8 @@ _MAX_TRACKED = 1 << 16
 
 @dataclass(frozen=True)
 class LimitValues:
-    """The numbers PeerLimits enforces (config.LimitsSection's, which protocol/ cannot import)."""
+    """The numbers PeerLimits enforces: config.LimitsSection's, which protocol/ cannot import, so its defaults are
+    written down again here (tests/test_config.py checks that they agree)."""
 
     streams_per_peer: int = 16
     streams_per_host: int = 128
