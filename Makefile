@@ -22,11 +22,13 @@ demo: $(STAMP)
 	$(BIN)/geotrain demo
 
 # The status page test drives headless Chromium; install Debian's when we may (root with apt), else it skips.
+# Two tests at a time (pytest-xdist, stealing work so that no worker idles at the end): a multi-process test
+# leaves about a third of two cores idle while its processes wait on each other.
 test: $(STAMP)
 	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 		echo "chromium could not be installed: the browser test will skip"; fi
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # What needs no cluster: no coordinator, node, CLI or DHT processes; well under a minute.
 test-fast: $(STAMP)
