@@ -95,9 +95,11 @@ def describe(device: torch.device) -> str:
     return f"{device} ({device_name(device)})"
 
 
-def matmul_flops(device: torch.device, precision: str = "fp32", size: int = 1024, repeats: int = 3) -> float:
-    """Measured floating-point operations per second of a size x size matmul on the device in `precision` (the best
-    of a few, after a warm-up): a first figure of the device's speed, before the run's layers are timed."""
+def matmul_flops(device: torch.device, precision: str = "fp32", repeats: int = 3) -> float:
+    """Measured floating-point operations per second of a square matmul on the device in `precision` (the best of a
+    few, after a warm-up): a first figure of the device's speed, before the run's layers are timed. 512 wide on a
+    CPU, where that already takes milliseconds (a node's start pays for it), 1024 on an accelerator."""
+    size = 512 if device.type == "cpu" else 1024
     dtype = COMPUTE_DTYPES[precision]
     a = torch.randn(size, size, device=device).to(dtype)
     best = float("inf")
