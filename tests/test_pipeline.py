@@ -91,7 +91,7 @@ def test_signal_stops_demo_and_its_nodes(sig):
     # SIGTERM stops the nodes from the demo's handler; after SIGKILL they follow the demo's forkserver, which ends
     # with the demo. Either way nothing the demo started outlives it.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "geotrain", "demo", "--nodes", "2", "--steps", "100000"],
+        [sys.executable, "-m", "geotrain", "demo", "--nodes", "2", "--steps", "100000", "--set", "profile.layer_repeats=1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
     )
     try:
