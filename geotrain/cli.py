@@ -368,6 +368,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         agent = Agent(options)
     except IdentityError as e:
         raise UsageError(f"--state-dir: {e}") from None
+    agent.on_reachability = lambda line: print(line, flush=True)
     interrupted = threading.Event()
     _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
     progress = ProgressReporter(agent, sys.stderr)

@@ -168,6 +168,10 @@ class Coordinator:
             run_id=self.run_id,
         )
 
+    def set_reachability(self, node_id: str, reached: str | None) -> None:
+        """The dial-back of a node that registered answered at `reached`, or nowhere (None)."""
+        self.membership.set_reachability(node_id, reached)
+
     def authorize(self, node_id: str, signer: bytes | None) -> None:
         """Unauthorized unless a call about member `node_id` was signed by its key (Membership.authorize)."""
         self.membership.authorize(node_id, signer)

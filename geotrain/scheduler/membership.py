@@ -18,6 +18,7 @@ from geotrain.config import SchedulerSection
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed, Unauthorized
 from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.reachability import DIRECT, UNREACHABLE
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,12 @@ class Member:
     failure: str = ""  # why, as it reported
     public_key: bytes = b""  # the Ed25519 key its id belongs to; every call about it must be signed with it
     offences: int = 0  # its refused reports; scheduler.max_offences of them evict it
+    reachability: str = ""  # the dial-back at registration: reachability.DIRECT or UNREACHABLE ("": not checked)
+
+    @property
+    def unreachable(self) -> bool:
+        """Nobody can dial it: its neighbours send to it over streams it opens."""
+        return self.reachability == UNREACHABLE
 
     @property
     def alive(self) -> bool:
@@ -261,6 +268,21 @@ class Membership:
             if changed:
                 self.cond.notify_all()
             return member.beat_every
+
+    def set_reachability(self, node_id: str, reached: str | None) -> None:
+        """Record the dial-back of a member that just registered: it answered at `reached` (its address from now on,
+        which may be where its call came from rather than what it advertised), or nowhere."""
+        with self.cond:
+            member = self.members.get(node_id)
+            if member is None:
+                return
+            member.reachability = DIRECT if reached else UNREACHABLE
+            member.address = reached or member.address
+            member.last_seen = time.monotonic()  # it waited for the dial-back, alive, before it could heartbeat
+            self.cond.notify_all()
+        detail = f"reachable at {reached}" if reached else f"not reachable at {member.address} from outside"
+        log.info("%s is %s", node_id, detail)
+        self.store.event("reachability", node_id, detail)
 
     def set_profile(self, request: pb.NodeProfileReport) -> None:
         """Keep a node's latest (already checked) profile; KeyError for an unknown node."""

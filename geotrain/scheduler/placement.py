@@ -130,8 +130,9 @@ def averaging_changed(
 
 
 def holders(alive: list[Member], rng: tuple[int, int], steps_done: int) -> list[Member]:
-    """Live nodes holding exactly this layer range at the committed step."""
-    return [m for m in alive if m.held == rng and m.applied_steps == steps_done]
+    """Live nodes holding exactly this layer range at the committed step, those that can be dialled first (a state
+    download dials its source)."""
+    return sorted((m for m in alive if m.held == rng and m.applied_steps == steps_done), key=lambda m: m.unreachable)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,11 @@ class Recovery:
                 have = placement.holders(alive, (s.layer_start, s.layer_end), steps_done)
                 if not have:
                     raise LookupError(f"no live node holds stage {s.index}")
+                if have[0].unreachable:
+                    raise LookupError(
+                        f"stage {s.index} is held only by nodes nobody can dial ({', '.join(m.node_id for m in have)}),"
+                        " and the coordinator downloads checkpoints by dialling"
+                    )
                 state = self._fetch_state(have[0].address, steps_done)
                 stages.append(StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), state))
         except Exception as e:  # a node lost mid-download: the next checkpoint will do

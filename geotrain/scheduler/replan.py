@@ -193,13 +193,17 @@ class Planning:
         """Have one node of each region measure its link to one node of every other region, so the planner sees
         measured links between regions rather than defaults; waits for the reports (a missing one keeps defaults)."""
         first: dict[str, Member] = {}
-        for m in sorted(self.membership.alive(), key=lambda m: m.node_id):
-            first.setdefault(m.region, m)
+        for m in sorted(self.membership.alive(), key=lambda m: (m.unreachable, m.node_id)):
+            first.setdefault(m.region, m)  # a node that can be dialled, where the region has one
         asked: dict[str, list[Member]] = {}
         regions = sorted(first)
         for i, a in enumerate(regions):
             for b in regions[i + 1 :]:
-                asked.setdefault(first[a].node_id, []).append(first[b])
+                prober, target = first[a], first[b]
+                if target.unreachable:
+                    prober, target = target, prober  # the probe dials its target
+                if not target.unreachable:
+                    asked.setdefault(prober.node_id, []).append(target)
         for node_id, peers in asked.items():
             order = pb.ProbePeers(
                 node_ids=[p.node_id for p in peers],
@@ -267,6 +271,7 @@ class Planning:
                 regions=[m.region for m in group],
                 peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
                 public_keys=[m.public_key for m in group],
+                unreachable=[m.unreachable for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
         self.plan = plan

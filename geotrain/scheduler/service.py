@@ -30,7 +30,9 @@ from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
+from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, Unauthorized
+from geotrain.scheduler.reachability import DialBack
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,11 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog) -> None:
+    def __init__(
+        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: DialBack
+    ) -> None:
         self.c = coordinator
+        self._dial_back = dial_back  # addresses -> the first that answered, or None
         self._blocking = blocking
         self._refusals = refusals
         limits = coordinator.cfg.limits
@@ -103,6 +108,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         reply = await self._off_loop(self.c.register, request, signer(context) or b"")
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
+        if reply.accepted:
+            # The node serves before it registers: dialled now, it answers unless nobody can reach it.
+            reached = await self._off_loop(self._dial_back, reachability.candidates(request.address, context.peer()))
+            await self._off_loop(self.c.set_reachability, reply.node_id, reached)
+            reply.reachability = pb.REACHABILITY_DIRECT if reached else pb.REACHABILITY_UNREACHABLE
+            reply.reachable_at = reached or ""
         return reply
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
@@ -244,7 +255,9 @@ def make_coordinator_server(
     async def make(blocking: Executor) -> tuple[grpc.aio.Server, int]:
         limits = PeerLimits(coordinator.cfg.limits.values())
         server, port = make_aio_server(token, listen, blocking, tls, limits)
-        rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, blocking, limits.refusals), server)
+        dial_back = lambda addresses: reachability.dial_back(addresses, token, COORDINATOR_ID, tls)  # noqa: E731
+        servicer = CoordinatorServicer(coordinator, blocking, limits.refusals, dial_back)
+        rpc.add_CoordinatorServicer_to_server(servicer, server)
         return server, port
 
     server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)
@@ -263,11 +276,19 @@ def fetch_stage_state(
         channel.close()
 
 
+def _unreachable(stage: pb.StageAssignment) -> list[bool]:
+    """stage.unreachable, as long as its node_ids (a plan of an older coordinator has none: all dialable)."""
+    return list(stage.unreachable) or [False] * len(stage.node_ids)
+
+
 def fetch_model_state(plan: pb.Plan, token: str, steps_done: int, tls: TlsFiles | None = None) -> dict[str, torch.Tensor]:
     """The whole model's parameters (no optimizer state), stage by stage from one replica each."""
     state: dict[str, torch.Tensor] = {}
     for stage in plan.stages:
-        tensors = fetch_stage_state(stage.addresses[0], token, steps_done, tls)
+        dialable = [a for a, unreachable in zip(stage.addresses, _unreachable(stage)) if not unreachable]
+        if not dialable:
+            raise RuntimeError(f"stage {stage.index} is served only by nodes nobody can dial: its state cannot be downloaded")
+        tensors = fetch_stage_state(dialable[0], token, steps_done, tls)
         state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
     return state
 

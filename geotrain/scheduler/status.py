@@ -97,6 +97,7 @@ def _add_node(reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, n
         device=f"{m.profile.device} ({m.profile.device_name})" if m.profile else "",
         precision=m.profile.precision if m.profile else "",
         peak_memory_bytes=m.peak_memory_bytes,
+        reachability=m.reachability,
     )
     for link in m.links:
         reply.links.add(
