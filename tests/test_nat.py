@@ -4,15 +4,20 @@ unreachable node opens (node/reverse.py), equal to train-local."""
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import grpc
 import pytest
 
 from geotrain.config import load_config
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.reachability import candidates
-from geotrain.scheduler.service import fetch_stage_state
-from tests.conftest import local_cluster, max_diff, train_local_state
+from tests.conftest import expect_status, local_cluster, max_diff, train_local_state
 
 
 @contextmanager
@@ -23,18 +28,37 @@ def dead_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now (the node binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dial_back_tries_the_advertised_address_then_where_the_call_came_from():
     assert candidates("192.168.1.5:7100", "ipv4:203.0.113.9:51234") == ["192.168.1.5:7100", "203.0.113.9:7100"]
     assert candidates("203.0.113.9:7100", "ipv4:203.0.113.9:51234") == ["203.0.113.9:7100"]
     assert candidates("[fd00::5]:7100", "ipv6:[2001:db8::9]:4000") == ["[fd00::5]:7100", "[2001:db8::9]:7100"]
     assert candidates("10.0.0.5:7100", "unix:/tmp/socket") == ["10.0.0.5:7100"]
+    # Through a proxy on the coordinator's host: loopback there is not the node.
+    assert candidates("10.0.0.5:7100", "ipv4:127.0.0.1:4000") == ["10.0.0.5:7100"]
+
+
+def _attack(cluster, tmp_path) -> None:
+    """Reverse streams and state uploads nobody asked for, each refused with a clear status (the run goes on)."""
+    keys = {n: NodeKey.load_or_create(tmp_path / n)[0] for n in ("node-1", "node-2", "node-3")}
+    node_1 = cluster.coordinator.plan.stages[0].addresses[0]
+
+    def stage(as_node: str) -> rpc.StageStub:
+        return rpc.StageStub(make_channel(node_1, cluster.token, lambda: as_node, key=keys[as_node]))
+
+    def reverse(as_node: str, nonce: bytes) -> list[pb.ReverseDown]:
+        return list(stage(as_node).Reverse(iter([pb.ReverseUp(open=pb.ReverseOpen(nonce=nonce))]), timeout=10))
+
+    # node-1 sends to node-2 over a stream only node-2 may open; node-3 can be dialled, and is no neighbour of node-1.
+    expect_status(grpc.StatusCode.FAILED_PRECONDITION, "sends to no unreachable node", lambda: reverse("node-3", bytes(32)))
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, "nonce of 16 to 64 bytes", lambda: reverse("node-2", b"short"))
+    coordinator = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1",
+                                                   key=keys["node-1"]))
+
+    def upload(node_id: str) -> None:
+        coordinator.UploadState(iter([pb.StateUpload(node_id=node_id, request=999)]), timeout=10)
+
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, "no state upload 999 was asked of node-1", lambda: upload("node-1"))
+    expect_status(grpc.StatusCode.PERMISSION_DENIED, "", lambda: upload("node-3"))
 
 
 @pytest.mark.cluster
@@ -45,25 +69,39 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
     settings = ["run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=2", "run.eval_microbatches=2",
                 "scheduler.placement=uniform"]
     cfg = load_config(None, settings)
-    listen = f"127.0.0.1:{free_port()}"
+    plan_ready, attacks_done = threading.Event(), threading.Event()
+
+    def hold_after_plan(kind: str, _data: dict) -> None:
+        if kind == "plan":
+            plan_ready.set()
+            attacks_done.wait(60)
+
     with dead_port() as dead:
-        node_args = {"node-2": ["--listen", listen, "--advertise", f"127.0.0.1:{dead}"]}
-        with local_cluster(cfg, 3, tmp_path, node_args=node_args, in_order=True) as cluster:
+        node_args = {"node-2": ["--advertise", f"127.0.0.1:{dead}"]}
+        with local_cluster(cfg, 3, tmp_path, on_event=hold_after_plan, node_args=node_args,
+                           state_dir=tmp_path / "run", in_order=True) as cluster:
+            assert plan_ready.wait(90)
+            try:
+                _attack(cluster, tmp_path)
+            finally:
+                attacks_done.set()
             summary = cluster.wait(120)
             plan = cluster.coordinator.plan
             status = cluster.coordinator.status()
-            state = {}
-            for stage in plan.stages:
-                # The test can dial node-2 where it really listens; the coordinator knows only what it advertised.
-                address = listen if "node-2" in stage.node_ids else stage.addresses[0]
-                tensors = fetch_stage_state(address, cluster.token, summary.steps)
-                state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
+            # node-2's stage cannot be downloaded by dialling: node-2 uploads it when ordered to.
+            state = cluster.coordinator.model_state(summary.steps)
+            checkpoint = cluster.coordinator.recovery.checkpoints.latest()
+    assert checkpoint is not None and checkpoint.steps_done == cfg.run.steps  # written from node-2's upload too
     assert summary.steps == cfg.run.steps and [list(s.node_ids) for s in plan.stages] == [["node-1"], ["node-2"], ["node-3"]]
     assert max_diff(state, train_local_state(cfg)) <= 1e-4
     flags = {n: u for s in plan.stages for n, u in zip(s.node_ids, s.unreachable)}
     assert flags == {"node-1": False, "node-2": True, "node-3": False}
     assert {n.node_id: n.reachability for n in status.nodes} == {
         "node-1": "direct", "node-2": "unreachable", "node-3": "direct"
+    }
+    assert {(link.src, link.dst): link.transport for link in status.links if link.transport} == {
+        ("node-1", "node-2"): "reversed", ("node-3", "node-2"): "reversed",
+        ("node-2", "node-1"): "direct", ("node-2", "node-3"): "direct",
     }
     joins = {n: (tmp_path / f"{n}.log").read_text() for n in ("node-1", "node-2", "node-3")}
     assert "not reachable from outside: neighbours will use connections this node opens" in joins["node-2"]

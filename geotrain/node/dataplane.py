@@ -4,7 +4,8 @@ One channel per peer address, one codec state per (peer, direction) so that a co
 encoded by one thread at a time under that link's own lock (PowerSGD's warm start is the previous encode's factor:
 two encodes at once would read and write it in an order set by thread timing), byte counters per link before and
 after compression, deadlines that follow each link's measured call times, and
-an optional link emulator so that heterogeneous links are real on one machine.
+an optional link emulator so that heterogeneous links are real on one machine. A link to a peer nobody can dial
+(behind NAT) is the same link sent over the stream that peer opened to this node (node/reverse.py) instead of a call.
 
 The codec states keep no error-feedback residual: consecutive tensors on a link are different microbatches'
 activations (or their gradients), so one microbatch's residual would be added to another sample, a bias rather

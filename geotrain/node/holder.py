@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -183,6 +184,25 @@ class StageHolder:
         return framing.read_state(
             self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
         )
+
+    def _upload_state(self, order: pb.UploadState) -> None:
+        """Send the coordinator the state it asked for: it cannot dial this node to fetch it. The copy is taken here,
+        on the worker, between steps; it travels from the sender pool."""
+        layers = (order.layer_start, order.layer_end)
+        snapshot = self.state_snapshot(order.steps_done, layers)
+        first = pb.StateUpload(node_id=self.node_id, request=order.request)
+
+        def uploads() -> Iterator[pb.StateUpload]:
+            if snapshot is None:
+                first.error = f"this node holds no layers [{layers[0]}, {layers[1]}) after {order.steps_done} steps"
+                yield first
+                return
+            for i, chunk in enumerate(framing.state_chunks(snapshot)):
+                upload = first if i == 0 else pb.StateUpload()
+                upload.chunk.CopyFrom(chunk)
+                yield upload
+
+        self._send(lambda: self.coordinator.UploadState(uploads(), timeout=_STATE_DEADLINE_S), "state upload")
 
     def state_snapshot(
         self, steps_done: int, layers: tuple[int, int] | None = None

@@ -173,6 +173,7 @@ class CoordinatorLink:
             "evaluate": lambda: self._evaluate(order.evaluate),
             "commit": lambda: self._commit(order.commit),
             "apply": lambda: self._apply(order.apply),
+            "upload_state": lambda: self._upload_state(order.upload_state),
         }
         self._submit(CONTROL, handlers[kind])
         return False

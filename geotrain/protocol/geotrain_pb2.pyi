@@ -456,6 +456,18 @@ class JoinAveraging(_message.Message):
     initial_peers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, initial_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class UploadState(_message.Message):
+    __slots__ = ("request", "steps_done", "layer_start", "layer_end")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    request: int
+    steps_done: int
+    layer_start: int
+    layer_end: int
+    def __init__(self, request: _Optional[int] = ..., steps_done: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
 class CommitStep(_message.Message):
     __slots__ = ("step", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -487,7 +499,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging", "upload_state")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +509,7 @@ class Order(_message.Message):
     LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
     JOIN_AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
@@ -506,7 +519,8 @@ class Order(_message.Message):
     load_state: LoadState
     probe_peers: ProbePeers
     join_averaging: JoinAveraging
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ...) -> None: ...
+    upload_state: UploadState
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ..., upload_state: _Optional[_Union[UploadState, _Mapping]] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")
@@ -595,6 +609,18 @@ class FetchCheckpointRequest(_message.Message):
     layer_end: int
     steps_done: int
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+
+class StateUpload(_message.Message):
+    __slots__ = ("node_id", "request", "error", "chunk")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    request: int
+    error: str
+    chunk: TensorChunk
+    def __init__(self, node_id: _Optional[str] = ..., request: _Optional[int] = ..., error: _Optional[str] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -727,7 +753,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., est_compute_s: _Optional[float] = ..., est_transfer_s: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio", "raw_bytes", "wire_bytes")
+    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio", "raw_bytes", "wire_bytes", "transport")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_MBPS_FIELD_NUMBER: _ClassVar[int]
@@ -736,6 +762,7 @@ class LinkStatus(_message.Message):
     COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     bandwidth_mbps: float
@@ -744,7 +771,8 @@ class LinkStatus(_message.Message):
     compression_ratio: float
     raw_bytes: int
     wire_bytes: int
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPoint(_message.Message):
     __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds", "at")

@@ -99,6 +99,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.FromString,
                 _registered_method=True)
+        self.UploadState = channel.stream_unary(
+                '/geotrain.v1.Coordinator/UploadState',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -185,6 +190,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadState(self, request_iterator, context):
+        """The state an UploadState order asked for, from a node the coordinator cannot dial.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +264,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Windows,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.SerializeToString,
+            ),
+            'UploadState': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadState,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -605,6 +622,33 @@ class Coordinator:
             '/geotrain.v1.Coordinator/Windows',
             geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geotrain.v1.Coordinator/UploadState',
+            geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

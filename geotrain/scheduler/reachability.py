@@ -4,6 +4,7 @@ every plan."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -25,11 +26,13 @@ UNREACHABLE = "unreachable"
 
 def candidates(advertised: str, caller: str) -> list[str]:
     """The addresses to try: the advertised one, then the advertised port at the host the call came from (gRPC's
-    "ipv4:HOST:PORT"), when that is another host (a node that advertised its LAN address behind a forwarded port)."""
+    "ipv4:HOST:PORT"), when that is another host (a node that advertised its LAN address behind a forwarded port).
+    A call from loopback came through a proxy on the coordinator's host: dialling loopback would reach that host."""
     host, _, port = advertised.rpartition(":")
     seen = peer_host(caller)
     tried = [advertised]
-    if seen and seen != host.strip("[]") and caller.startswith(("ipv4:", "ipv6:")):
+    # gRPC writes the peer of a TCP call as ipv4:HOST:PORT or ipv6:[HOST]:PORT.
+    if caller.startswith(("ipv4:", "ipv6:")) and seen != host.strip("[]") and not ipaddress.ip_address(seen).is_loopback:
         tried.append(f"[{seen}]:{port}" if ":" in seen else f"{seen}:{port}")
     return tried
 

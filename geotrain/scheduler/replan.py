@@ -274,6 +274,12 @@ class Planning:
                 unreachable=[m.unreachable for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
+        for before, after in zip(groups, groups[1:]):
+            stranded = [(a.node_id, b.node_id) for a in before for b in after if a.unreachable and b.unreachable]
+            if stranded:
+                why = f"nobody can dial either end of {', '.join(f'{a}-{b}' for a, b in stranded)}: a relay is needed"
+                log.warning("plan epoch %d: %s, which this version lacks", epoch, why)
+                self.store.event("unreachable", detail=why)
         self.plan = plan
         self.membership.take_up(plan)
         self.store.put("plan", plan.SerializeToString().hex())

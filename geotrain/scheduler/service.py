@@ -186,6 +186,20 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         except ReportRefused as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def UploadState(self, request_iterator, context):  # noqa: D102, N802
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty state upload")
+        await self._check_member(context, first)
+        chunks = [first.chunk] if first.HasField("chunk") else []
+        async for upload in request_iterator:
+            chunks.append(upload.chunk)
+        try:
+            await self._off_loop(self.c.upload_state, first.node_id, first.request, chunks, first.error)
+        except ReportRefused as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "StateUpload", first.node_id)
+        return pb.Ack()
+
     async def Probe(self, request_iterator, context):  # noqa: D102, N802
         count = ProbeCount()
         try:
@@ -276,19 +290,11 @@ def fetch_stage_state(
         channel.close()
 
 
-def _unreachable(stage: pb.StageAssignment) -> list[bool]:
-    """stage.unreachable, as long as its node_ids (a plan of an older coordinator has none: all dialable)."""
-    return list(stage.unreachable) or [False] * len(stage.node_ids)
-
-
 def fetch_model_state(plan: pb.Plan, token: str, steps_done: int, tls: TlsFiles | None = None) -> dict[str, torch.Tensor]:
     """The whole model's parameters (no optimizer state), stage by stage from one replica each."""
     state: dict[str, torch.Tensor] = {}
     for stage in plan.stages:
-        dialable = [a for a, unreachable in zip(stage.addresses, _unreachable(stage)) if not unreachable]
-        if not dialable:
-            raise RuntimeError(f"stage {stage.index} is served only by nodes nobody can dial: its state cannot be downloaded")
-        tensors = fetch_stage_state(dialable[0], token, steps_done, tls)
+        tensors = fetch_stage_state(stage.addresses[0], token, steps_done, tls)
         state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
     return state
 
