@@ -10,12 +10,18 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+import torch
 
 from geotrain.config import load_config
+from geotrain.node.reverse import ReverseError, ReverseReceiver, ReverseSender
+from geotrain.node.servicer import StageServicer
+from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import RefusalLog, new_token
+from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
-from geotrain.protocol.transport import make_channel
+from geotrain.protocol.transport import make_channel, make_server
 from geotrain.scheduler.reachability import candidates
 from tests.conftest import expect_status, local_cluster, max_diff, train_local_state
 
@@ -111,3 +117,75 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
     for n in ("node-1", "node-3"):
         assert f"reverse link from {n} at " in joins["node-2"], joins["node-2"][-3000:]
         assert "reverse link to node-2 open" in joins[n]
+
+
+class _Sender:
+    """What the Stage service needs of a node for Reverse streams: it sends to `receiver`, whose key is `key`."""
+
+    def __init__(self, receiver: str, key: bytes) -> None:
+        self.receiver, self.key = receiver, key
+
+    def reverse_receiver(self, signer: bytes | None) -> str | None:
+        return self.receiver if signer == self.key else None
+
+
+@contextmanager
+def reverse_pair(token: str, proven_key: bytes | None = None) -> Iterator[tuple[ReverseSender, list, dict]]:
+    """A sender's Stage server on loopback and a receiver following it; the receiver takes the sender's key to be
+    proven_key (default: its real one). Yields the sender's ReverseSender, what the receiver took, and how it
+    answers: refuse["why"] makes the next delivery fail with INVALID_ARGUMENT."""
+    sender_key, receiver_key = NodeKey.generate(), NodeKey.generate()
+    reverse = ReverseSender(sender_key, lambda: "sender")
+    server, port = make_server(token, "127.0.0.1:0")
+    servicer = StageServicer(_Sender("receiver", receiver_key.public), 1 << 20, True, RefusalLog(), reverse)
+    rpc.add_StageServicer_to_server(servicer, server)
+    server.start()
+    taken: list = []
+    refuse: dict = {}
+
+    def deliver(direction: str, chunks: Iterator[pb.TensorChunk], key: bytes, address: str) -> None:
+        received = framing.read_one_tensor(chunks)
+        if "why" in refuse:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, refuse.pop("why"))
+        taken.append((direction, received.ref.microbatch, received.payload, key))
+
+    receiver = ReverseReceiver(token, lambda: "receiver", None, receiver_key, deliver, lambda: 0.2)
+    receiver.follow({"sender": (f"127.0.0.1:{port}", proven_key or sender_key.public)})
+    try:
+        yield reverse, taken, refuse
+    finally:
+        receiver.close()
+        server.stop(grace=0.5).wait(2)
+
+
+def _send(reverse: ReverseSender, microbatch: int, timeout_s: float = 10.0) -> bytes:
+    payload = bytes(range(256)) * 8192  # 2 MiB: two chunks
+    header = framing.make_header("", torch.float32, (len(payload) // 4,), pb.CODEC_NONE, payload)
+    reverse.send("receiver", "backward", pb.MicrobatchRef(microbatch=microbatch), header, payload, timeout_s)
+    return payload
+
+
+@pytest.mark.timeout(60)
+def test_a_reverse_link_delivers_as_a_call_would_and_fails_as_one_would():
+    token = new_token()
+    with reverse_pair(token) as (reverse, taken, refuse):
+        payload = _send(reverse, 3)  # waits for the receiver's stream, then for its ack
+        assert [(d, mb, p) for d, mb, p, _ in taken] == [("backward", 3, payload)]
+        refuse["why"] = "expected shape [2, 3]"
+        with pytest.raises(ReverseError) as err:
+            _send(reverse, 4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected shape" in err.value.details()
+        _send(reverse, 5)  # the link goes on after a refused tensor
+        assert [mb for _, mb, _, _ in taken] == [3, 5]
+        with pytest.raises(ReverseError) as err:  # a neighbour that opened no stream is unavailable
+            reverse.send("stranger", "forward", pb.MicrobatchRef(), pb.TensorHeader(), b"", 0.2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_refuses_a_sender_that_cannot_prove_the_plan_key():
+    with reverse_pair(new_token(), proven_key=NodeKey.generate().public) as (reverse, taken, _):
+        with pytest.raises(ReverseError) as err:
+            _send(reverse, 1, timeout_s=2.0)
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert not taken

@@ -326,6 +326,19 @@ class Wan:
         """Start every node (start_node)."""
         return [self.start_node(r, i) for r in range(self.spec.regions) for i in range(self.spec.nodes_per_region)]
 
+    def join_in_order(self, coordinator: subprocess.Popen, timeout_s: float = 60.0) -> None:
+        """Start every node, each once the coordinator (started with start_coordinator) has logged the one before
+        joining: uniform placement then gives stage k to the k-th node, r0n0 first."""
+        log_path = self.log_dir / "coordinator.log"
+        for r in range(self.spec.regions):
+            for i in range(self.spec.nodes_per_region):
+                self.start_node(r, i)
+                deadline = time.monotonic() + timeout_s
+                while f"r{r}n{i} joined" not in log_path.read_text():
+                    if coordinator.poll() is not None or time.monotonic() > deadline:
+                        raise WanError(f"r{r}n{i} did not join (coordinator exit code {coordinator.poll()})")
+                    time.sleep(0.1)
+
     def run(self, extra_args: list[str] | None = None, timeout_s: float | None = None, console: bool = False) -> int:
         """Run a coordinator and every node to the end of the run; returns the coordinator's exit code."""
         coordinator = self.start_coordinator(extra_args, console)
