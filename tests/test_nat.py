@@ -55,7 +55,8 @@ def _attack(cluster, tmp_path) -> None:
         return list(stage(as_node).Reverse(iter([pb.ReverseUp(open=pb.ReverseOpen(nonce=nonce))]), timeout=10))
 
     # node-1 sends to node-2 over a stream only node-2 may open; node-3 can be dialled, and is no neighbour of node-1.
-    expect_status(grpc.StatusCode.FAILED_PRECONDITION, "sends to no unreachable node", lambda: reverse("node-3", bytes(32)))
+    refused = "sends to no unreachable node"
+    expect_status(grpc.StatusCode.FAILED_PRECONDITION, refused, lambda: reverse("node-3", bytes(32)))
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, "nonce of 16 to 64 bytes", lambda: reverse("node-2", b"short"))
     coordinator = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1",
                                                    key=keys["node-1"]))
@@ -72,8 +73,8 @@ def _attack(cluster, tmp_path) -> None:
 def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
     # node-2 advertises a port that refuses every connection, so the coordinator's dial-back fails as it does behind
     # NAT; its neighbours must send to it over the streams it opens, and the run must still equal train-local.
-    settings = ["run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=2", "run.eval_microbatches=2",
-                "scheduler.placement=uniform"]
+    settings = ["run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=2",
+                "run.eval_microbatches=2", "scheduler.placement=uniform"]
     cfg = load_config(None, settings)
     plan_ready, attacks_done = threading.Event(), threading.Event()
 
@@ -98,7 +99,8 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
             state = cluster.coordinator.model_state(summary.steps)
             checkpoint = cluster.coordinator.recovery.checkpoints.latest()
     assert checkpoint is not None and checkpoint.steps_done == cfg.run.steps  # written from node-2's upload too
-    assert summary.steps == cfg.run.steps and [list(s.node_ids) for s in plan.stages] == [["node-1"], ["node-2"], ["node-3"]]
+    assert summary.steps == cfg.run.steps
+    assert [list(s.node_ids) for s in plan.stages] == [["node-1"], ["node-2"], ["node-3"]]
     assert max_diff(state, train_local_state(cfg)) <= 1e-4
     flags = {n: u for s in plan.stages for n, u in zip(s.node_ids, s.unreachable)}
     assert flags == {"node-1": False, "node-2": True, "node-3": False}

@@ -220,9 +220,14 @@ def test_a_node_behind_nat_serves_the_middle_stage_exactly(tmp_path):
         wan.build()
         coordinator = wan.start_coordinator([*as_set_flags(NAT_RUN), "--save-final", str(final)])
         wan.join_in_order(coordinator)  # stage r on r{r}n0: region 1's node serves the middle stage
-        # Reachability is known from registration on, while the nodes still profile themselves.
-        status = wait_until(lambda: _status(wan), 30, "the coordinator's status")
-        assert {n["node_id"]: n["reachability"] for n in status["nodes"]} == {
+        # Each node's reachability is known once the coordinator's dial-back ends (r1n0's waits out its 3 s
+        # deadline), while the nodes still profile themselves: before any plan.
+        def reachability() -> dict[str, str] | None:
+            status = _status(wan)
+            found = {n["node_id"]: n["reachability"] for n in status["nodes"]} if status else {}
+            return found if len(found) == 3 and all(found.values()) else None
+
+        assert wait_until(reachability, 30, "every node's reachability") == {
             "r0n0": "direct", "r1n0": "unreachable", "r2n0": "direct"
         }
         assert coordinator.wait(180) == 0, log.read_text()[-3000:]

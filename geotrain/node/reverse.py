@@ -139,7 +139,8 @@ class ReverseSender:
             self._cond.notify_all()
         if replaced is not None:
             replaced.close(f"{peer} opened a new reverse stream")
-        threading.Thread(target=self._read_acks, args=(stream, requests), name=f"reverse-acks-{peer}", daemon=True).start()
+        acks = threading.Thread(target=self._read_acks, args=(stream, requests), name=f"reverse-acks-{peer}", daemon=True)
+        acks.start()
         log.info("reverse link to %s open: it cannot be dialled, so it receives over the stream it opened", peer)
         try:
             while (delivery := stream.outbox.get()) is not None:

@@ -37,6 +37,7 @@ from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
+from geotrain.scheduler.reachability import DialedBack
 from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.replan import Planning
 from geotrain.scheduler.state import RunStore, StepRecord
@@ -145,10 +146,14 @@ class Coordinator:
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
-    def register(self, request: pb.RegisterRequest, signer: bytes | None = None) -> pb.RegisterReply:
+    def register(
+        self, request: pb.RegisterRequest, signer: bytes | None = None, dialed: DialedBack | None = None
+    ) -> pb.RegisterReply:
         """Admit a node (new, or returning with the stage it holds), or say why not. `signer`: the key that signed
         the call (the RPC service passes it, b"" for an unsigned call), which must be the key the request carries;
-        None in-process, where the request's key is taken as it is."""
+        None in-process, where the request's key is taken as it is. `dialed`: what the dial-back found before
+        (the RPC service dials; None in-process: not dialled), kept with the member from its first moment, so that no
+        plan counts it before its reachability is known."""
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -165,20 +170,20 @@ class Coordinator:
                 message="a registration must carry the node's public key and be signed with it",
             )
         try:
-            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)))
+            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dialed)
         except Rejected as e:
             return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
-        return pb.RegisterReply(
+        reply = pb.RegisterReply(
             accepted=True,
             node_id=member.node_id,
             config=to_proto(self.cfg),
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
             run_id=self.run_id,
         )
-
-    def set_reachability(self, node_id: str, reached: str | None) -> None:
-        """The dial-back of a node that registered answered at `reached`, or nowhere (None)."""
-        self.membership.set_reachability(node_id, reached)
+        if dialed is not None:
+            reply.reachability = pb.REACHABILITY_DIRECT if dialed.reached else pb.REACHABILITY_UNREACHABLE
+            reply.reachable_at = dialed.reached or ""
+        return reply
 
     def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
         """The state of `layers` after steps_done steps from a member that holds them: downloaded by dialling it, or
@@ -198,7 +203,8 @@ class Coordinator:
             have = placement.holders(self.membership.alive(), layers, steps_done)
             if not have:
                 raise LookupError(f"no live node holds stage {s.index} after {steps_done} steps")
-            state.update({k: v for k, v in self.member_state(have[0], layers, steps_done).items() if k.startswith("layers.")})
+            tensors = self.member_state(have[0], layers, steps_done)
+            state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
         return state
 
     def upload_state(self, node_id: str, request: int, chunks: list[pb.TensorChunk], error: str) -> None:

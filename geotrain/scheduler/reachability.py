@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -32,7 +33,8 @@ def candidates(advertised: str, caller: str) -> list[str]:
     seen = peer_host(caller)
     tried = [advertised]
     # gRPC writes the peer of a TCP call as ipv4:HOST:PORT or ipv6:[HOST]:PORT.
-    if caller.startswith(("ipv4:", "ipv6:")) and seen != host.strip("[]") and not ipaddress.ip_address(seen).is_loopback:
+    tcp = caller.startswith(("ipv4:", "ipv6:"))
+    if tcp and seen != host.strip("[]") and not ipaddress.ip_address(seen).is_loopback:
         tried.append(f"[{seen}]:{port}" if ":" in seen else f"{seen}:{port}")
     return tried
 
@@ -53,5 +55,17 @@ def dial_back(
     return None
 
 
-DialBack = Callable[[list[str]], str | None]
+Dialler = Callable[[list[str]], str | None]
 """dial_back with the coordinator's token and TLS bound: addresses to the one that answered."""
+
+
+@dataclass(frozen=True)
+class DialedBack:
+    """What the dial-back of a registering node found: the address that answered, or None."""
+
+    reached: str | None
+
+    @property
+    def state(self) -> str:
+        """DIRECT or UNREACHABLE."""
+        return DIRECT if self.reached else UNREACHABLE

@@ -32,7 +32,7 @@ from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, Unauthorized
-from geotrain.scheduler.reachability import DialBack
+from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     """
 
     def __init__(
-        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: DialBack
+        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: Dialler
     ) -> None:
         self.c = coordinator
         self._dial_back = dial_back  # addresses -> the first that answered, or None
@@ -105,15 +105,11 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
                    f"{limits.registration_burst}) from this host")
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-        reply = await self._off_loop(self.c.register, request, signer(context) or b"")
+        # A node serves before it registers: dialled now, it answers unless nobody can reach it.
+        reached = await self._off_loop(self._dial_back, reachability.candidates(request.address, context.peer()))
+        reply = await self._off_loop(self.c.register, request, signer(context) or b"", DialedBack(reached))
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
-        if reply.accepted:
-            # The node serves before it registers: dialled now, it answers unless nobody can reach it.
-            reached = await self._off_loop(self._dial_back, reachability.candidates(request.address, context.peer()))
-            await self._off_loop(self.c.set_reachability, reply.node_id, reached)
-            reply.reachability = pb.REACHABILITY_DIRECT if reached else pb.REACHABILITY_UNREACHABLE
-            reply.reachable_at = reached or ""
         return reply
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
