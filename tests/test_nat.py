@@ -22,7 +22,9 @@ from geotrain.protocol.auth import RefusalLog, new_token
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel, make_server
-from geotrain.scheduler.reachability import candidates
+from geotrain.scheduler.membership import Member
+from geotrain.scheduler.placement import state_sources
+from geotrain.scheduler.reachability import DIRECT, UNREACHABLE, candidates
 from tests.conftest import expect_status, local_cluster, max_diff, train_local_state
 
 
@@ -66,6 +68,20 @@ def _attack(cluster, tmp_path) -> None:
 
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, "no state upload 999 was asked of node-1", lambda: upload("node-1"))
     expect_status(grpc.StatusCode.PERMISSION_DENIED, "", lambda: upload("node-3"))
+
+
+def test_a_state_held_only_by_nodes_nobody_can_dial_comes_through_the_coordinator():
+    def member(node_id: str, reachability: str, held: tuple[int, int] = (0, 0)) -> Member:
+        return Member(node_id, f"{node_id}:1", "eu", 0.0, 0.0, held=held, applied_steps=5 if held != (0, 0) else 0,
+                      reachability=reachability)
+
+    nat, open_, joiner = member("nat", UNREACHABLE, (0, 2)), member("open", DIRECT, (0, 2)), member("new", DIRECT)
+    # A holder that can be dialled is the source wherever there is one; else the joiner loads through the coordinator
+    # (LoadState.source_address ''), which has the holder upload the state.
+    found = state_sources([(0, 2)], [[nat, open_, joiner]], [(0, 2)], [nat, open_, joiner], 5, {0: "sum"})
+    assert found.from_peers == {"new": ("open:1", "sum")} and not found.reshaped
+    found = state_sources([(0, 2)], [[nat, joiner]], [(0, 2)], [nat, joiner], 5, {0: "sum"})
+    assert found.from_peers == {"new": ("", "sum")} and not found.reshaped
 
 
 @pytest.mark.cluster

@@ -290,8 +290,18 @@ class Coordinator:
         self.driver.step_applied(request)
 
     def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
-        """Parameters and optimizer state of a layer range from the checkpoint at steps_done, if there is one."""
-        return self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+        """Parameters and optimizer state of a layer range at steps_done: from the checkpoint, else uploaded by a live
+        holder nobody can dial (a node told to load its state from such a holder fetches it here); None if neither."""
+        state = self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+        layers = (layer_start, layer_end)
+        with self.membership.cond:
+            undialable = [m for m in placement.holders(self.membership.alive(), layers, steps_done) if m.unreachable]
+        if state is None and undialable:
+            try:
+                state = self.member_state(undialable[0], layers, steps_done)
+            except LookupError as e:
+                log.warning("layers [%d, %d) after %d steps: %s", layer_start, layer_end, steps_done, e)
+        return state
 
     # -- the run ------------------------------------------------------------------------------------------------
 
