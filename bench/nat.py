@@ -7,6 +7,9 @@ join one by one, so stage k runs in region k. One JSON line per topology: topolo
 relayed_bytes (0: nothing is relayed; two neighbouring nodes behind NAT would need a relay, which geotrain lacks, so
 that topology is not run), ratio_to_direct (tokens/s over the all-reachable run's). Needs root and nftables.
 Run: sudo python bench/nat.py [--steps N] [--latency-ms MS]
+
+Measured on a shared 2-core machine, 10 steps, 20 ms: direct 3,566 tokens/s, reversed 3,597 (ratio 1.009): a link over
+the receiver's own connection costs nothing measurable.
 """
 
 from __future__ import annotations

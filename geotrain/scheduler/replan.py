@@ -35,6 +35,21 @@ _REPLAN_TOLERANCE = 0.1
 _DRIFT_REPLAN = 0.25
 
 
+
+def _beyond_reach(groups: list[list[Member]]) -> list[str]:
+    """What a layout asks of nodes nobody can dial that this version cannot do: a link with both ends behind NAT
+    (it needs a relay), and replica averaging from behind NAT."""
+    found = []
+    for before, after in zip(groups, groups[1:]):
+        pairs = [f"{a.node_id}-{b.node_id}" for a in before for b in after if a.unreachable and b.unreachable]
+        if pairs:
+            found.append(f"nobody can dial either end of {', '.join(pairs)}: a relay is needed")
+    for group in groups:
+        behind = [m.node_id for m in group if m.unreachable]
+        if behind and len(group) > 1:
+            found.append(f"{', '.join(behind)} would average with replicas from behind NAT")
+    return found
+
 class Planning:
     """The current plan, the cost model's view of it, and the making of the next one."""
 
@@ -274,12 +289,9 @@ class Planning:
                 unreachable=[m.unreachable for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
-        for before, after in zip(groups, groups[1:]):
-            stranded = [(a.node_id, b.node_id) for a in before for b in after if a.unreachable and b.unreachable]
-            if stranded:
-                why = f"nobody can dial either end of {', '.join(f'{a}-{b}' for a, b in stranded)}: a relay is needed"
-                log.warning("plan epoch %d: %s, which this version lacks", epoch, why)
-                self.store.event("unreachable", detail=why)
+        for why in _beyond_reach(groups):
+            log.warning("plan epoch %d: %s, which this version does not support", epoch, why)
+            self.store.event("unreachable", detail=why)
         self.plan = plan
         self.membership.take_up(plan)
         self.store.put("plan", plan.SerializeToString().hex())
