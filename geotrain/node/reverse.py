@@ -243,6 +243,8 @@ class _Link:
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 if not self._stopped.is_set():
                     log.debug("reverse link from %s at %s: %s; reopening", self.peer, self.address, detail)
+            except Exception:  # noqa: BLE001 - the link must outlive a bug in one delivery, or the stage goes deaf
+                log.exception("reverse link from %s at %s failed; reopening", self.peer, self.address)
             self._stopped.wait(backoff)
             backoff = min(2 * backoff, _RECONNECT_MAX_S)
 
