@@ -273,9 +273,11 @@ def _run_coordinator(
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (stop_reason: why the command
     set stop_requested itself, if it did)."""
+    import grpc
+
     from geotrain.scheduler.coordinator import RunAborted
     from geotrain.scheduler.http import StatusHttpServer
-    from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
+    from geotrain.scheduler.service import CoordinatorProcess
 
     out = _out(args.json)
     tls = _tls(args)
@@ -311,7 +313,12 @@ def _run_coordinator(
             return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
         if args.save_final:
             assert coordinator.plan is not None
-            state = fetch_model_state(coordinator.plan, token, summary.steps, tls)
+            try:
+                state = coordinator.model_state(summary.steps)
+            except (LookupError, grpc.RpcError) as e:
+                print(f"geotrain: cannot save the final model: {e}", file=sys.stderr, flush=True)
+                coordinator.shutdown_nodes("run complete")
+                return EXIT_FAILED
             _save_final(args.save_final, state, cfg, out)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
@@ -368,6 +375,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         agent = Agent(options)
     except IdentityError as e:
         raise UsageError(f"--state-dir: {e}") from None
+    agent.on_reachability = lambda line: print(line, flush=True)
     interrupted = threading.Event()
     _install_signal_handlers(lambda: (interrupted.set(), agent.stop()))
     progress = ProgressReporter(agent, sys.stderr)

@@ -154,17 +154,24 @@ def local_cluster(
     state_dir: Path | None = None,
     resume: bool = False,
     node_args: dict[str, list[str]] | None = None,
+    in_order: bool = False,
 ) -> Iterator[LocalCluster]:
     """Start a coordinator and n_nodes `geotrain join` processes, node-1 to node-N with their node_args (training
-    starts when all joined); always tear down."""
+    starts when all joined; with in_order, each registers before the next starts, so uniform placement puts node-i on
+    stage i-1); always tear down."""
     cfg.scheduler.min_nodes = n_nodes
     token = new_token()
     cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
     process = CoordinatorProcess(cfg, token, "127.0.0.1:0", state_dir=state_dir, resume=resume, on_event=on_event)
     nodes = LocalNodes(f"127.0.0.1:{process.port}", token, log_dir, node_args)
+    if in_order:
+        process.server.start()
     for i in range(n_nodes):
-        nodes.start(f"node-{i + 1}")
-    process.server.start()
+        nodes.start(node_id := f"node-{i + 1}")
+        if in_order:
+            wait_until(lambda: node_id in process.coordinator.members, 60, f"{node_id} to register")
+    if not in_order:
+        process.server.start()
     result: dict[str, Any] = {}
 
     def run() -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from safetensors.torch import load_file
 
 from geotrain.config import load_config
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, as_set_flags, max_diff, run_cli, train_local_state, wait_until
 
 LINK_MBPS = 20.0
 LATENCY_MS = 20.0
@@ -148,19 +149,6 @@ def test_training_runs_across_the_wan(wan):
     assert f"r1n0 joined from {wan.node_address(1, 0)} (region-1)" in log
 
 
-def _measured_links(wan) -> dict[tuple[str, str], tuple[float, float]]:
-    """(src, dst) -> (Mbit/s, one-way ms) of every link the coordinator's Status shows measured; {} until it serves."""
-    result = subprocess.run(
-        ["ip", "netns", "exec", wan.region_ns(0), sys.executable, "-m", "geotrain", "status", "--json",
-         "--coordinator", f"127.0.0.1:{netwan.COORDINATOR_PORT}"],
-        capture_output=True, text=True, timeout=20, cwd=REPO, env={**os.environ, "GEOTRAIN_TOKEN": wan.token},
-    )
-    if result.returncode:
-        return {}
-    return {(link["src"], link["dst"]): (link["bandwidth_mbps"], link["latency_ms"])
-            for link in json.loads(result.stdout)["links"] if link["bandwidth_mbps"]}
-
-
 @pytest.mark.cluster
 @pytest.mark.netns
 @pytest.mark.timeout(150)
@@ -188,6 +176,70 @@ def test_profiler_measures_the_inter_region_link(wan):
         assert 0 < mbps <= 1.2 * LINK_MBPS, f"{pair}: {mbps:.2f} Mbit/s measured, {LINK_MBPS} configured"
         assert latency_ms >= LATENCY_MS, f"{pair}: {latency_ms:.1f} ms one way, the relay adds {LATENCY_MS}"
     assert coordinator.wait(60) == 0, log[-3000:]
+
+
+def _status(wan) -> dict | None:
+    """`geotrain status --json` of the WAN's coordinator, asked from its region; None until it serves."""
+    result = subprocess.run(
+        ["ip", "netns", "exec", wan.region_ns(0), sys.executable, "-m", "geotrain", "status", "--json",
+         "--coordinator", f"127.0.0.1:{netwan.COORDINATOR_PORT}"],
+        capture_output=True, text=True, timeout=20, cwd=REPO, env={**os.environ, "GEOTRAIN_TOKEN": wan.token},
+    )
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _measured_links(wan) -> dict[tuple[str, str], tuple[float, float]]:
+    """(src, dst) -> (Mbit/s, one-way ms) of every link the coordinator's Status shows measured; {} until it serves."""
+    status = _status(wan)
+    return {(link["src"], link["dst"]): (link["bandwidth_mbps"], link["latency_ms"])
+            for link in (status["links"] if status else []) if link["bandwidth_mbps"]}
+
+
+def _skip_unless_nat() -> None:
+    _skip_unless_namespaces()
+    try:
+        netwan.check_nftables()
+    except netwan.WanError as e:
+        pytest.skip(f"no home network here: {e}")
+
+
+NAT_RUN = ["run.steps=4", "run.eval_every=0", "train.microbatches=4", "scheduler.placement=uniform"]
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_a_node_behind_nat_serves_the_middle_stage_exactly(tmp_path):
+    # Region 1 drops every incoming connection, as a home router does; its node joins with no --advertise.
+    _skip_unless_nat()
+    wan = netwan.Wan(netwan.WanSpec(regions=3, link_mbps=50, latency_ms=LATENCY_MS, behind_nat=(1,)),
+                     log_dir=tmp_path)
+    final = tmp_path / "final.safetensors"
+    log = tmp_path / "coordinator.log"
+    try:
+        wan.build()
+        coordinator = wan.start_coordinator([*as_set_flags(NAT_RUN), "--save-final", str(final)])
+        wan.join_in_order(coordinator)  # stage r on r{r}n0: region 1's node serves the middle stage
+        # Each node's reachability is known once the coordinator's dial-back ends (r1n0's waits out its 3 s
+        # deadline), while the nodes still profile themselves: before any plan.
+        def reachability() -> dict[str, str] | None:
+            status = _status(wan)
+            found = {n["node_id"]: n["reachability"] for n in status["nodes"]} if status else {}
+            return found if len(found) == 3 and all(found.values()) else None
+
+        assert wait_until(reachability, 30, "every node's reachability") == {
+            "r0n0": "direct", "r1n0": "unreachable", "r2n0": "direct"
+        }
+        assert coordinator.wait(180) == 0, log.read_text()[-3000:]
+    finally:
+        wan.close()
+        _assert_gone(wan)
+    joins = [(tmp_path / f"r{r}n0.log").read_text() for r in range(3)]
+    assert "not reachable from outside: neighbours will use connections this node opens" in joins[1]
+    for r in (0, 2):
+        assert f"reachable at {wan.node_address(r, 0)}" in joins[r] and "not reachable" not in joins[r]
+        assert "reverse link to r1n0 open" in joins[r], joins[r][-3000:]
+    assert max_diff(load_file(str(final)), train_local_state(load_config(None, NAT_RUN))) <= 1e-4
 
 
 @pytest.mark.cluster

@@ -19,6 +19,10 @@ Arguments after `--` go to `geotrain coordinator`. Wiring, for run id RID and re
 - The relay (delay_relay.py) holds each chunk for latency-ms in each direction, so a round trip between regions
   costs 2 x latency-ms. Clients from the relay's own region are relayed without delay. `tc netem` would do this
   in the kernel, but not every kernel has it.
+- A region behind NAT (--behind-nat R, needs nftables) is a home network: nftables in its namespace drops every
+  connection that comes in, while its processes still connect out. It has no relay; its nodes listen on 0.0.0.0 and
+  advertise nothing, as a volunteer behind a home router would (they find their own LAN address). Its traffic is
+  delayed by the relays of the regions it connects to, once each way.
 
 Everything is torn down on exit, on an error, and on SIGINT/SIGTERM: processes killed, namespaces deleted (their
 veths go with them). After a SIGKILL, `netwan.py --cleanup RID` removes what is left. Needs root and iproute2.
@@ -67,6 +71,8 @@ class WanSpec:
     """One-way delay between regions (added by the relay)."""
     run_id: str = field(default_factory=lambda: "gw" + secrets.token_hex(3))
     """Prefix of every namespace, so parallel runs never collide."""
+    behind_nat: tuple[int, ...] = ()
+    """Regions whose namespace drops every incoming connection (home networks); never region 0, the coordinator's."""
 
     def __post_init__(self) -> None:
         # Region r uses 10.(r+1).0.0/24, so at most 254 regions fit in 10/8.
@@ -80,6 +86,8 @@ class WanSpec:
             raise ValueError(f"--latency-ms must be in [0, 10000], got {self.latency_ms}")
         if not self.run_id.isalnum():
             raise ValueError(f"run id must be alphanumeric, got {self.run_id!r}")
+        if any(not 1 <= r < self.regions for r in self.behind_nat):
+            raise ValueError(f"--behind-nat takes regions 1..{self.regions - 1} (region 0 holds the coordinator)")
 
 
 def _run(*cmd: str) -> str:
@@ -111,6 +119,18 @@ def check_environment() -> None:
         _run("ip", "netns", "add", probe)
     except WanError as e:
         raise WanError(f"cannot create a network namespace (in a container, run it privileged): {e}") from None
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+
+
+def check_nftables() -> None:
+    """Raise WanError unless nftables can filter in a network namespace (check_environment first)."""
+    if shutil.which("nft") is None:
+        raise WanError("a region behind NAT needs nftables: apt-get install nftables")
+    probe = f"gwnft{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "netns", "exec", probe, "nft", "add", "table", "inet", "probe")
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
@@ -228,8 +248,11 @@ class Wan:
             _run("ip", "-n", ns, "route", "add", "default", "via", gateway)
             self._shape(ns, "wan")
             self._shape(rt, f"r{r}")
+            if r in self.spec.behind_nat:
+                self._drop_incoming(ns)
         for r in range(self.spec.regions):
-            self._start_relay(r)
+            if r not in self.spec.behind_nat:
+                self._start_relay(r)
         log.info("WAN %s built: %d region(s), %.3g Mbit/s, %.3g ms one-way", self.spec.run_id, self.spec.regions,
                  self.spec.link_mbps, self.spec.latency_ms)
 
@@ -241,6 +264,15 @@ class Wan:
         limit = max(64 * 1024, int(rate_bytes * 0.1))
         _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{int(self.spec.link_mbps * 1e6)}bit", "burst", str(burst), "limit", str(limit))
+
+    @staticmethod
+    def _drop_incoming(ns: str) -> None:
+        """Make ns a home network: connections from outside are dropped (silently, as NAT does), replies to its own
+        connections pass."""
+        nft = ["ip", "netns", "exec", ns, "nft"]
+        _run(*nft, "add", "table", "inet", "home")
+        _run(*nft, "add", "chain", "inet", "home", "inbound", "{ type filter hook input priority 0; policy accept; }")
+        _run(*nft, "add", "rule", "inet", "home", "inbound", "iifname", "wan", "ct", "state", "new", "drop")
 
     def _start_relay(self, region: int) -> None:
         ports = [NODE_PORT_BASE + i for i in range(self.spec.nodes_per_region)]
@@ -277,18 +309,35 @@ class Wan:
         self.processes.append(proc)
         return proc
 
+    def start_node(self, region: int, index: int) -> subprocess.Popen:
+        """Start `geotrain join` for node `index` of `region`: advertising its region's relay, or, behind NAT,
+        listening on every interface and advertising nothing. Its output goes to r{region}n{index}.log."""
+        node_id = f"r{region}n{index}"
+        port = NODE_PORT_BASE + index
+        where = (["--listen", f"0.0.0.0:{port}"] if region in self.spec.behind_nat
+                 else ["--listen", f"127.0.0.1:{port}", "--advertise", self.node_address(region, index)])
+        cmd = [sys.executable, "-m", "geotrain", "--log-level", "info", "join",
+               "--coordinator", self.coordinator_address, *where, "--node-id", node_id, "--region", f"region-{region}"]
+        proc = self._spawn(self.region_ns(region), node_id, cmd)
+        self.processes.append(proc)
+        return proc
+
     def start_nodes(self) -> list[subprocess.Popen]:
-        """Start `geotrain join` for every node, each advertising its region's relay."""
-        started = []
+        """Start every node (start_node)."""
+        return [self.start_node(r, i) for r in range(self.spec.regions) for i in range(self.spec.nodes_per_region)]
+
+    def join_in_order(self, coordinator: subprocess.Popen, timeout_s: float = 60.0) -> None:
+        """Start every node, each once the coordinator (started with start_coordinator) has logged the one before
+        joining: uniform placement then gives stage k to the k-th node, r0n0 first."""
+        log_path = self.log_dir / "coordinator.log"
         for r in range(self.spec.regions):
             for i in range(self.spec.nodes_per_region):
-                node_id = f"r{r}n{i}"
-                cmd = [sys.executable, "-m", "geotrain", "--log-level", "info", "join",
-                       "--coordinator", self.coordinator_address, "--listen", f"127.0.0.1:{NODE_PORT_BASE + i}",
-                       "--advertise", self.node_address(r, i), "--node-id", node_id, "--region", f"region-{r}"]
-                started.append(self._spawn(self.region_ns(r), node_id, cmd))
-        self.processes.extend(started)
-        return started
+                self.start_node(r, i)
+                deadline = time.monotonic() + timeout_s
+                while f"r{r}n{i} joined" not in log_path.read_text():
+                    if coordinator.poll() is not None or time.monotonic() > deadline:
+                        raise WanError(f"r{r}n{i} did not join (coordinator exit code {coordinator.poll()})")
+                    time.sleep(0.1)
 
     def run(self, extra_args: list[str] | None = None, timeout_s: float | None = None, console: bool = False) -> int:
         """Run a coordinator and every node to the end of the run; returns the coordinator's exit code."""
@@ -367,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rate between regions, each direction (default 20)")
     parser.add_argument("--latency-ms", type=float, default=50.0,
                         help="one-way delay between regions (default 50)")
+    parser.add_argument("--behind-nat", type=int, action="append", default=[], metavar="REGION",
+                        help="a region whose namespace drops incoming connections, as a home router does (repeatable)")
     parser.add_argument("--timeout", type=float, help="give up after this many seconds")
     parser.add_argument("--log-dir", type=Path, help="where process logs go (default: a new temporary directory)")
     parser.add_argument("--cleanup", metavar="RUN_ID", help="remove what a killed run left behind, then exit")
@@ -376,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         spec = WanSpec(regions=args.regions, nodes_per_region=args.nodes_per_region, link_mbps=args.link_mbps,
-                       latency_ms=args.latency_ms)
+                       latency_ms=args.latency_ms, behind_nat=tuple(args.behind_nat))
     except ValueError as e:
         parser.error(str(e))
     try:
         check_environment()
+        if spec.behind_nat:
+            check_nftables()
         if args.cleanup:
             cleanup(args.cleanup)
             return 0

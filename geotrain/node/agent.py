@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from geotrain.node.handover import HeldStates
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
 from geotrain.node.profiler import NodeProfiler
+from geotrain.node.reverse import ReverseReceiver
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer
 from geotrain.node.stepflow import StepFlow
@@ -164,8 +166,14 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         )
         self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
         self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)
-        servicer = StageServicer(self, options.max_tensor_bytes, options.check_finite, self.limits.refusals)
+        servicer = StageServicer(
+            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
+        )
         rpc.add_StageServicer_to_server(servicer, self._server)
+        self.reverse_links = ReverseReceiver(
+            options.token, lambda: self.node_id, options.tls, self.key, servicer.receive, self._keepalive_s
+        )
+        self.on_reachability: Callable[[str], None] = log.info  # hears the dial-back's outcome, one line
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
@@ -197,6 +205,10 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         finally:
             self.close()
 
+    def _keepalive_s(self) -> float:
+        """Seconds between keepalives on this node's reverse streams: well within the run's idle-stream cut."""
+        return min(10.0, self.cfg.limits.idle_stream_s / 3) if self.cfg is not None else 10.0
+
     def stop(self) -> None:
         """Ask the node to stop (from a signal handler or another thread)."""
         self.stopped.set()
@@ -210,6 +222,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.profiler.close()
         self._server.stop(grace=1.0).wait(2.0)
         self._sender.shutdown(wait=False, cancel_futures=True)
+        self.reverse_links.close()
         self.dataplane.close()
         self._channel.close()
         if self.averager is not None:

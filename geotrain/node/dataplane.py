@@ -4,7 +4,8 @@ One channel per peer address, one codec state per (peer, direction) so that a co
 encoded by one thread at a time under that link's own lock (PowerSGD's warm start is the previous encode's factor:
 two encodes at once would read and write it in an order set by thread timing), byte counters per link before and
 after compression, deadlines that follow each link's measured call times, and
-an optional link emulator so that heterogeneous links are real on one machine.
+an optional link emulator so that heterogeneous links are real on one machine. A link to a peer nobody can dial
+(behind NAT) is the same link sent over the stream that peer opened to this node (node/reverse.py) instead of a call.
 
 The codec states keep no error-feedback residual: consecutive tensors on a link are different microbatches'
 activations (or their gradients), so one microbatch's residual would be added to another sample, a bias rather
@@ -26,6 +27,7 @@ import torch
 
 from geotrain.compression import Codec, FeedbackState
 from geotrain.compression.policy import LinkEstimate, LinkEstimator
+from geotrain.node.reverse import ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -143,6 +145,9 @@ class DataPlane:
         self.received: dict[str, LinkStats] = defaultdict(LinkStats)
         self.deadlines = AdaptiveDeadline()
         self.emulator = emulator
+        # Links to peers nobody can dial run over streams those peers open to this node (node.reverse).
+        self.reverse = ReverseSender(key, node_id) if key is not None else None
+        self._reversed: set[str] = set()
         self._on_peer_unavailable = on_peer_unavailable  # (peer, detail): suspicion, reported at the first failure
 
     def stub(self, address: str) -> rpc.StageStub:
@@ -173,8 +178,8 @@ class DataPlane:
         """Send one encoded tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward")
         RPC."""
         header, payload = encoded.header, encoded.payload
-        stub = self.stub(address)
-        method = stub.Forward if direction == "forward" else stub.Backward
+        with self._lock:
+            reversed_link = peer in self._reversed
         # The link estimate counts the emulated delay: it stands for the time the bytes spend on the wire.
         began = time.monotonic()
         if self.emulator is not None:
@@ -184,7 +189,14 @@ class DataPlane:
         suspect = None
         if self._on_peer_unavailable is not None:
             suspect = lambda e: self._on_peer_unavailable(peer, e.details() or "unavailable")  # noqa: E731
-        call_with_retry(lambda: method(framing.chunk_tensor(header, payload, ref), timeout=deadline), on_unavailable=suspect)
+        if reversed_link:
+            assert self.reverse is not None
+            call = lambda: self.reverse.send(peer, direction, ref, header, payload, deadline)  # noqa: E731
+        else:
+            stub = self.stub(address)
+            method = stub.Forward if direction == "forward" else stub.Backward
+            call = lambda: method(framing.chunk_tensor(header, payload, ref), timeout=deadline)  # noqa: E731
+        call_with_retry(call, on_unavailable=suspect)
         done = time.monotonic()
         self.deadlines.observe(peer, done - started)
         with self._lock:
@@ -218,6 +230,13 @@ class DataPlane:
             stats.raw_bytes += raw_bytes
             stats.wire_bytes += wire_bytes
             stats.messages += 1
+
+    def set_reversed(self, peers: set[str]) -> None:
+        """Send to these peers over the reverse streams they open (nobody can dial them), to others by calling."""
+        if peers and self.reverse is None:
+            raise ValueError("reverse links need the node's key: the sender proves it to the receiver")
+        with self._lock:
+            self._reversed = set(peers)
 
     def reset_links(self, keep: set[str]) -> None:
         """Drop codec state (powersgd's warm start) of links to peers no longer in `keep`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -16,6 +17,7 @@ from geotrain.node.dataplane import LinkShape
 from geotrain.node.failures import StageFailure
 from geotrain.node.handover import HeldStates
 from geotrain.node.link import NodeError
+from geotrain.node.reverse import ReverseReceiver
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
@@ -27,6 +29,11 @@ from geotrain.protocol.transport import make_channel
 log = logging.getLogger(__name__)
 
 _STATE_DEADLINE_S = 300.0
+
+
+def _unreachable(stage: pb.StageAssignment, position: int) -> bool:
+    """Whether nobody can dial the stage's node at `position` (a plan without the flags: everybody can)."""
+    return position < len(stage.unreachable) and stage.unreachable[position]
 
 
 class StageHolder:
@@ -42,6 +49,7 @@ class StageHolder:
     router: ReplicaRouter
     _state_lock: threading.Lock  # parameters change only under it (apply, load) and are read under it
     _peer_regions: dict[str, str]  # from plans and probe orders: what the link emulator shapes by
+    reverse_links: ReverseReceiver  # the streams this node opens to its senders when nobody can dial it
 
     def _apply_plan(self, plan: pb.Plan) -> None:
         assert self.cfg is not None
@@ -70,10 +78,14 @@ class StageHolder:
             self.router.reset()
         peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
         self.dataplane.reset_links(peers)
+        self._follow_reverse_links(plan, index)
         if stage is not None and index + 1 < len(plan.stages):
-            # Each pair is probed by its upstream end only: two probes at once, one each way, skew each other.
+            # Each pair is probed by its upstream end only: two probes at once, one each way, skew each other. A
+            # probe dials: a node nobody can dial is not probed.
             after = plan.stages[index + 1]
-            self.profiler.neighbours(dict(zip(after.node_ids, after.addresses)))
+            self.profiler.neighbours(
+                {n: a for i, (n, a) in enumerate(zip(after.node_ids, after.addresses)) if not _unreachable(after, i)}
+            )
         where = f"stage {index} layers [{stage.layer_start}, {stage.layer_end})" if stage else "spare"
         if stage is None and self.node_id in plan.excluded:
             log.warning("the planner leaves this node out: %s", plan.excluded[self.node_id][:500])
@@ -81,6 +93,40 @@ class StageHolder:
             where += ", replicas averaging region by region"
         log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
+
+    def _neighbours(self, plan: pb.Plan, index: int) -> list[tuple[pb.StageAssignment, int]]:
+        """(stage, position) of every node of the stages next to stage `index` (none for a spare): who sends to it."""
+        return [(s, i) for s in plan.stages if index >= 0 and abs(s.index - index) == 1 for i in range(len(s.node_ids))]
+
+    def _follow_reverse_links(self, plan: pb.Plan, index: int) -> None:
+        """Links of the plan whose receiver nobody can dial run over a stream the receiver opens: this node sends to
+        such neighbours over the streams they open, and if it is such a node, it opens one to each neighbour."""
+        neighbours = self._neighbours(plan, index)
+        self.dataplane.set_reversed({s.node_ids[i] for s, i in neighbours if _unreachable(s, i)})
+        stage = plan.stages[index] if index >= 0 else None
+        if stage is None or not _unreachable(stage, list(stage.node_ids).index(self.node_id)):
+            self.reverse_links.follow({})
+            return
+        stranded = [s.node_ids[i] for s, i in neighbours if _unreachable(s, i)]
+        if stranded:
+            log.error(
+                "neither this node nor %s can be dialled: their links would need a relay, which this version lacks",
+                ", ".join(stranded),
+            )
+        self.reverse_links.follow(
+            {s.node_ids[i]: (s.addresses[i], s.public_keys[i]) for s, i in neighbours if not _unreachable(s, i)}
+        )
+
+    def reverse_receiver(self, signer: bytes | None) -> str | None:
+        """The node id of the neighbour nobody can dial, whose key is `signer`, that this node's plan sends to."""
+        plan = self.plan
+        if plan is None or not signer:
+            return None
+        return next(
+            (s.node_ids[i] for s, i in self._neighbours(plan, self.stage_index)
+             if _unreachable(s, i) and i < len(s.public_keys) and s.public_keys[i] == signer),
+            None,
+        )
 
     def _new_runtime(self, start: int, end: int) -> StageRuntime:
         """Layers [start, end) from their initialisation, on this node's device in its precision."""
@@ -138,6 +184,25 @@ class StageHolder:
         return framing.read_state(
             self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
         )
+
+    def _upload_state(self, order: pb.UploadState) -> None:
+        """Send the coordinator the state it asked for: it cannot dial this node to fetch it. The copy is taken here,
+        on the worker, between steps; it travels from the sender pool."""
+        layers = (order.layer_start, order.layer_end)
+        snapshot = self.state_snapshot(order.steps_done, layers)
+        first = pb.StateUpload(node_id=self.node_id, request=order.request)
+
+        def uploads() -> Iterator[pb.StateUpload]:
+            if snapshot is None:
+                first.error = f"this node holds no layers [{layers[0]}, {layers[1]}) after {order.steps_done} steps"
+                yield first
+                return
+            for i, chunk in enumerate(framing.state_chunks(snapshot)):
+                upload = first if i == 0 else pb.StateUpload()
+                upload.chunk.CopyFrom(chunk)
+                yield upload
+
+        self._send(lambda: self.coordinator.UploadState(uploads(), timeout=_STATE_DEADLINE_S), "state upload")
 
     def state_snapshot(
         self, steps_done: int, layers: tuple[int, int] | None = None

@@ -50,6 +50,7 @@ class CoordinatorLink:
     key: NodeKey  # the node's identity: its id belongs to this key, which signs every call
     _must_register: threading.Event
     limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
+    on_reachability: Callable[[str], None]  # hears that outcome as one line for the node's owner
 
     def _register(self) -> None:
         """Register (again, after a coordinator restart, with the stage this node holds)."""
@@ -88,6 +89,11 @@ class CoordinatorLink:
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
+        if reply.reachability != pb.REACHABILITY_UNSPECIFIED:
+            self.on_reachability(
+                f"reachable at {reply.reachable_at}" if reply.reachability == pb.REACHABILITY_DIRECT
+                else "not reachable from outside: neighbours will use connections this node opens"
+            )
         if not self.options.state_dir:
             log.info("no --state-dir: this node's key lives in memory only, so once restarted it joins as a new node")
 
@@ -167,6 +173,7 @@ class CoordinatorLink:
             "evaluate": lambda: self._evaluate(order.evaluate),
             "commit": lambda: self._commit(order.commit),
             "apply": lambda: self._apply(order.apply),
+            "upload_state": lambda: self._upload_state(order.upload_state),
         }
         self._submit(CONTROL, handlers[kind])
         return False

@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from geotrain.compression import CodecError, codec_from_payload
+from geotrain.node.reverse import ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -58,27 +59,43 @@ class StageHandler(Protocol):
         """Copies of the state of `layers` (None: the current stage's) after steps_done committed steps, or None if
         the node holds none."""
 
+    def reverse_receiver(self, signer: bytes | None) -> str | None:
+        """The node id of the neighbour, one nobody can dial, that the current plan has this node send to and whose
+        key is `signer`; None when there is none."""
+
 
 class StageServicer(rpc.StageServicer):
     """Receives activations and gradients for a node's stage, and serves its state."""
 
-    def __init__(self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool, refusals: RefusalLog) -> None:
+    def __init__(
+        self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool, refusals: RefusalLog,
+        reverse: ReverseSender,
+    ) -> None:
         self.handler = handler
         self.max_tensor_bytes = max_tensor_bytes
         self.check_finite = check_finite
         self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
+        self.reverse = reverse  # the streams unreachable neighbours open to receive over
 
-    def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
-        handler, key = self.handler, signer(context)
+    def receive(self, direction: str, chunks: Iterator[pb.TensorChunk], key: bytes | None, peer: str) -> None:
+        """Read, check and decode one tensor signed by `key` and hand it to the node, from a call or a reverse
+        stream; FrameError (logged for `peer`, rate-limited) when it is refused, with nothing changed."""
+        handler = self.handler
         try:
             received = framing.read_one_tensor(
                 chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h, key)
             )
             tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:
-            self.refusals.refused(context.peer(), direction, "", str(e))
-            context.abort(e.code, str(e))
+            self.refusals.refused(peer, direction, "", str(e))
+            raise
         handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
+
+    def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
+        try:
+            self.receive(direction, chunks, signer(context), context.peer())
+        except FrameError as e:
+            context.abort(e.code, str(e))
         return pb.Ack()
 
     def Forward(self, request_iterator, context):  # noqa: D102, N802
@@ -102,6 +119,17 @@ class StageServicer(rpc.StageServicer):
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802
         return serve_probe(request_iterator, context, self.refusals)
+
+    def Reverse(self, request_iterator, context):  # noqa: D102, N802
+        peer = self.handler.reverse_receiver(signer(context))
+        if peer is None:
+            why = "this node's plan sends to no unreachable node with the key that signed this stream"
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        try:
+            yield from self.reverse.serve(peer, request_iterator)
+        except FrameError as e:
+            self.refusals.refused(context.peer(), "Reverse", peer, str(e))
+            context.abort(e.code, str(e))
 
 
 # The dtype activations and their gradients travel in, by train.precision: the compute dtype.

@@ -40,12 +40,24 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_IDENTITY: _ClassVar[RejectReason]
     REJECT_REASON_EVICTED: _ClassVar[RejectReason]
 
+class Reachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REACHABILITY_UNSPECIFIED: _ClassVar[Reachability]
+    REACHABILITY_DIRECT: _ClassVar[Reachability]
+    REACHABILITY_UNREACHABLE: _ClassVar[Reachability]
+
 class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FAILURE_REASON_UNSPECIFIED: _ClassVar[FailureReason]
     FAILURE_REASON_STATE: _ClassVar[FailureReason]
     FAILURE_REASON_AVERAGING: _ClassVar[FailureReason]
     FAILURE_REASON_COMPUTE: _ClassVar[FailureReason]
+
+class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIRECTION_UNSPECIFIED: _ClassVar[Direction]
+    DIRECTION_FORWARD: _ClassVar[Direction]
+    DIRECTION_BACKWARD: _ClassVar[Direction]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -70,10 +82,16 @@ REJECT_REASON_BAD_REQUEST: RejectReason
 REJECT_REASON_FULL: RejectReason
 REJECT_REASON_IDENTITY: RejectReason
 REJECT_REASON_EVICTED: RejectReason
+REACHABILITY_UNSPECIFIED: Reachability
+REACHABILITY_DIRECT: Reachability
+REACHABILITY_UNREACHABLE: Reachability
 FAILURE_REASON_UNSPECIFIED: FailureReason
 FAILURE_REASON_STATE: FailureReason
 FAILURE_REASON_AVERAGING: FailureReason
 FAILURE_REASON_COMPUTE: FailureReason
+DIRECTION_UNSPECIFIED: Direction
+DIRECTION_FORWARD: Direction
+DIRECTION_BACKWARD: Direction
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "payload_bytes", "crc32")
@@ -274,7 +292,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., region: _Optional[str] = ..., software_version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., applied_steps: _Optional[int] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "run_id")
+    __slots__ = ("accepted", "reason", "message", "node_id", "config", "heartbeat_interval_s", "run_id", "reachability", "reachable_at")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +300,8 @@ class RegisterReply(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_AT_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: RejectReason
     message: str
@@ -289,7 +309,9 @@ class RegisterReply(_message.Message):
     config: RunConfig
     heartbeat_interval_s: float
     run_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
+    reachability: Reachability
+    reachable_at: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., run_id: _Optional[str] = ..., reachability: _Optional[_Union[Reachability, str]] = ..., reachable_at: _Optional[str] = ...) -> None: ...
 
 class LinkCounter(_message.Message):
     __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec")
@@ -342,7 +364,7 @@ class OrdersRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids", "hierarchical_allreduce", "public_keys")
+    __slots__ = ("index", "layer_start", "layer_end", "node_ids", "addresses", "regions", "peer_ids", "hierarchical_allreduce", "public_keys", "unreachable")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +374,7 @@ class StageAssignment(_message.Message):
     PEER_IDS_FIELD_NUMBER: _ClassVar[int]
     HIERARCHICAL_ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer_start: int
     layer_end: int
@@ -361,7 +384,8 @@ class StageAssignment(_message.Message):
     peer_ids: _containers.RepeatedScalarFieldContainer[str]
     hierarchical_allreduce: bool
     public_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ..., unreachable: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded")
@@ -432,6 +456,18 @@ class JoinAveraging(_message.Message):
     initial_peers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, initial_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class UploadState(_message.Message):
+    __slots__ = ("request", "steps_done", "layer_start", "layer_end")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    request: int
+    steps_done: int
+    layer_start: int
+    layer_end: int
+    def __init__(self, request: _Optional[int] = ..., steps_done: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
 class CommitStep(_message.Message):
     __slots__ = ("step", "plan_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -463,7 +499,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging", "upload_state")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +509,7 @@ class Order(_message.Message):
     LOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
     JOIN_AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
@@ -482,7 +519,8 @@ class Order(_message.Message):
     load_state: LoadState
     probe_peers: ProbePeers
     join_averaging: JoinAveraging
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ...) -> None: ...
+    upload_state: UploadState
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ..., upload_state: _Optional[_Union[UploadState, _Mapping]] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")
@@ -572,6 +610,18 @@ class FetchCheckpointRequest(_message.Message):
     steps_done: int
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
+class StateUpload(_message.Message):
+    __slots__ = ("node_id", "request", "error", "chunk")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    request: int
+    error: str
+    chunk: TensorChunk
+    def __init__(self, node_id: _Optional[str] = ..., request: _Optional[int] = ..., error: _Optional[str] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -641,7 +691,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -661,6 +711,7 @@ class NodeStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -680,7 +731,8 @@ class NodeStatus(_message.Message):
     device: str
     precision: str
     peak_memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
+    reachability: str
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")
@@ -701,7 +753,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., est_compute_s: _Optional[float] = ..., est_transfer_s: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio", "raw_bytes", "wire_bytes")
+    __slots__ = ("src", "dst", "bandwidth_mbps", "latency_ms", "codec", "compression_ratio", "raw_bytes", "wire_bytes", "transport")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_MBPS_FIELD_NUMBER: _ClassVar[int]
@@ -710,6 +762,7 @@ class LinkStatus(_message.Message):
     COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     bandwidth_mbps: float
@@ -718,7 +771,8 @@ class LinkStatus(_message.Message):
     compression_ratio: float
     raw_bytes: int
     wire_bytes: int
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_mbps: _Optional[float] = ..., latency_ms: _Optional[float] = ..., codec: _Optional[str] = ..., compression_ratio: _Optional[float] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StepPoint(_message.Message):
     __slots__ = ("step", "loss", "has_val_loss", "val_loss", "tokens_per_s", "seconds", "at")
@@ -841,6 +895,44 @@ class TensorChunk(_message.Message):
     header: TensorHeader
     data: bytes
     def __init__(self, ref: _Optional[_Union[MicrobatchRef, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReverseUp(_message.Message):
+    __slots__ = ("open", "ack")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    open: ReverseOpen
+    ack: ReverseAck
+    def __init__(self, open: _Optional[_Union[ReverseOpen, _Mapping]] = ..., ack: _Optional[_Union[ReverseAck, _Mapping]] = ...) -> None: ...
+
+class ReverseOpen(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ReverseAck(_message.Message):
+    __slots__ = ("seq", "code", "detail")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    code: int
+    detail: str
+    def __init__(self, seq: _Optional[int] = ..., code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReverseDown(_message.Message):
+    __slots__ = ("proof", "seq", "direction", "chunk", "last")
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    seq: int
+    direction: Direction
+    chunk: TensorChunk
+    last: bool
+    def __init__(self, proof: _Optional[bytes] = ..., seq: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("steps_done", "layer_start", "layer_end")

@@ -99,6 +99,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.FromString,
                 _registered_method=True)
+        self.UploadState = channel.stream_unary(
+                '/geotrain.v1.Coordinator/UploadState',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -185,6 +190,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadState(self, request_iterator, context):
+        """The state an UploadState order asked for, from a node the coordinator cannot dial.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +264,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Windows,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.WindowsReply.SerializeToString,
+            ),
+            'UploadState': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadState,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -615,6 +632,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def UploadState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geotrain.v1.Coordinator/UploadState',
+            geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StageStub:
     """Missing associated documentation comment in .proto file."""
@@ -644,6 +688,11 @@ class StageStub:
                 '/geotrain.v1.Stage/Probe',
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
+                _registered_method=True)
+        self.Reverse = channel.stream_stream(
+                '/geotrain.v1.Stage/Reverse',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.FromString,
                 _registered_method=True)
 
 
@@ -677,6 +726,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reverse(self, request_iterator, context):
+        """A link to a node nobody can dial: that node (the receiver) opens this stream, signed by its key, to a node that
+        must send it tensors, which sends them over it instead of calling Forward and Backward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -699,6 +756,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.SerializeToString,
+            ),
+            'Reverse': grpc.stream_stream_rpc_method_handler(
+                    servicer.Reverse,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +871,33 @@ class Stage:
             '/geotrain.v1.Stage/Probe',
             geotrain_dot_protocol_dot_geotrain__pb2.ProbeChunk.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reverse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/geotrain.v1.Stage/Reverse',
+            geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@
 - plan epochs: making and installing the next plan (scheduler.replan);
 - the step driver: one synchronous step and its phases (scheduler.stepdriver);
 - recovery: checkpoints, snapshots, rollback (scheduler.recovery);
+- uploads: state from nodes nobody can dial, which they send when ordered to (scheduler.uploads);
 - status: a function of a read-only snapshot (scheduler.status).
 
 This module holds the run loop that ties them together: wait for min_nodes, then for every step re-plan when the
@@ -19,14 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from geotrain import __version__
 from geotrain.config import RunConfig, to_proto
 from geotrain.dataset import PreparedDataset, bits_per_byte
+from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.framing import FrameError
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
@@ -34,11 +37,13 @@ from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
-from geotrain.scheduler.recovery import Recovery, StateFetcher
+from geotrain.scheduler.reachability import DialedBack
+from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.replan import Planning
 from geotrain.scheduler.state import RunStore, StepRecord
 from geotrain.scheduler.status import StatusSnapshot, render
 from geotrain.scheduler.stepdriver import StepDriver
+from geotrain.scheduler.uploads import StateUploads
 
 __all__ = ["Coordinator", "EventSink", "Member", "RunAborted", "RunSummary", "StepFailed"]
 
@@ -76,7 +81,7 @@ class Coordinator:
         *,
         store: RunStore | None = None,
         checkpoints: CheckpointStore | None = None,
-        fetch_state: StateFetcher | None = None,
+        fetch_state: Callable[[str, int], dict[str, Any]] | None = None,
         dht_peers: list[str] | None = None,
         run_id: str = "run",
         on_event: EventSink | None = None,
@@ -89,7 +94,11 @@ class Coordinator:
         self._sink = on_event or (lambda kind, data: None)
         self.orders = OrderQueues()
         self.membership = Membership(cfg.scheduler, self.store, self.orders, self._on_event)
-        self.recovery = Recovery(checkpoints, fetch_state, self.store, self._on_event)
+        self.uploads = StateUploads(self.orders)
+        self._dial_state = fetch_state  # (address, steps_done) -> the state of the stage the node there serves
+        self.recovery = Recovery(
+            checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event
+        )
         self.planning = Planning(
             cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers or []
         )
@@ -137,10 +146,14 @@ class Coordinator:
 
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
-    def register(self, request: pb.RegisterRequest, signer: bytes | None = None) -> pb.RegisterReply:
+    def register(
+        self, request: pb.RegisterRequest, signer: bytes | None = None, dialed: DialedBack | None = None
+    ) -> pb.RegisterReply:
         """Admit a node (new, or returning with the stage it holds), or say why not. `signer`: the key that signed
         the call (the RPC service passes it, b"" for an unsigned call), which must be the key the request carries;
-        None in-process, where the request's key is taken as it is."""
+        None in-process, where the request's key is taken as it is. `dialed`: what the dial-back found before
+        (the RPC service dials; None in-process: not dialled), kept with the member from its first moment, so that no
+        plan counts it before its reachability is known."""
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -157,16 +170,57 @@ class Coordinator:
                 message="a registration must carry the node's public key and be signed with it",
             )
         try:
-            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)))
+            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dialed)
         except Rejected as e:
             return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
-        return pb.RegisterReply(
+        reply = pb.RegisterReply(
             accepted=True,
             node_id=member.node_id,
             config=to_proto(self.cfg),
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
             run_id=self.run_id,
         )
+        if dialed is not None:
+            reply.reachability = pb.REACHABILITY_DIRECT if dialed.reached else pb.REACHABILITY_UNREACHABLE
+            reply.reachable_at = dialed.reached or ""
+        return reply
+
+    def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
+        """The state of `layers` after steps_done steps from a member that holds them: downloaded by dialling it, or
+        uploaded by it when nobody can dial it."""
+        if member.unreachable:
+            return self.uploads.fetch(member.node_id, steps_done, layers, self.cfg.scheduler.step_timeout_s)
+        assert self._dial_state is not None
+        return self._dial_state(member.address, steps_done)
+
+    def model_state(self, steps_done: int) -> dict[str, Any]:
+        """The whole model's parameters (no optimizer state) after steps_done steps, stage by stage from a live holder
+        of each; LookupError when a stage has none, or its holder cannot send it."""
+        assert self.plan is not None
+        state: dict[str, Any] = {}
+        for s in self.plan.stages:
+            layers = (s.layer_start, s.layer_end)
+            have = placement.holders(self.membership.alive(), layers, steps_done)
+            if not have:
+                raise LookupError(f"no live node holds stage {s.index} after {steps_done} steps")
+            tensors = self.member_state(have[0], layers, steps_done)
+            state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
+        return state
+
+    def upload_state(self, node_id: str, request: int, chunks: list[pb.TensorChunk], error: str) -> None:
+        """A member's upload for an UploadState order (chunks of its state, or why it has none); ReportRefused for
+        one that was not asked of it, or whose chunks do not frame a state."""
+        if not self.uploads.expects(node_id, request):
+            raise ReportRefused(f"no state upload {request} was asked of {node_id}")
+        if error:
+            self.uploads.received(request, None, error)
+            return
+        try:
+            state = framing.read_state(chunks)
+        except FrameError as e:
+            self.uploads.received(request, None, str(e))
+            raise ReportRefused(f"bad state upload from {node_id}: {e}") from None
+        self.uploads.received(request, state)
 
     def authorize(self, node_id: str, signer: bytes | None) -> None:
         """Unauthorized unless a call about member `node_id` was signed by its key (Membership.authorize)."""
@@ -236,8 +290,18 @@ class Coordinator:
         self.driver.step_applied(request)
 
     def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
-        """Parameters and optimizer state of a layer range from the checkpoint at steps_done, if there is one."""
-        return self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+        """Parameters and optimizer state of a layer range at steps_done: from the checkpoint, else uploaded by a live
+        holder nobody can dial (a node told to load its state from such a holder fetches it here); None if neither."""
+        state = self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+        layers = (layer_start, layer_end)
+        with self.membership.cond:
+            undialable = [m for m in placement.holders(self.membership.alive(), layers, steps_done) if m.unreachable]
+        if state is None and undialable:
+            try:
+                state = self.member_state(undialable[0], layers, steps_done)
+            except LookupError as e:
+                log.warning("layers [%d, %d) after %d steps: %s", layer_start, layer_end, steps_done, e)
+        return state
 
     # -- the run ------------------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from geotrain.config import SchedulerSection
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed, Unauthorized
 from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.reachability import UNREACHABLE, DialedBack
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,12 @@ class Member:
     failure: str = ""  # why, as it reported
     public_key: bytes = b""  # the Ed25519 key its id belongs to; every call about it must be signed with it
     offences: int = 0  # its refused reports; scheduler.max_offences of them evict it
+    reachability: str = ""  # the dial-back at registration: reachability.DIRECT or UNREACHABLE ("": not checked)
+
+    @property
+    def unreachable(self) -> bool:
+        """Nobody can dial it: its neighbours send to it over streams it opens."""
+        return self.reachability == UNREACHABLE
 
     @property
     def alive(self) -> bool:
@@ -138,8 +145,9 @@ class Membership:
 
     # -- changes from RPC threads ---------------------------------------------------------------------------------
 
-    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str]) -> Member:
-        """Admit a registration (a new node, or a known id returning); Rejected with the reason otherwise."""
+    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str], dialed: DialedBack | None = None) -> Member:
+        """Admit a registration (a new node, or a known id returning) with what the dial-back found (None: not
+        dialled); Rejected with the reason otherwise."""
         _check_registration(request)
         key = request.public_key
         if key and self.store.evicted(key):
@@ -168,6 +176,9 @@ class Membership:
                 node_id = f"node-{self._next_id}"
             now = time.monotonic()
             member = Member(node_id, request.address, request.region or "local", now, now, public_key=key)
+            if dialed is not None:
+                # The address that answered is the one peers dial, which may be where the call came from.
+                member.reachability, member.address = dialed.state, dialed.reached or request.address
             if request.layer_end:
                 member.held = (request.layer_start, request.layer_end)
                 member.applied_steps = request.applied_steps
@@ -183,6 +194,11 @@ class Membership:
             self.orders.open(node_id)
             self.cond.notify_all()
         kind = "rejoin" if existing is not None else "join"
+        if dialed is not None:
+            detail = (f"reachable at {dialed.reached}" if dialed.reached
+                      else f"not reachable at {request.address} from outside")
+            log.info("%s is %s", node_id, detail)
+            self.store.event("reachability", node_id, detail)
         self.store.upsert_member(node_id, request.address, member.region, "alive", key)
         self.store.event(kind, node_id, request.address)
         self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})

@@ -130,15 +130,18 @@ def averaging_changed(
 
 
 def holders(alive: list[Member], rng: tuple[int, int], steps_done: int) -> list[Member]:
-    """Live nodes holding exactly this layer range at the committed step."""
-    return [m for m in alive if m.held == rng and m.applied_steps == steps_done]
+    """Live nodes holding exactly this layer range at the committed step, those that can be dialled first (a state
+    download dials its source)."""
+    return sorted((m for m in alive if m.held == rng and m.applied_steps == steps_done), key=lambda m: m.unreachable)
 
 
 @dataclass(frozen=True)
 class StateSources:
     """Where each node that lacks its stage's committed state gets it."""
 
-    from_peers: dict[str, tuple[str, str]]  # node id -> (a live holder's address, expected checksum or '')
+    # node id -> (a live holder's address, or '' for the coordinator, which relays a holder nobody can dial; expected
+    # checksum or '')
+    from_peers: dict[str, tuple[str, str]]
     reshaped: list[int]  # stages whose range no live node holds whole: they load from a checkpoint
 
 
@@ -156,7 +159,8 @@ def state_sources(
             reshaped.append(i)
             continue
         checksum = recorded.get(current.index(rng), "") if rng in current else ""
+        source = "" if have[0].unreachable else have[0].address  # holders that can be dialled come first
         for m in group:
             if m not in have:
-                from_peers[m.node_id] = (have[0].address, checksum)
+                from_peers[m.node_id] = (source, checksum)
     return StateSources(from_peers, reshaped)

@@ -15,7 +15,8 @@ from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
 
-StateFetcher = Callable[[str, int], dict[str, Any]]
+StateFetcher = Callable[[Member, tuple[int, int], int], dict[str, Any]]
+"""(a member holding the layers, the layer range, steps done) -> the state tensors (Coordinator.member_state)."""
 
 
 class Recovery:
@@ -25,7 +26,7 @@ class Recovery:
         self, checkpoints: CheckpointStore | None, fetch_state: StateFetcher | None, store: RunStore, on_event: EventSink
     ) -> None:
         self.checkpoints = checkpoints
-        self._fetch_state = fetch_state  # (address, steps_done) -> a stage's state tensors
+        self._fetch_state = fetch_state
         self.store = store
         self._on_event = on_event
 
@@ -40,7 +41,7 @@ class Recovery:
                 have = placement.holders(alive, (s.layer_start, s.layer_end), steps_done)
                 if not have:
                     raise LookupError(f"no live node holds stage {s.index}")
-                state = self._fetch_state(have[0].address, steps_done)
+                state = self._fetch_state(have[0], (s.layer_start, s.layer_end), steps_done)
                 stages.append(StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), state))
         except Exception as e:  # a node lost mid-download: the next checkpoint will do
             log.warning("checkpoint of step %d skipped: %s", steps_done, e)

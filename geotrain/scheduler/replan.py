@@ -35,6 +35,21 @@ _REPLAN_TOLERANCE = 0.1
 _DRIFT_REPLAN = 0.25
 
 
+
+def _beyond_reach(groups: list[list[Member]]) -> list[str]:
+    """What a layout asks of nodes nobody can dial that this version cannot do: a link with both ends behind NAT
+    (it needs a relay), and replica averaging from behind NAT."""
+    found = []
+    for before, after in zip(groups, groups[1:]):
+        pairs = [f"{a.node_id}-{b.node_id}" for a in before for b in after if a.unreachable and b.unreachable]
+        if pairs:
+            found.append(f"nobody can dial either end of {', '.join(pairs)}: a relay is needed")
+    for group in groups:
+        behind = [m.node_id for m in group if m.unreachable]
+        if behind and len(group) > 1:
+            found.append(f"{', '.join(behind)} would average with replicas from behind NAT")
+    return found
+
 class Planning:
     """The current plan, the cost model's view of it, and the making of the next one."""
 
@@ -193,13 +208,17 @@ class Planning:
         """Have one node of each region measure its link to one node of every other region, so the planner sees
         measured links between regions rather than defaults; waits for the reports (a missing one keeps defaults)."""
         first: dict[str, Member] = {}
-        for m in sorted(self.membership.alive(), key=lambda m: m.node_id):
-            first.setdefault(m.region, m)
+        for m in sorted(self.membership.alive(), key=lambda m: (m.unreachable, m.node_id)):
+            first.setdefault(m.region, m)  # a node that can be dialled, where the region has one
         asked: dict[str, list[Member]] = {}
         regions = sorted(first)
         for i, a in enumerate(regions):
             for b in regions[i + 1 :]:
-                asked.setdefault(first[a].node_id, []).append(first[b])
+                prober, target = first[a], first[b]
+                if target.unreachable:
+                    prober, target = target, prober  # the probe dials its target
+                if not target.unreachable:
+                    asked.setdefault(prober.node_id, []).append(target)
         for node_id, peers in asked.items():
             order = pb.ProbePeers(
                 node_ids=[p.node_id for p in peers],
@@ -267,8 +286,12 @@ class Planning:
                 regions=[m.region for m in group],
                 peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
                 public_keys=[m.public_key for m in group],
+                unreachable=[m.unreachable for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
+        for why in _beyond_reach(groups):
+            log.warning("plan epoch %d: %s, which this version does not support", epoch, why)
+            self.store.event("unreachable", detail=why)
         self.plan = plan
         self.membership.take_up(plan)
         self.store.put("plan", plan.SerializeToString().hex())

@@ -30,7 +30,9 @@ from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
+from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, Unauthorized
+from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,11 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog) -> None:
+    def __init__(
+        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: Dialler
+    ) -> None:
         self.c = coordinator
+        self._dial_back = dial_back  # addresses -> the first that answered, or None
         self._blocking = blocking
         self._refusals = refusals
         limits = coordinator.cfg.limits
@@ -100,7 +105,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
                    f"{limits.registration_burst}) from this host")
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-        reply = await self._off_loop(self.c.register, request, signer(context) or b"")
+        # A node serves before it registers: dialled now, it answers unless nobody can reach it.
+        reached = await self._off_loop(self._dial_back, reachability.candidates(request.address, context.peer()))
+        reply = await self._off_loop(self.c.register, request, signer(context) or b"", DialedBack(reached))
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
         return reply
@@ -175,6 +182,20 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         except ReportRefused as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def UploadState(self, request_iterator, context):  # noqa: D102, N802
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty state upload")
+        await self._check_member(context, first)
+        chunks = [first.chunk] if first.HasField("chunk") else []
+        async for upload in request_iterator:
+            chunks.append(upload.chunk)
+        try:
+            await self._off_loop(self.c.upload_state, first.node_id, first.request, chunks, first.error)
+        except ReportRefused as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "StateUpload", first.node_id)
+        return pb.Ack()
+
     async def Probe(self, request_iterator, context):  # noqa: D102, N802
         count = ProbeCount()
         try:
@@ -244,7 +265,9 @@ def make_coordinator_server(
     async def make(blocking: Executor) -> tuple[grpc.aio.Server, int]:
         limits = PeerLimits(coordinator.cfg.limits.values())
         server, port = make_aio_server(token, listen, blocking, tls, limits)
-        rpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, blocking, limits.refusals), server)
+        dial_back = lambda addresses: reachability.dial_back(addresses, token, COORDINATOR_ID, tls)  # noqa: E731
+        servicer = CoordinatorServicer(coordinator, blocking, limits.refusals, dial_back)
+        rpc.add_CoordinatorServicer_to_server(servicer, server)
         return server, port
 
     server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)

@@ -52,8 +52,9 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
             point.has_val_loss, point.val_loss = True, r.val_loss
     plan = snap.plan
     stage_of = {n: st for st in plan.stages for n in st.node_ids} if plan else {}
+    unreachable = {m.node_id for m in snap.members if m.unreachable}
     for m in snap.members:
-        _add_node(reply, m, stage_of.get(m.node_id), snap.now)
+        _add_node(reply, m, stage_of.get(m.node_id), snap.now, unreachable)
     estimate = snap.estimate
     if estimate is not None:
         reply.estimated_step_s, reply.bottleneck = estimate.step_seconds, estimate.bottleneck
@@ -72,8 +73,11 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
     return reply
 
 
-def _add_node(reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, now: float) -> None:
-    """A member's row, and the rows of the links it sends on or measured."""
+def _add_node(
+    reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, now: float, unreachable: set[str]
+) -> None:
+    """A member's row, and the rows of the links it sends on (over a stream the receiver opened when the receiver is
+    one of `unreachable`) or measured."""
     sent_raw = sum(link.raw_bytes for link in m.links)
     sent_wire = sum(link.wire_bytes for link in m.links)
     probes = {p.peer: p for p in m.profile.links} if m.profile else {}
@@ -97,6 +101,7 @@ def _add_node(reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, n
         device=f"{m.profile.device} ({m.profile.device_name})" if m.profile else "",
         precision=m.profile.precision if m.profile else "",
         peak_memory_bytes=m.peak_memory_bytes,
+        reachability=m.reachability,
     )
     for link in m.links:
         reply.links.add(
@@ -106,6 +111,7 @@ def _add_node(reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, n
             compression_ratio=link.raw_bytes / link.wire_bytes if link.wire_bytes else 1.0,
             raw_bytes=link.raw_bytes,
             wire_bytes=link.wire_bytes,
+            transport="reversed" if link.peer in unreachable else "direct",
             **measured_link(probes.pop(link.peer, None)),
         )
     for probe in probes.values():  # measured, no training traffic yet (or never: the coordinator's link)

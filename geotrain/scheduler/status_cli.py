@@ -84,6 +84,7 @@ def render_status(reply: pb.StatusReply) -> str:
             f"{n.layer_start}-{n.layer_end - 1}" if n.stage >= 0 else "-",
             n.role,
             n.lifecycle or ("alive" if n.alive else "dead"),
+            n.reachability or "-",
             f"{n.device} {n.precision}" if n.device else "-",
             f"{n.microbatches_per_s:.2f}",
             f"{n.last_heartbeat_s:.1f}s ago",
@@ -93,13 +94,14 @@ def render_status(reply: pb.StatusReply) -> str:
         ]
         for n in reply.nodes
     ]
-    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "DEVICE", "MB/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
+    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "REACH", "DEVICE", "MB/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
     lines += _table(header, rows)
     if reply.links:
         lines.append("")
         rows = [
             [
                 f"{link.src} -> {link.dst}",
+                link.transport or "-",
                 link.codec or "-",
                 f"{link.bandwidth_mbps:.1f} Mbit/s" if link.bandwidth_mbps else "n/a",
                 _bytes(link.wire_bytes),
@@ -107,7 +109,7 @@ def render_status(reply: pb.StatusReply) -> str:
             ]
             for link in reply.links
         ]
-        lines += _table(["LINK", "CODEC", "BANDWIDTH", "SENT", "RATIO"], rows)
+        lines += _table(["LINK", "TRANSPORT", "CODEC", "BANDWIDTH", "SENT", "RATIO"], rows)
     if reply.events:
         lines.append("")
         for e in reply.events[-_EVENTS_SHOWN:]:

@@ -57,7 +57,8 @@ function nodeColour(node, fastest) {
 function linkLabel(links, arrow) {
   return links.map((l) => {
     const bw = l.bandwidth_mbps ? `${l.bandwidth_mbps.toFixed(1)} Mbit/s` : "bandwidth n/a";
-    return `${arrow} ${l.src}→${l.dst}: ${l.codec || "?"} ${l.compression_ratio.toFixed(2)}×, ${bw}`;
+    const reversed = l.transport === "reversed" ? " (reversed: over the receiver's connection)" : "";
+    return `${arrow} ${l.src}→${l.dst}${reversed}: ${l.codec || "?"} ${l.compression_ratio.toFixed(2)}×, ${bw}`;
   });
 }
 
@@ -109,7 +110,7 @@ function renderNodes(s) {
     const staged = n.stage >= 0;
     for (const cell of [
       n.node_id, n.region, staged ? String(n.stage) : "-", staged ? `${n.layer_start}-${n.layer_end - 1}` : "-",
-      n.role, n.alive ? "alive" : "gone", n.device ? `${n.device} ${n.precision}` : "-", n.microbatches_per_s.toFixed(2), `${n.last_heartbeat_s.toFixed(1)}s ago`,
+      n.role, n.alive ? "alive" : "gone", n.reachability || "-", n.device ? `${n.device} ${n.precision}` : "-", n.microbatches_per_s.toFixed(2), `${n.last_heartbeat_s.toFixed(1)}s ago`,
       bytes(n.bytes_received), bytes(n.bytes_sent), `${n.compression_ratio.toFixed(2)}×`,
     ]) tr.append(el("td", "", cell));
     return tr;
