@@ -311,7 +311,7 @@ def _run_coordinator(
             return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
         if args.save_final:
             assert coordinator.plan is not None
-            state = fetch_model_state(coordinator.plan, token, summary.steps, tls)
+            state = fetch_model_state(coordinator.plan, token, summary.steps, coordinator.key, tls)
             _save_final(args.save_final, state, cfg, out)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
