@@ -157,15 +157,12 @@ async def serve_members(address: str, token: str) -> None:
     await members.close()
 
 
-class MembersProcess:
-    """The members' process, driven line by line."""
+class HelperProcess:
+    """A helper process of a benchmark (`argv`), driven line by line: a command line in, one JSON line out; it ends
+    when its input does."""
 
-    def __init__(self, address: str, token: str) -> None:
-        env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--members-of", address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, text=True,
-        )
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
     def ask(self, command: str) -> dict:
         """Send one command; its answer."""
@@ -174,14 +171,15 @@ class MembersProcess:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the members' process ended (exit {self.proc.wait()})")
+            raise RuntimeError(f"the helper process {self.proc.args[-2:]} ended (exit {self.proc.wait()})")
         return json.loads(line)
 
     def close(self) -> None:
-        """Ask it to quit; kill it if it does not."""
+        """End its input; kill it if it does not end."""
+        assert self.proc.stdin is not None
         try:
-            self.ask("quit")
-        except (OSError, RuntimeError, ValueError):
+            self.proc.stdin.close()
+        except OSError:
             pass
         try:
             self.proc.wait(30)
@@ -226,14 +224,15 @@ def measure(cfg: RunConfig, counts: list[int], window_s: float, log_dir: Path) -
     nodes = LocalNodes(address, token, log_dir)
     host.server.start()
     run = threading.Thread(target=_train, args=(coordinator,), name="run", daemon=True)
-    members: MembersProcess | None = None
+    members: HelperProcess | None = None
     try:
         for i in range(NODES):
             nodes.start(f"node-{i + 1}")
         run.start()
         if not commits.first.wait(300):
             raise RuntimeError(f"no step committed in 300 s; node logs in {log_dir}")
-        members = MembersProcess(address, token)
+        env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
+        members = HelperProcess([sys.executable, __file__, "--members-of", address], env)
         for n in counts:
             grown = members.ask(f"grow {n}")
             if grown["members"] != n:

@@ -76,7 +76,7 @@ def distributed(
         if kill_after is not None:
             threading.Thread(target=kill, daemon=True).start()
         summary = coordinator.run()
-        return fetch_model_state(coordinator.plan, token, summary.steps)
+        return fetch_model_state(coordinator.plan, token, summary.steps, coordinator.key)
     finally:
         coordinator.stop_requested.set()
         coordinator.shutdown_nodes("benchmark over", grace_s=1.0)

@@ -102,7 +102,7 @@ def test_bad_requests_are_rejected_and_change_nothing(small_config, tmp_path):
         attacks_done.set()
         summary = cluster.wait(90)
         assert summary.steps == cfg.run.steps
-        state = fetch_model_state(plan, cluster.token, summary.steps)
+        state = fetch_model_state(plan, cluster.token, summary.steps, cluster.coordinator.key)
         good_channel.close()
 
     runtime, _ = train_local(cfg)

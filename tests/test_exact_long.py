@@ -111,7 +111,7 @@ def _run_against_local(tmp_path, n_nodes: int, stages: int, kill_after: int | No
             cluster.nodes.kill(victim)
         summary = cluster.wait(240)
         plan = cluster.coordinator.plan
-        state = fetch_model_state(plan, cluster.token, summary.steps)
+        state = fetch_model_state(plan, cluster.token, summary.steps, cluster.coordinator.key)
     assert summary.steps == _STEPS
     if kill_after is not None:
         assert victim not in {n for stage in plan.stages for n in stage.node_ids}

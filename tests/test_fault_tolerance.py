@@ -63,7 +63,7 @@ def test_replica_killed_mid_step_changes_nothing_but_time(tmp_path):
         assert cluster.coordinator.failures >= 1
         # The dead replica's stage went on with its other replica.
         final_plan = cluster.coordinator.plan
-        state = fetch_model_state(final_plan, cluster.token, summary.steps)
+        state = fetch_model_state(final_plan, cluster.token, summary.steps, cluster.coordinator.key)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert "dead" in kinds and "rollback" not in kinds
     assert max_diff(state, train_local_state(cfg)) <= 1e-4
@@ -87,7 +87,7 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
         running.append(cluster)
         summary = cluster.wait(120)
         final_plan = cluster.coordinator.plan
-        state = fetch_model_state(final_plan, cluster.token, summary.steps)
+        state = fetch_model_state(final_plan, cluster.token, summary.steps, cluster.coordinator.key)
         store = cluster.coordinator.store
         steps = [r.step for r in store.steps()]
         kinds = [kind for _, kind, _, _ in store.events()]
@@ -128,7 +128,7 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
         assert step_2_done.wait(60)
         cluster.nodes.start("node-3")
         summary = cluster.wait(120)
-        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
         store = cluster.coordinator.store
         steps = [r.step for r in store.steps()]
         kinds = [kind for _, kind, _, _ in store.events()]
@@ -172,7 +172,7 @@ def test_node_restarted_while_a_decided_step_is_applied(tmp_path):
         cluster.nodes.start(victim)
         wait_until(lambda: coordinator.members[victim].restarted, 60, "the restarted victim registered")
         summary = cluster.wait(120)
-        state = fetch_model_state(coordinator.plan, cluster.token, summary.steps)
+        state = fetch_model_state(coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
         steps = [r.step for r in coordinator.store.steps()]
         kinds = [kind for _, kind, _, _ in coordinator.store.events()]
     assert steps == list(range(cfg.run.steps)) and "rollback" not in kinds
@@ -216,7 +216,7 @@ def test_killed_node_rejoins_with_its_peers_state(tmp_path):
         steps_done = cluster.coordinator.step
         states = {}
         for node_id, address in zip(stage.node_ids, stage.addresses):
-            channel = make_channel(address, cluster.token, lambda: "tester")
+            channel = make_channel(address, cluster.token, lambda: "tester", key=cluster.coordinator.key)
             stream = rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=30)
             states[node_id] = framing.read_state(stream)
             channel.close()
@@ -339,7 +339,7 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path
         shutil.copy(tmp_path / node_id / KEY_FILE, tmp_path / "again" / node_id)
     with local_cluster(cfg, 2, tmp_path / "again", state_dir=state_dir, resume=True) as cluster:
         summary = cluster.wait(120)
-        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
         kinds = [kind for _, kind, _, _ in cluster.coordinator.store.events()]
     assert summary.steps == 6 and "rollback" not in kinds
     assert max_diff(state, train_local_state(cfg)) <= 1e-4

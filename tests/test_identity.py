@@ -14,7 +14,6 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,16 +23,15 @@ import torch
 from geotrain.config import RunConfig, load_config
 from geotrain.node.local import train_local
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import MD_KEY, MD_MAC, MD_NODE, MD_NONCE, MD_SIG, MD_TS, ServerAuth, auth_metadata, sign
 from geotrain.protocol.identity import KEY_FILE, IdentityError, NodeKey
-from geotrain.protocol.transport import make_channel
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
-from geotrain.scheduler.service import fetch_model_state
+from geotrain.scheduler.service import fetch_model_state, make_coordinator_server
 from geotrain.scheduler.state import RunStore
+from tests.attackers import Attacker, forged_report, forged_tensors
 from tests.conftest import (
-    LocalCluster, expect_status, local_cluster, max_diff, one_compute_thread, run_cli, small_run, tensor_chunks,
+    LocalCluster, expect_status, local_cluster, max_diff, one_compute_thread, run_cli, small_run,
 )
 
 TOKEN = "identity-test-token"
@@ -152,6 +150,56 @@ def test_calls_about_a_member_need_its_key():
     c.authorize("stranger", other.public)  # an unknown id: answered as about no member
 
 
+@contextmanager
+def _served(c: Coordinator) -> Iterator[Attacker]:
+    """c behind its gRPC service on 127.0.0.1 (no run, no DHT); yields a token holder's stubs to it."""
+    server, port = make_coordinator_server(c, TOKEN, "127.0.0.1:0")
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", TOKEN)
+    try:
+        yield attacker
+    finally:
+        attacker.close()
+        server.stop(1.0).wait(5)
+
+
+@pytest.mark.timeout(30)
+def test_windows_for_a_member_need_its_key():
+    key = NodeKey.generate()
+    c = Coordinator(load_config(None, []))
+    assert _register(c, key, "node-1", "127.0.0.1:1").accepted
+    with _served(c) as a:
+        request = pb.WindowsRequest(node_id="node-1", step=0, microbatch=0)
+        for signer in (a.outsider, None):
+            expect_status(grpc.StatusCode.PERMISSION_DENIED, "signed by that node's key",
+                          lambda: a.coordinator(signer, "node-1").Windows(request, timeout=10))
+        # Its own key gets as far as the data set (this run has none: it reads the byte corpus).
+        expect_status(grpc.StatusCode.INVALID_ARGUMENT, "trains on the byte corpus",
+                      lambda: a.coordinator(key, "node-1").Windows(request, timeout=10))
+
+
+@pytest.mark.timeout(30)
+def test_clip_events_are_written_off_the_event_loop(monkeypatch):
+    keys = {n: NodeKey.generate() for n in ("a", "b", "c")}
+    c = Coordinator(load_config(None, []))
+    for i, (node_id, key) in enumerate(keys.items()):
+        assert _register(c, key, node_id, f"127.0.0.1:{i + 1}").accepted
+    c.planning.plan = pb.Plan(epoch=1, stages=[
+        pb.StageAssignment(index=0, node_ids=list(keys), peer_ids=[f"peer-{n}" for n in keys])
+    ])
+    writers: dict[str, str] = {}  # event kind -> the thread that wrote it
+    event = c.store.event
+    monkeypatch.setattr(c.store, "event", lambda kind, *args: (writers.setdefault(kind, threading.current_thread().name),
+                                                                event(kind, *args)))
+    with _served(c) as a:
+        for reporter in ("a", "c"):
+            request = pb.GradNormRequest(node_id=reporter, step=c.step, sq_norm=1.0, clipped_peers=["peer-b"])
+            a.coordinator(keys[reporter], reporter).GradNorm(request, timeout=10)
+    assert [node for _, kind, node, _ in c.store.events() if kind == "clipped"] == ["b"]
+    # The loop's thread is "coordinator-grpc"; SQLite is written by the pool beside it.
+    assert writers["clipped"].startswith("coordinator-grpc-blocking"), writers
+
+
 # -- attacks on a live run ----------------------------------------------------------------------------------------
 
 
@@ -169,30 +217,17 @@ def reference() -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
-@dataclass
-class Attack:
-    """What an attack sees: the live cluster held in a phase of step 1, and the client it attacks with."""
+class Attack(Attacker):
+    """What an attack sees: the live cluster held in a phase of step 1, and a token holder's stubs to it."""
 
-    cluster: LocalCluster
-    log_dir: Path
-    outsider: NodeKey  # a token holder's own key, registered as no one
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.cluster.port}"
+    def __init__(self, cluster: LocalCluster, log_dir: Path) -> None:
+        super().__init__(f"127.0.0.1:{cluster.port}", cluster.token)
+        self.cluster = cluster
+        self.log_dir = log_dir
 
     @property
     def plan(self) -> pb.Plan:
         return self.cluster.coordinator.plan
-
-    def coordinator(self, key: NodeKey | None, node_id: str) -> rpc.CoordinatorStub:
-        """A coordinator stub with the token, signing with `key` and claiming `node_id` in its metadata."""
-        return rpc.CoordinatorStub(make_channel(self.address, self.cluster.token, lambda: node_id, key=key))
-
-    def stage(self, index: int, key: NodeKey, node_id: str) -> rpc.StageStub:
-        """A stub to stage `index`'s node, signing with `key` and claiming `node_id`."""
-        address = self.plan.stages[index].addresses[0]
-        return rpc.StageStub(make_channel(address, self.cluster.token, lambda: node_id, key=key))
 
     def key_of(self, node_id: str) -> NodeKey:
         """A node's own key, from its --state-dir (for the tests that replay what a real member signed)."""
@@ -214,11 +249,14 @@ def attacked_run(
         if kind != "phase" or (data["step"], data["phase"]) != (1, phase) or outcome:
             return
         ready.wait(30)
+        attacker = Attack(running[0], tmp_path)
         try:
-            attack(Attack(running[0], tmp_path, NodeKey.generate()))
+            attack(attacker)
             outcome["done"] = True
         except BaseException as e:  # handed to the test below, not to the coordinator's run loop
             outcome["error"] = e
+        finally:
+            attacker.close()
 
     with local_cluster(cfg, 2, tmp_path, on_event=on_event) as cluster:
         running.append(cluster)
@@ -229,7 +267,7 @@ def attacked_run(
         assert outcome == {"done": True}
         assert summary.steps == cfg.run.steps
         assert [r.step for r in cluster.coordinator.store.steps()] == list(range(cfg.run.steps))
-        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
         assert max_diff(state, reference) <= 1e-4
         yield cluster
 
@@ -254,9 +292,7 @@ def test_id_takeover_and_order_stream_theft_are_refused(tmp_path, reference, cap
         stub = a.coordinator(a.outsider, victim)
         # The same over the wire, also carrying the victim's public key (which plans publish) but signed by another.
         for public_key in (a.outsider.public, a.key_of(victim).public):
-            request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=victim,
-                                         address="127.0.0.1:9", public_key=public_key)
-            reply = stub.Register(request, timeout=10)
+            reply = a.register(victim, a.outsider, public_key)
             assert (reply.accepted, reply.reason) == (False, pb.REJECT_REASON_IDENTITY)
         # The victim's order stream, its heartbeat, its failure reports and the checkpoint are not the outsider's.
         denied = grpc.StatusCode.PERMISSION_DENIED
@@ -292,15 +328,8 @@ def test_forged_reports_are_refused_and_a_member_forging_them_is_evicted(tmp_pat
         head = progress.issued[0]
         loss, path = progress.done[0]
         applier = sorted(progress.appliers)[0]
-        forged: list[tuple[str, pb.MicrobatchDoneRequest | pb.GradNormRequest | pb.StepAppliedRequest]] = []
-        for node_id in (head, applier):
-            forged += [
-                ("MicrobatchDone", pb.MicrobatchDoneRequest(node_id=node_id, step=step, microbatch=0, path=path,
-                                                            loss=0.0, plan_epoch=epoch)),
-                ("GradNorm", pb.GradNormRequest(node_id=node_id, step=step, sq_norm=1e9, sq_norm_parts=[1e9],
-                                                plan_epoch=epoch)),
-                ("StepApplied", pb.StepAppliedRequest(node_id=node_id, step=step, checksum="f" * 64)),
-            ]
+        forged = [(method, forged_report(method, node_id, step, epoch, path))
+                  for node_id in (head, applier) for method in ("MicrobatchDone", "GradNorm", "StepApplied")]
         # A token holder with its own key, claiming the members' ids.
         outsider = a.coordinator(a.outsider, head)
         for method, request in forged:
@@ -309,23 +338,18 @@ def test_forged_reports_are_refused_and_a_member_forging_them_is_evicted(tmp_pat
         # A registered member (a spare) reporting what is not its own, under its own id, then under another's.
         mallory = NodeKey.generate()
         stub = a.coordinator(mallory, "mallory")
-        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="mallory", address="127.0.0.1:9",
-                                     public_key=mallory.public)
-        assert stub.Register(request, timeout=10).accepted
-        own = pb.MicrobatchDoneRequest(node_id="mallory", step=step, microbatch=0, path=["mallory", *path[1:]],
-                                       loss=loss, plan_epoch=epoch)
+        assert a.register("mallory", mallory).accepted
+        own = forged_report("MicrobatchDone", "mallory", step, epoch, ["mallory", *path[1:]], loss)
         expect_status(grpc.StatusCode.INVALID_ARGUMENT, "was not issued to it",
                       lambda: stub.MicrobatchDone(own, timeout=10))
         expect_status(grpc.StatusCode.INVALID_ARGUMENT, "serves no stage",
-                      lambda: stub.GradNorm(pb.GradNormRequest(node_id="mallory", step=step, sq_norm=1.0,
-                                                               plan_epoch=epoch), timeout=10))
+                      lambda: stub.GradNorm(forged_report("GradNorm", "mallory", step, epoch), timeout=10))
         assert c.members["mallory"].alive
         expect_status(grpc.StatusCode.PERMISSION_DENIED, "signed by that node's key",
-                      lambda: stub.StepApplied(pb.StepAppliedRequest(node_id=applier, step=step, checksum="0" * 64),
-                                               timeout=10))
+                      lambda: stub.StepApplied(forged_report("StepApplied", applier, step, epoch), timeout=10))
         # Its third offence evicted it, and its key cannot come back.
         assert not c.members["mallory"].alive
-        reply = stub.Register(request, timeout=10)
+        reply = a.register("mallory", mallory)
         assert (reply.accepted, reply.reason) == (False, pb.REJECT_REASON_EVICTED)
         # Nothing forged reached the step: the head's report and the plan's norms are the members' own.
         assert progress.done[0] == (loss, path) and not progress.norms and not progress.checksums
@@ -342,28 +366,23 @@ def test_forged_reports_are_refused_and_a_member_forging_them_is_evicted(tmp_pat
 def test_activations_and_gradients_with_another_nodes_path_are_refused(tmp_path, reference):
     def attack(a: Attack) -> None:
         cfg = a.cluster.coordinator.cfg
-        progress = a.cluster.coordinator.driver.progress
-        first, last = a.plan.stages[0].node_ids[0], a.plan.stages[1].node_ids[0]
         shape = (cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
-        tensor = torch.randn(shape)
-        forward = pb.MicrobatchRef(plan_epoch=a.plan.epoch, step=progress.step, microbatch=0, path=[first])
-        backward = pb.MicrobatchRef(plan_epoch=a.plan.epoch, step=progress.step, microbatch=0, path=[first, last])
+        forged = forged_tensors(a.plan, a.cluster.coordinator.driver.progress.step, shape)
         denied = grpc.StatusCode.PERMISSION_DENIED
         # Activations to the last stage and gradients to the first, claiming the plan's own sender, signed by
         # another key, or by none.
         for key in (a.outsider, None):
-            expect_status(denied, f"forward from {first} is not signed by {first}'s key",
-                          lambda: a.stage(1, key, first).Forward(iter(tensor_chunks(tensor, forward)), timeout=10))
-            expect_status(denied, f"backward from {last} is not signed by {last}'s key",
-                          lambda: a.stage(0, key, last).Backward(iter(tensor_chunks(tensor, backward)), timeout=10))
+            for method, (address, sender, chunks) in forged.items():
+                expect_status(denied, f"{method.lower()} from {sender} is not signed by {sender}'s key",
+                              lambda: getattr(a.stage(address, key, sender), method)(iter(chunks), timeout=10))
+        address, last, chunks = forged["Backward"]
+        first = a.plan.stages[0].node_ids[0]
         # The last stage's real key, resending a gradient the first stage already has: not one it waits for.
         expect_status(denied, "has its gradient",
-                      lambda: a.stage(0, a.key_of(last), last).Backward(iter(tensor_chunks(tensor, backward)),
-                                                                         timeout=10))
+                      lambda: a.stage(address, a.key_of(last), last).Backward(iter(chunks), timeout=10))
         # The first stage's key cannot send gradients: it is not the next stage's node on the path.
         expect_status(denied, f"backward from {last} is not signed by {last}'s key",
-                      lambda: a.stage(0, a.key_of(first), last).Backward(iter(tensor_chunks(tensor, backward)),
-                                                                          timeout=10))
+                      lambda: a.stage(address, a.key_of(first), last).Backward(iter(chunks), timeout=10))
 
     with attacked_run(tmp_path, reference, "microbatches_done", attack):
         pass

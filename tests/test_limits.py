@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
-import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,17 +21,19 @@ from geotrain.node.local import train_local
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.identity import NodeKey
-from geotrain.protocol.transport import make_channel
+from geotrain.protocol.limits import LimitValues, PeerLimits
+from geotrain.protocol.transport import make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
 from geotrain.scheduler.http import REQUEST_BURST, StatusHttpServer
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.status_cli import status_dict
+from tests.attackers import (
+    ATTACKER, Attacker, IdleStreams, answer, extreme_profiles, flood_status_page, register_many,
+)
 from tests.conftest import (
     LocalCluster, expect_status, local_cluster, max_diff, one_compute_thread, small_run, wait_until,
 )
-
-ATTACKER = "mallory"
 
 
 @contextmanager
@@ -52,7 +52,7 @@ def _attacked_run(tmp_path, *overrides: str) -> Iterator[tuple[LocalCluster, thr
         yield cluster, first_step
         summary = cluster.wait(120)
         assert summary.steps == cfg.run.steps
-        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
     with one_compute_thread():
         runtime, _ = train_local(cfg)
     assert max_diff(state, dict(runtime.named_state())) <= 1e-4
@@ -75,45 +75,6 @@ def _steps_while(cluster: LocalCluster, attack_running: Callable[[], bool], step
     return cluster.coordinator.step - start
 
 
-class _IdleStreams:
-    """`count` request streams that send nothing, each opened again as soon as the server ends it; counts how they
-    ended (RESOURCE_EXHAUSTED: refused over a limit; CANCELLED or DEADLINE_EXCEEDED: cut when idle)."""
-
-    def __init__(self, open_stream: Callable[[Iterator], grpc.Future], count: int) -> None:
-        self._open_stream = open_stream
-        self._closing = threading.Event()  # no more reopening or counting
-        self._stop = threading.Event()  # the silent streams end (the server answers them INVALID_ARGUMENT: empty)
-        self.ended: Counter[grpc.StatusCode] = Counter()
-        self._futures = [self._open() for _ in range(count)]
-        self._thread = threading.Thread(target=self._reopen, daemon=True)
-        self._thread.start()
-
-    def _silence(self) -> Iterator:
-        self._stop.wait()
-        yield from ()
-
-    def _open(self) -> grpc.Future:
-        return self._open_stream(self._silence())
-
-    def _reopen(self) -> None:
-        while not self._closing.wait(0.1):
-            for i, future in enumerate(self._futures):
-                if future.done():
-                    self.ended[future.code()] += 1
-                    self._futures[i] = self._open()
-
-    @property
-    def running(self) -> bool:
-        return not self._closing.is_set()
-
-    def stop(self) -> None:
-        self._closing.set()
-        self._thread.join(5)
-        self._stop.set()
-        for future in self._futures:
-            future.cancel()
-
-
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -123,8 +84,8 @@ def test_200_idle_streams_at_a_node_and_at_the_coordinator(tmp_path):
         plan = cluster.coordinator.plan
         node_channel = make_channel(plan.stages[1].addresses[0], cluster.token, lambda: ATTACKER)
         coordinator_channel = make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: ATTACKER)
-        at_node = _IdleStreams(lambda it: rpc.StageStub(node_channel).Forward.future(it, timeout=60), 200)
-        at_coordinator = _IdleStreams(
+        at_node = IdleStreams(lambda it: rpc.StageStub(node_channel).Forward.future(it, timeout=60), 200)
+        at_coordinator = IdleStreams(
             lambda it: rpc.CoordinatorStub(coordinator_channel).Probe.future(it, timeout=60), 200
         )
         try:
@@ -147,18 +108,9 @@ def test_200_idle_streams_at_a_node_and_at_the_coordinator(tmp_path):
 def test_1000_registrations(tmp_path):
     with _attacked_run(tmp_path) as (cluster, _):
         stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: ""))
-        outcomes: Counter[str] = Counter()
-        for i in range(1000):
-            request = pb.RegisterRequest(
-                protocol_version=PROTOCOL_VERSION, node_id=f"{ATTACKER}-{i}", address=f"127.0.0.1:{10000 + i}"
-            )
-            try:
-                outcomes["accepted" if stub.Register(request, timeout=10).accepted else "rejected"] += 1
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-                # Refused by the host's registration rate, or (faster) by the peer's call rate.
-                assert "registrations a second" in e.details() or "calls a second" in e.details(), e.details()
-                outcomes["refused"] += 1
+        # Refused by the host's registration rate, or (faster) by the peer's call rate.
+        outcomes = register_many(stub, 1000)
+        assert set(outcomes) <= {"accepted", "rejected", "refused"}, outcomes
         # limits.registration_burst at once, then limits.registrations_per_s: most are refused.
         assert outcomes["refused"] >= 700, outcomes
         assert len(cluster.coordinator.members) <= 3 + 300
@@ -170,32 +122,8 @@ def test_3000_status_page_requests(tmp_path):
     with _attacked_run(tmp_path) as (cluster, _):
         page = StatusHttpServer(cluster.coordinator.status, "127.0.0.1:0")
         port = page.start()
-        codes: Counter[int] = Counter()
-        lock = threading.Lock()
-        requests: queue.Queue[int] = queue.Queue()
-        for i in range(3000):
-            requests.put(i)
-
-        def client() -> None:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            while True:
-                try:
-                    i = requests.get_nowait()
-                except queue.Empty:
-                    break
-                connection.request("GET", ("/api/status", "/metrics", "/")[i % 3])
-                response = connection.getresponse()
-                response.read()
-                with lock:
-                    codes[response.status] += 1
-            connection.close()
-
-        flooders = [threading.Thread(target=client) for _ in range(4)]
         try:
-            for t in flooders:
-                t.start()
-            for t in flooders:
-                t.join(120)
+            codes = flood_status_page(port, 3000)
             assert sum(codes.values()) == 3000
             assert set(codes) <= {200, 429} and codes[429] >= 2000, codes
             assert codes[200] >= REQUEST_BURST
@@ -212,20 +140,8 @@ def test_profile_with_extreme_numbers(tmp_path):
         key, _ = NodeKey.load_or_create(tmp_path / "node-1")
         stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1", key=key))
         honest = cluster.coordinator.members["node-1"].profile
-        for value in (0.0, 5e-324, 1e308, math.nan, math.inf):
-            for field in ("layer_seconds", "bandwidth_bps", "memory_bytes"):
-                report = pb.NodeProfileReport()
-                report.CopyFrom(honest)
-                if field == "layer_seconds":
-                    report.layer_seconds[0] = value
-                elif field == "bandwidth_bps":
-                    report.links.add(peer="node-2", bandwidth_bps=value, rtt_s=0.001)
-                elif math.isfinite(value) and value < 2**64:
-                    report.memory_bytes = int(value)
-                else:
-                    continue
-                expect_status(grpc.StatusCode.INVALID_ARGUMENT, "must be in",
-                              lambda: stub.ReportProfile(report, timeout=10))
+        for report in extreme_profiles(honest, "node-2"):
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, "must be in", lambda: stub.ReportProfile(report, timeout=10))
         assert cluster.coordinator.members["node-1"].profile is honest
         _steps_while(cluster, lambda: True, 2, 90)
 
@@ -324,20 +240,55 @@ def test_robust_averaging_refuses_powersgd_and_travels_to_the_nodes():
     assert small_run().compression.replica_clip == 0.0  # the default: the exact mean
 
 
-def test_a_clipped_replica_is_an_event_once_per_step():
+def test_a_clipped_replica_is_an_event_once_per_step_when_a_majority_or_itself_says_so():
     from geotrain.scheduler.coordinator import Coordinator
 
     coordinator = Coordinator(small_run())
-    for node_id, peer in (("a", "peer-a"), ("b", "peer-b")):
-        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id,
-                                                address="127.0.0.1:1"))
-        coordinator.heartbeat(pb.HeartbeatRequest(node_id=node_id, dht_peer_id=peer))
-    # No step is in progress: the norm itself is stale and ignored, what it saw is still noted.
-    for _ in range(3):  # the same report again, and from the other replica: one event
-        for reporter in ("a", "b"):
-            coordinator.grad_norm(pb.GradNormRequest(node_id=reporter, step=4, clipped_peers=["peer-b", "nobody"]))
-    coordinator.grad_norm(pb.GradNormRequest(node_id="a", step=5, clipped_peers=["peer-b"]))
-    clipped = [(node, detail) for _, kind, node, detail in coordinator.store.events() if kind == "clipped"]
-    assert clipped == [("b", "step 4: CenteredClip clipped its gradient (seen by a)"),
-                       ("b", "step 5: CenteredClip clipped its gradient (seen by a)")]
+    coordinator.planning.plan = pb.Plan(epoch=1, stages=[
+        pb.StageAssignment(index=0, node_ids=["a", "b", "c"], peer_ids=["peer-a", "peer-b", "peer-c"]),
+        pb.StageAssignment(index=1, node_ids=["d"]),
+    ])
+    step = coordinator.step
+
+    def report(reporter: str, peers: list[str], at: int = step) -> None:
+        coordinator.note_clipped(pb.GradNormRequest(node_id=reporter, step=at, clipped_peers=peers))
+
+    def clipped() -> list[tuple[str, str]]:
+        return [(node, detail) for _, kind, node, detail in coordinator.store.events() if kind == "clipped"]
+
+    # One replica of three flags b (a forged flag, or the first of a majority), as often as it likes; a node of
+    # another stage, and a report about another step, count for nothing.
+    for _ in range(3):
+        report("a", ["peer-b", "nobody"])
+    report("d", ["peer-b"])
+    report("c", ["peer-b"], at=step + 1)
+    assert clipped() == []
+    report("c", ["peer-b"])  # the second of three: a majority
+    report("b", ["peer-b"])  # and b's own reduction: still one event
+    assert clipped() == [("b", f"step {step}: CenteredClip clipped its gradient (seen by a, c)")]
+    report("c", ["peer-c"])  # its own reduction says so
+    assert clipped()[-1] == ("c", f"step {step}: CenteredClip clipped its gradient (seen by c)")
     assert [e.kind for e in coordinator.status().events].count("clipped") == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_its_own():
+    # From one host (as every node of a local run, or volunteers behind one NAT): an impostor that claims node-1's id,
+    # signed by a key of its own or by none, uses up its own budget; node-1's signed calls still get through.
+    limits = PeerLimits(LimitValues(calls_per_s=1.0, call_burst=3))
+    server, port = make_server("limits-token", "127.0.0.1:0", limits)
+    rpc.add_StageServicer_to_server(rpc.StageServicer(), server)  # every method answers UNIMPLEMENTED once admitted
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", "limits-token")
+    member = NodeKey.generate()
+    try:
+        def fetch(key: NodeKey | None) -> grpc.StatusCode:
+            stub = attacker.stage(attacker.address, key, "node-1")
+            return answer(lambda: list(stub.FetchState(pb.FetchStateRequest(), timeout=10)))
+
+        for key in (attacker.outsider, None):
+            assert [fetch(key) for _ in range(5)][-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert fetch(member) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        attacker.close()
+        server.stop(None)

@@ -104,8 +104,8 @@ def test_the_status_is_rendered_a_few_times_a_second_however_often_it_is_asked(m
     elapsed = time.monotonic() - started
     assert len(taken) <= 1 + elapsed / 0.5
     assert all(r.nodes[0].node_id == "node-1" for r in replies)
-    _register(c)  # an event: the next status shows it at once
-    assert [n.node_id for n in c.status().nodes] == ["node-1", "node-2"]
+    _register(c)  # an event: the status shows it within _STATUS_MIN_AGE_S
+    wait_until(lambda: [n.node_id for n in c.status().nodes] == ["node-1", "node-2"], 2, "the new member shown")
     c.store.close()
 
 

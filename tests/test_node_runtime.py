@@ -21,6 +21,7 @@ from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
+from geotrain.protocol.identity import NodeKey
 
 NODE = Path(__file__).resolve().parent.parent / "geotrain" / "node"
 
@@ -155,7 +156,7 @@ def _plan(epoch: int, steps_done: int, total: int, stages: list[tuple[int, int, 
     for i, (start, end, agent) in enumerate(stages):
         plan.stages.add(
             index=i, layer_start=start, layer_end=end, node_ids=[agent.node_id], addresses=[agent.address],
-            regions=["local"],
+            regions=["local"], public_keys=[agent.key.public],
         )
     return plan
 
@@ -262,7 +263,7 @@ def test_two_nodes_swapping_stages_each_fetch_the_state_the_other_held(make_agen
 
 
 @pytest.mark.timeout(30)
-def test_fetch_state_refuses_an_empty_layer_range_and_says_which_layers_it_lacks(make_agent):
+def test_fetch_state_goes_only_to_plan_keys_and_refuses_an_empty_layer_range(make_agent):
     import grpc
 
     from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -270,8 +271,18 @@ def test_fetch_state_refuses_an_empty_layer_range_and_says_which_layers_it_lacks
 
     agent = make_agent("node-a", _FakeCoordinator())
     total = agent.cfg.model.total_layers
-    agent._apply_plan(_plan(1, 0, total, [(0, total, agent)]))
-    channel = make_channel(agent.address, agent.options.token, lambda: "node-b")
+    plan = _plan(1, 0, total, [(0, total, agent)])
+    coordinator_key = NodeKey.generate()
+    plan.coordinator_key = coordinator_key.public
+    agent._apply_plan(plan)
+    # Only the plan's coordinator (or a node of the plan) may download state: not a token holder's own key, nor none.
+    for key in (NodeKey.generate(), None):
+        stranger = make_channel(agent.address, agent.options.token, lambda: "node-b", key=key)
+        with pytest.raises(grpc.RpcError) as err:
+            list(rpc.StageStub(stranger).FetchState(pb.FetchStateRequest(steps_done=0), timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "signed by their keys" in err.value.details()
+        stranger.close()
+    channel = make_channel(agent.address, agent.options.token, lambda: "node-b", key=coordinator_key)
     try:
         stub = rpc.StageStub(channel)
         for request, code, message in [

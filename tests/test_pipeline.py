@@ -34,7 +34,7 @@ def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> 
     with local_cluster(cfg, nodes, tmp_path) as cluster:
         summary = cluster.wait(90)
         plan = cluster.coordinator.plan
-        state = fetch_model_state(plan, cluster.token, summary.steps)
+        state = fetch_model_state(plan, cluster.token, summary.steps, cluster.coordinator.key)
     assert summary.steps == cfg.run.steps
     return plan, state, max_diff(state, train_local_state(cfg))
 

@@ -288,7 +288,7 @@ def test_three_stage_pipeline_equals_train_local_in_reduced_precision(tmp_path: 
     cpu = {f"node-{i}": ["--device", "cpu"] for i in (1, 2, 3)}
     with local_cluster(cfg, 3, tmp_path, on_event=on_event, node_args=cpu) as cluster:
         summary = cluster.wait(200)
-        pipeline = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps)
+        pipeline = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
         profiles = [m.profile for m in cluster.coordinator.membership.alive()]
         status = cluster.coordinator.status()
         scale = current_loss_scale(cfg, cluster.coordinator.store)

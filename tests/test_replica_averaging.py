@@ -5,6 +5,7 @@ mean over all replicas, and a live run of four replicas in two regions equals tr
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -124,7 +125,7 @@ def _live_and_local(tmp_path, settings, averaging, wait_s, node_args=None):
     with local_cluster(cfg, 4, tmp_path, node_args=node_args) as cluster:
         summary = cluster.wait(wait_s)
         plan = cluster.coordinator.plan
-        state = fetch_model_state(plan, cluster.token, summary.steps)
+        state = fetch_model_state(plan, cluster.token, summary.steps, cluster.coordinator.key)
         steps = cluster.coordinator.store.steps()
     runtime, _ = train_local(load_config(None, settings))
     exact = {name: t.detach() for name, t in runtime.named_state()}
@@ -385,14 +386,45 @@ def test_centered_clip_moves_at_most_the_outliers_share_of_the_radius():
     values = [honest + 1e-3 * torch.randn(1000, generator=g, dtype=torch.float64) for _ in range(3)]
     values.append(100 * honest)
     radius = 0.1 * 1000**0.5
-    estimate, clipped = centered_clip(values, [1.0] * 4, radius)
+    estimate, clipped = centered_clip(values, radius)
     assert clipped == [3]
     honest_mean = sum(values[:3]) / 3
     # At its fixed point the honest pull, 3 |v - m|, balances the outlier's, at most the radius.
     assert (estimate - honest_mean).norm() <= radius / 3 + 1e-6
     assert (sum(values) / 4 - honest_mean).norm() > 100 * radius  # the mean would follow the outlier
-    same, none_clipped = centered_clip(values[:3], [1.0] * 3, radius)
+    same, none_clipped = centered_clip(values[:3], radius)
     assert none_clipped == [] and torch.allclose(same, honest_mean, atol=1e-9)
+
+
+def test_a_replica_claiming_a_huge_weight_pulls_no_harder_than_the_others():
+    from geotrain.node.averaging import _ClipAccumulator
+
+    g = torch.Generator().manual_seed(7)
+    n, clip_rms = 1000, 1e-3
+    radius = clip_rms * n**0.5
+    true = torch.randn(n, generator=g, dtype=torch.float64) * 0.01
+    honest = [(true + 1e-5 * torch.randn(n, generator=g, dtype=torch.float64), w) for w in (1.0, 3.0)]
+    honest_mean = sum(m * w for m, w in honest) / 4
+
+    def reduce(parts: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, set[int]]:
+        clipped: set[int] = set()
+        accumulator = _ClipAccumulator(torch.Size([n]), clip_rms, clipped)
+        for sender, (mean, weight) in enumerate(parts):
+            accumulator.add_((sender, mean * weight), weight)  # a part is weight x mean
+        return accumulator.div_(0.0), clipped
+
+    # Honest replicas with 1 and 3 microbatches: nobody is clipped, and the result is their weighted mean.
+    exact, clipped = reduce(honest)
+    assert not clipped and torch.equal(exact, honest_mean.float().double())
+    # A third replica sends 100x the gradient and claims a billion microbatches: it counts as one replica of three,
+    # is clipped, and moves the result by at most its third of the radius (and float32 rounding).
+    result, clipped = reduce([*honest, (100 * true, 1e9)])
+    assert clipped == {2}
+    assert (result - sum(m for m, _ in honest) / 2).norm() <= radius / 2 + 1e-6
+    # Claiming an infinite weight, or a NaN part, leaves it out altogether.
+    for liar in ((true, math.inf), (true * math.nan, 1.0)):
+        result, clipped = reduce([*honest, liar])
+        assert clipped == {2} and (result - honest_mean).norm() <= radius
 
 
 @pytest.mark.cluster

@@ -10,8 +10,8 @@ all-reduces PowerSGD's two thin factors per matrix instead of the gradients.
 
 With compression.replica_robust = "centered_clip", each part's reducer keeps every replica's part and aggregates them
 with CenteredClip (Gorbunov et al. 2021, "Secure Distributed Training at Scale", as BTARD does per part) instead of
-the mean: a replica that sends an outlying gradient moves the result by at most its weight's share of the clip
-radius per iteration, and is flagged.
+the mean: a replica that sends an outlying gradient moves the result by at most its share (one of the replicas) of
+the clip radius, and is flagged; one that claims a weight above its microbatch count moves it at most the radius.
 
 A stage whose plan says hierarchical_allreduce averages region by region instead (HierarchicalAllReduce): fast
 links inside a region carry most of the traffic, and each replica sends only its shard across the slow ones.
@@ -24,6 +24,7 @@ import concurrent.futures
 import functools
 import hashlib
 import logging
+import math
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import AsyncIterator, NamedTuple  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
@@ -114,27 +115,31 @@ class _PresummedRunner(AllReduceRunner):
 CLIP_ITERATIONS = 20
 
 
-def centered_clip(values: Sequence[torch.Tensor], weights: Sequence[float], radius: float) -> tuple[torch.Tensor, list[int]]:
-    """CenteredClip of `values` (one tensor per replica, weighted): from their coordinate-wise median, repeat
-    v <- v + sum_i w_i clip(x_i - v, radius) / sum_i w_i, where clip scales a difference longer than `radius` (an L2
-    norm) down to it. Returns v and the indices of the values still farther than `radius` from it (the clipped)."""
+def centered_clip(values: Sequence[torch.Tensor], radius: float) -> tuple[torch.Tensor, list[int]]:
+    """CenteredClip of `values` (one tensor per replica, each counted once): from their coordinate-wise median,
+    repeat v <- v + mean_i clip(x_i - v, radius), where clip scales a difference longer than `radius` (an L2 norm)
+    down to it. Returns v and the indices of the values still farther than `radius` from it (the clipped)."""
     stacked = torch.stack(list(values))
-    w = torch.tensor(weights, dtype=stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
-    total = float(sum(weights))
     v = stacked.median(dim=0).values
     for _ in range(CLIP_ITERATIONS):
         diff = stacked - v
         norms = diff.flatten(1).norm(dim=1)
-        scale = torch.clamp(radius / torch.clamp(norms, min=1e-300), max=1.0).view_as(w)
-        v = v + (w * scale * diff).sum(dim=0) / total
+        scale = torch.clamp(radius / torch.clamp(norms, min=1e-300), max=1.0).view(-1, *([1] * (stacked.dim() - 1)))
+        v = v + (scale * diff).mean(dim=0)
     norms = (stacked - v).flatten(1).norm(dim=1)
-    return v, [i for i, n in enumerate(norms.tolist()) if n > radius and weights[i] > 0]
+    return v, [i for i, n in enumerate(norms.tolist()) if n > radius]
 
 
 class _ClipAccumulator:
     """Takes the place of the reducer's accumulator under CenteredClip: keeps each sender's part (replicas' float64
-    sums, weight x mean) and, once all are in, returns their CenteredClip estimate of the mean on the float32 grid
-    (as _SumAccumulator's mean), noting which senders it clipped."""
+    sums, weight x mean) and, once all are in, returns a robust estimate of their mean on the float32 grid (as
+    _SumAccumulator's mean), noting which senders it clipped.
+
+    A sender's weight (its microbatch count) is its own claim, which nothing here can check: CenteredClip counts
+    every replica that computed a microbatch once, so that a replica claiming a huge weight pulls no harder than
+    the others. When it clips no one, every replica's mean lies within the radius of its estimate, and so does
+    their weighted mean, which is returned instead: the exact mean of an honest step (as the summing reducer's),
+    and one that a liar about its weight can move at most the radius from the robust estimate."""
 
     def __init__(self, shape: torch.Size, clip_rms: float, clipped: set[int]) -> None:
         self.shape = shape
@@ -147,15 +152,19 @@ class _ClipAccumulator:
         self.parts.append((sender, part, alpha))
 
     def div_(self, _denominator: float) -> torch.Tensor:
-        counted = [(sender, part / weight, weight) for sender, part, weight in self.parts if weight > 0]
-        # A NaN or an infinity would make the median and every distance NaN: such a part is left out, and flagged.
-        self.clipped.update(sender for sender, mean, _ in counted if not bool(torch.isfinite(mean).all()))
+        counted = [(sender, part, weight) for sender, part, weight in self.parts if weight > 0]
+        # A NaN or an infinity would make the median and every distance NaN: such a part or weight is left out, and
+        # flagged.
+        self.clipped.update(sender for sender, part, weight in counted
+                            if not (math.isfinite(weight) and bool(torch.isfinite(part).all())))
         counted = [c for c in counted if c[0] not in self.clipped]
         if not counted:  # no replica computed a microbatch: the mean of nothing, as the summing reducer gives
             return torch.zeros(self.shape, dtype=torch.float64)
-        estimate, clipped = centered_clip([m for _, m, _ in counted], [w for _, _, w in counted], self.radius)
-        self.clipped.update(counted[i][0] for i in clipped)
-        return estimate.float().double()
+        estimate, clipped = centered_clip([part / weight for _, part, weight in counted], self.radius)
+        if clipped:
+            self.clipped.update(counted[i][0] for i in clipped)
+            return estimate.float().double()
+        return (sum(part for _, part, _ in counted) / sum(weight for _, _, weight in counted)).float().double()
 
 
 class _ClipReducer(TensorPartReducer):

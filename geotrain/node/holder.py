@@ -217,6 +217,14 @@ class StageHolder:
                 return None
             return [(name, t.detach().cpu().clone()) for name, t in runtime.full_state()]
 
+    def may_read_state(self, signer: bytes | None) -> bool:
+        """Whether `signer` is the coordinator's key or a node's in the plan this node runs (which the coordinator
+        makes every state source run before it sends a node to load from it)."""
+        plan = self.plan
+        return bool(signer) and plan is not None and (
+            signer == plan.coordinator_key or any(signer in s.public_keys for s in plan.stages)
+        )
+
     def _peer(self, stage_index: int) -> tuple[str, str]:
         """(node id, address) of the replica of `stage_index` expected to finish a microbatch first."""
         assert self.plan is not None

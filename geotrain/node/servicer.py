@@ -63,6 +63,9 @@ class StageHandler(Protocol):
         """The node id of the neighbour, one nobody can dial, that the current plan has this node send to and whose
         key is `signer`; None when there is none."""
 
+    def may_read_state(self, signer: bytes | None) -> bool:
+        """Whether the key that signed a FetchState (None: unsigned) may download this node's state."""
+
 
 class StageServicer(rpc.StageServicer):
     """Receives activations and gradients for a node's stage, and serves its state."""
@@ -105,6 +108,10 @@ class StageServicer(rpc.StageServicer):
         return self._receive("backward", request_iterator, context)
 
     def FetchState(self, request, context):  # noqa: D102, N802
+        if not self.handler.may_read_state(signer(context)):
+            why = "state goes only to the nodes of this node's plan and its coordinator, signed by their keys"
+            self.refusals.refused(context.peer(), "FetchState", "", why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         layers = (request.layer_start, request.layer_end) if request.layer_end else None
         if layers is not None and request.layer_start >= request.layer_end:
             empty = f"empty layer range [{request.layer_start}, {request.layer_end})"

@@ -1,11 +1,13 @@
 """What one peer may hold or send at a gRPC server: open streams, call rate, and how long a stream may stay silent.
 
-A peer is a node id (as its call claims it) from one host. Every holder of the run token can open streams, so
-without these limits a few dozen silent Forward streams hold every worker thread of a node (grpc's sync server) and
-the run stops. `PeerLimits` counts per peer and per host; the interceptors wrap each handler so that a call over a
-limit is refused with RESOURCE_EXHAUSTED before it runs, and a request stream that sends nothing for
-`idle_stream_s` is cut (CANCELLED on a sync server, DEADLINE_EXCEEDED on grpc.aio). Refusals are logged through
-auth's RefusalLog: one line per host per interval, never a traceback.
+A peer is a node id (as its call claims it) signed by one key (or by none) from one host: the key is checked by
+the auth interceptor before these limits, so a token holder claiming a member's id from the member's host (all of
+a local run, or volunteers behind one NAT) spends a budget of its own, never the member's. Every holder of the run
+token can open streams, so without these limits a few dozen silent Forward streams hold every worker thread of a
+node (grpc's sync server) and the run stops. `PeerLimits` counts per peer and per host; the interceptors wrap each
+handler so that a call over a limit is refused with RESOURCE_EXHAUSTED before it runs, and a request stream that
+sends nothing for `idle_stream_s` is cut (CANCELLED on a sync server, DEADLINE_EXCEEDED on grpc.aio). Refusals are
+logged through auth's RefusalLog: one line per host per interval, never a traceback.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from typing import Any
 
 import grpc
 
-from geotrain.protocol.auth import MD_NODE, RefusalLog, peer_host
+from geotrain.protocol.auth import MD_KEY, MD_NODE, RefusalLog, peer_host
 
 # Buckets of peers not heard from for a while are forgotten past this many, oldest first.
 _MAX_TRACKED = 1 << 16
+# A peer: the node id its calls claim, and the public key (hex) that signed them ("": none).
+Peer = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class PeerLimits:
     def __init__(self, values: LimitValues | None = None, refusals: RefusalLog | None = None) -> None:
         self.refusals = refusals or RefusalLog()
         self._lock = threading.Lock()
-        self._streams: dict[tuple[str, str], int] = {}
+        self._streams: dict[tuple[str, Peer], int] = {}
         self._host_streams: dict[str, int] = {}
         self._watched: dict[int, _Watched] = {}
         self._ids = itertools.count()
@@ -91,29 +95,28 @@ class PeerLimits:
         self.values = values
         self._calls = TokenBuckets(values.calls_per_s, values.call_burst)
 
-    def open(self, host: str, node_id: str, stream: bool) -> str | None:
+    def open(self, host: str, peer: Peer, stream: bool) -> str | None:
         """Count the start of a call (a request stream when `stream`); why it is refused, or None. An admitted
         stream must be closed with close()."""
         v = self.values
-        if not self._calls.take((host, node_id)):
+        if not self._calls.take((host, peer)):
             return f"more than {v.calls_per_s:g} calls a second (burst {v.call_burst}) from this peer"
         if not stream:
             return None
         with self._lock:
-            peer = (host, node_id)
-            if self._streams.get(peer, 0) >= v.streams_per_peer:
+            at = (host, peer)
+            if self._streams.get(at, 0) >= v.streams_per_peer:
                 return f"{v.streams_per_peer} streams already open from this peer"
             if self._host_streams.get(host, 0) >= v.streams_per_host:
                 return f"{v.streams_per_host} streams already open from this host"
-            self._streams[peer] = self._streams.get(peer, 0) + 1
+            self._streams[at] = self._streams.get(at, 0) + 1
             self._host_streams[host] = self._host_streams.get(host, 0) + 1
         return None
 
-    def close(self, host: str, node_id: str) -> None:
+    def close(self, host: str, peer: Peer) -> None:
         """A stream admitted by open() has ended."""
         with self._lock:
-            peer = (host, node_id)
-            for counts, key in ((self._streams, peer), (self._host_streams, host)):
+            for counts, key in ((self._streams, (host, peer)), (self._host_streams, host)):
                 left = counts[key] - 1
                 if left:
                     counts[key] = left
@@ -162,8 +165,9 @@ class PeerLimits:
                 w.cut()
 
 
-def _node_id(details: grpc.HandlerCallDetails) -> str:
-    return next((v for k, v in details.invocation_metadata if k == MD_NODE and isinstance(v, str)), "")
+def _peer(details: grpc.HandlerCallDetails) -> Peer:
+    metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
+    return metadata.get(MD_NODE, ""), metadata.get(MD_KEY, "")
 
 
 def _same_kind(handler: Any, behavior: Callable[..., Any]) -> Any:
@@ -198,12 +202,13 @@ class LimitsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        limits, method, node_id = self.limits, handler_call_details.method, _node_id(handler_call_details)
+        limits, method, peer = self.limits, handler_call_details.method, _peer(handler_call_details)
+        node_id = peer[0]
         inner, stream = _inner_behavior(handler), handler.request_streaming
 
         def admit(context: grpc.ServicerContext) -> str:
             host = peer_host(context.peer())
-            why = limits.open(host, node_id, stream)
+            why = limits.open(host, peer, stream)
             if why is not None:
                 limits.refusals.refused(context.peer(), method, node_id, why)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
@@ -229,7 +234,7 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     yield from inner(request_of(request, context), context)
                 finally:
                     if stream:
-                        limits.close(host, node_id)
+                        limits.close(host, peer)
         else:
 
             def behavior(request: Any, context: grpc.ServicerContext) -> Any:
@@ -238,7 +243,7 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     return inner(request_of(request, context), context)
                 finally:
                     if stream:
-                        limits.close(host, node_id)
+                        limits.close(host, peer)
 
         return _same_kind(handler, behavior)
 
@@ -254,12 +259,13 @@ class AioLimitsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        limits, method, node_id = self.limits, handler_call_details.method, _node_id(handler_call_details)
+        limits, method, peer = self.limits, handler_call_details.method, _peer(handler_call_details)
+        node_id = peer[0]
         inner, stream = _inner_behavior(handler), handler.request_streaming
 
         async def admit(context: grpc.aio.ServicerContext) -> str:
             host = peer_host(context.peer())
-            why = limits.open(host, node_id, stream)
+            why = limits.open(host, peer, stream)
             if why is not None:
                 limits.refusals.refused(context.peer(), method, node_id, why)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
@@ -291,7 +297,7 @@ class AioLimitsInterceptor(grpc.aio.ServerInterceptor):
                         yield response
                 finally:
                     if stream:
-                        limits.close(host, node_id)
+                        limits.close(host, peer)
         else:
 
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -300,6 +306,6 @@ class AioLimitsInterceptor(grpc.aio.ServerInterceptor):
                     return await inner(request_of(request, context), context)
                 finally:
                     if stream:
-                        limits.close(host, node_id)
+                        limits.close(host, peer)
 
         return _same_kind(handler, behavior)

@@ -30,6 +30,7 @@ from geotrain.dataset import PreparedDataset, bits_per_byte
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # How stale the status may be between events: heartbeat ages and link counters move without one.
 _STATUS_MAX_AGE_S = 0.5
+# After an event the status is rendered again once the last rendering is this old: a fast run has dozens of events a
+# second, and a rendering reads every step's history from SQLite (3,000 status-page requests once slowed a run 4x).
+_STATUS_MIN_AGE_S = 0.2
 
 
 @dataclass
@@ -85,8 +89,11 @@ class Coordinator:
         dht_peers: list[str] | None = None,
         run_id: str = "run",
         on_event: EventSink | None = None,
+        key: NodeKey | None = None,
     ) -> None:
         self.cfg = cfg
+        # Signs the coordinator's own calls to nodes (state downloads); its public half travels in every plan.
+        self.key = key or NodeKey.generate()
         # The prepared data set whose windows the nodes fetch (Windows); None: every node reads the byte corpus.
         self.dataset = PreparedDataset.open(cfg.data.prepared) if cfg.data.prepared else None
         self.store = store or RunStore()
@@ -100,12 +107,14 @@ class Coordinator:
             checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event
         )
         self.planning = Planning(
-            cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers or []
+            cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers or [],
+            self.key.public,
         )
         self.driver = StepDriver(cfg, self.membership, self.orders, self.store, self._on_event)
         self._status_lock = threading.Lock()
-        self._status: pb.StatusReply | None = None  # rendered at most every _STATUS_MAX_AGE_S, and after events
-        self._status_at = 0.0
+        self._status: pb.StatusReply | None = None  # see status()
+        self._status_at = float("-inf")
+        self._status_stale = False  # an event since it was rendered
         self.step = self.store.committed_steps()
         self.finished = False
         self.state = "waiting"
@@ -114,15 +123,16 @@ class Coordinator:
         self._failed_at: float | None = None
         self._clipped_step = -1  # the step _clipped holds the members flagged in (replica_robust)
         self._clipped: set[str] = set()
+        self._clip_reports: dict[str, set[str]] = {}  # in _clipped_step: member -> the replicas that clipped it
 
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
-        """Every part reports what happened here: the status is rendered anew, and the caller's sink hears it."""
-        self._status = None
+        """Every part reports what happened here: the status is due for rendering, and the caller's sink hears it."""
+        self._status_stale = True
         self._sink(kind, data)
 
     def _set_state(self, state: str) -> None:
         self.state = state
-        self._status = None
+        self._status_stale = True
 
     @property
     def members(self) -> dict[str, Member]:
@@ -263,27 +273,36 @@ class Coordinator:
         self.driver.eval_done(request)
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
-        """A stage replica's squared gradient norm for the step being committed, and the replicas whose gradient
-        its CenteredClip clipped."""
+        """A stage replica's squared gradient norm for the step being committed."""
         self.driver.grad_norm(request)
-        if request.clipped_peers:
-            self._note_clipped(request)
 
-    def _note_clipped(self, request: pb.GradNormRequest) -> None:
-        """An event (and a warning) for each member another replica says CenteredClip clipped, once per step: the
-        reports of a flood add nothing, and peer ids no member has are ignored."""
+    def note_clipped(self, request: pb.GradNormRequest) -> None:
+        """An event (and a warning) for each replica of the reporter's stage whose gradient CenteredClip clipped in
+        the step in progress, once, when the flag is consistent: raised by its own reduction, or by a strict
+        majority of the stage's replicas. So one member's report cannot flag an honest peer; with two replicas
+        neither can flag the other (which of two gradients is the outlier, nothing tells). Peer ids outside the
+        stage, and reports about another step, are ignored."""
         with self.membership.cond:
-            by_peer = {m.peer_id: m.node_id for m in self.members.values() if m.peer_id}
+            plan = self.plan
+            stage = next((s for s in plan.stages if request.node_id in s.node_ids), None) if plan else None
+            if stage is None or request.step != self.step:
+                return
             if request.step != self._clipped_step:
-                self._clipped_step, self._clipped = request.step, set()
-            fresh = {by_peer[p] for p in request.clipped_peers if p in by_peer} - self._clipped
-            self._clipped |= fresh
-        for node_id in sorted(fresh):
-            why = f"step {request.step}: CenteredClip clipped its gradient (seen by {request.node_id})"
+                self._clipped_step, self._clipped, self._clip_reports = request.step, set(), {}
+            by_peer = dict(zip(stage.peer_ids, stage.node_ids))
+            fresh: list[tuple[str, list[str]]] = []
+            for node_id in sorted({by_peer[p] for p in request.clipped_peers if p in by_peer}):
+                reporters = self._clip_reports.setdefault(node_id, set())
+                reporters.add(request.node_id)
+                if node_id not in self._clipped and (node_id in reporters or 2 * len(reporters) > len(stage.node_ids)):
+                    self._clipped.add(node_id)
+                    fresh.append((node_id, sorted(reporters)))
+        for node_id, reporters in fresh:
+            why = f"step {request.step}: CenteredClip clipped its gradient (seen by {', '.join(reporters)})"
             log.warning("replica %s sent an outlying gradient: %s", node_id, why)
             self.store.event("clipped", node_id, why)
         if fresh:
-            self._status = None
+            self._status_stale = True
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
         """A stage replica applied the step."""
@@ -445,11 +464,14 @@ class Coordinator:
 
     def status(self) -> pb.StatusReply:
         """The run's status for `geotrain status`, the status page and /metrics (do not modify it: it is shared).
-        Rendered again only after an event or when older than _STATUS_MAX_AGE_S, so that however many viewers
-        ask, the coordinator reads SQLite and copies its members a few times a second at most."""
+        Rendered again only when older than _STATUS_MAX_AGE_S, or than _STATUS_MIN_AGE_S after an event, so that
+        however many viewers ask and however fast the run goes, the coordinator reads SQLite and copies its members
+        a few times a second at most."""
         with self._status_lock:
             now = time.monotonic()
-            if self._status is None or now - self._status_at > _STATUS_MAX_AGE_S:
+            age = now - self._status_at
+            if age > _STATUS_MAX_AGE_S or (self._status_stale and age > _STATUS_MIN_AGE_S):
+                self._status_stale = False
                 self._status, self._status_at = render(self.snapshot()), now
             return self._status
 

@@ -62,8 +62,10 @@ class Planning:
         recovery: Recovery,
         on_event: EventSink,
         dht_peers: list[str],
+        coordinator_key: bytes,
     ) -> None:
         self.cfg = cfg
+        self.coordinator_key = coordinator_key  # in every plan: nodes serve their state to it
         self.dht_peers = dht_peers  # the coordinator's DHT, which a node joins when it first becomes a replica
         self.membership = membership
         self.orders = orders
@@ -275,6 +277,7 @@ class Planning:
             steps_done=steps_done,
             loss_scale=current_loss_scale(self.cfg, self.store).scale,
             excluded=self.excluded,
+            coordinator_key=self.coordinator_key,
         )
         for i, ((start, end), group) in enumerate(zip(ranges, groups)):
             plan.stages.add(
@@ -297,6 +300,16 @@ class Planning:
         self.store.put("plan", plan.SerializeToString().hex())
         self.store.put("plan_epoch", str(epoch))
         self.orders.send([m.node_id for m in self.membership.alive()], pb.Order(plan=plan))
+        # A node serves its state only to keys of the plan it runs: a source must run this one before a node new
+        # to it asks.
+        addresses = {address for address, _ in loads.values()}
+        sources = tuple(sorted(m.node_id for m in self.membership.alive() if m.address in addresses))
+        self.membership.wait(
+            lambda: all(members[n].plan_epoch == epoch for n in sources),
+            "state sources to take up the plan",
+            self.cfg.scheduler.step_timeout_s,
+            Scope(epoch, sources),
+        )
         for node_id, (address, checksum) in loads.items():
             load = pb.LoadState(plan_epoch=epoch, steps_done=steps_done, source_address=address, expected_checksum=checksum)
             self.orders.send([node_id], pb.Order(load_state=load))

@@ -25,6 +25,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import RefusalLog, peer_host, signer
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
@@ -139,6 +140,8 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
 
     async def GradNorm(self, request, context):  # noqa: D102, N802
         await self._from_member(context, self.c.grad_norm, request)
+        if request.clipped_peers:
+            await self._off_loop(self.c.note_clipped, request)  # may write an event to SQLite
         return pb.Ack()
 
     async def StepApplied(self, request, context):  # noqa: D102, N802
@@ -177,6 +180,7 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         return pb.Ack()
 
     async def Windows(self, request, context):  # noqa: D102, N802
+        await self._check_member(context, request)
         try:
             return await self._off_loop(self.c.windows, request)  # reads the data set's shards: off the loop
         except ReportRefused as e:
@@ -275,10 +279,11 @@ def make_coordinator_server(
 
 
 def fetch_stage_state(
-    address: str, token: str, steps_done: int, tls: TlsFiles | None = None
+    address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None
 ) -> dict[str, torch.Tensor]:
-    """A stage's parameters and optimizer state after `steps_done` steps, downloaded from a node serving it."""
-    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls)
+    """A stage's parameters and optimizer state after `steps_done` steps, downloaded from a node serving it; the
+    call is signed by the coordinator's `key` (a node serves its state to no other caller outside its plan)."""
+    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
     try:
         stream = rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=_FETCH_DEADLINE_S)
         return framing.read_state(stream)
@@ -286,11 +291,14 @@ def fetch_stage_state(
         channel.close()
 
 
-def fetch_model_state(plan: pb.Plan, token: str, steps_done: int, tls: TlsFiles | None = None) -> dict[str, torch.Tensor]:
-    """The whole model's parameters (no optimizer state), stage by stage from one replica each."""
+def fetch_model_state(
+    plan: pb.Plan, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (no optimizer state), stage by stage from one replica each, fetched with the
+    coordinator's `key`."""
     state: dict[str, torch.Tensor] = {}
     for stage in plan.stages:
-        tensors = fetch_stage_state(stage.addresses[0], token, steps_done, tls)
+        tensors = fetch_stage_state(stage.addresses[0], token, steps_done, key, tls)
         state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
     return state
 
@@ -374,6 +382,8 @@ class CoordinatorProcess:
         checkpoints = (
             CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
         )
+        # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
+        key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         host = listen.rsplit(":", 1)[0]
         self.dht = DhtProcess(f"/ip4/{host}/tcp/0")
         try:
@@ -381,10 +391,11 @@ class CoordinatorProcess:
                 cfg,
                 store=self.store,
                 checkpoints=checkpoints,
-                fetch_state=lambda address, steps_done: fetch_stage_state(address, token, steps_done, tls),
+                fetch_state=lambda address, steps_done: fetch_stage_state(address, token, steps_done, key, tls),
                 dht_peers=self.dht.maddrs,
                 run_id=self.store.get("run_id", ""),
                 on_event=on_event,
+                key=key,
             )
             self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
         except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind

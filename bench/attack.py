@@ -1,0 +1,354 @@
+"""A token holder attacks a live run, one attack after another: how many steps the run commits while it does.
+
+An in-process coordinator and three `geotrain join` processes train a tiny model on three stages of one node each
+(the run's own numbers: default limits, scheduler.max_offences). An attacker in a process of its own at nice 19
+(its Python shares no interpreter lock with the coordinator's, and takes only the cores the run leaves idle, as its
+own machine would) holds the run token and knows the plan, as every volunteer does; it asks Status where the run
+is ten times a second, and makes each attack of issue 17 again and again for --window seconds, with the
+shared attack code of tests/attackers.py: id takeover, order-stream theft, forged microbatch-done, gradient-norm
+and step-applied reports (as an outsider claiming a member's id, and as a member of its own reporting what is not
+its own, again under a new id and key each time it is evicted), activations and gradients claiming another node's
+path, profiles with extreme numbers, 200 idle streams at a node and 200 at the coordinator, 1,000 registrations,
+3,000 status-page requests.
+
+One JSON line per attack: attack; steps_baseline (steps committed in the --window seconds just before the attack,
+without one); steps_during_attack (in the --window seconds of the attack); final_max_diff (the largest difference
+of any parameter from train-local's at the first commit after the attack, fetched while the run is held there);
+evicted (the members the coordinator evicted during the attack); answers (how the attacker's calls ended, by gRPC
+status, registration reply or HTTP status; OK: a member's report about a step that was over when it arrived, which
+the coordinator ignores). The learning rate is constant after warm-up (train.min_lr =
+train.lr), so train-local's parameters after step s are those of the long run after step s.
+Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 10] [--attacks NAME,...]
+
+On the 2-core machine of issue 17's runs (3 nodes, the coordinator and the attacker on it, ~10 steps/s, windows of
+10 s, which vary by +-30% from one baseline to the next): every run ended where train-local does (final_max_diff
+0.0). At 0.8x of the baseline or above: order-stream theft, forged step-applied, profiles with extreme numbers;
+0.7-0.8x: id takeover, forged gradient norms, idle streams, 1,000 registrations; below: forged microbatch-done
+(0.68x), forged tensors (0.58x to 0.84x in two runs) and 3,000 status-page requests (0.30x): a flood costs the
+Python that serves it (aiohttp's for the page, grpc's, a signature check per call) on the cores and the
+interpreter lock the run needs; the page runs in the coordinator's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import torch
+
+from geotrain.config import RunConfig, load_config
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import TOKEN_ENV
+from geotrain.protocol.identity import NodeKey
+from geotrain.scheduler.http import StatusHttpServer
+from geotrain.scheduler.service import fetch_model_state
+from tests.attackers import (
+    ATTACKER, Attacker, IdleStreams, answer, extreme_profiles, flood_status_page, forged_report, forged_tensors,
+    register_many,
+)
+from tests.conftest import local_cluster, max_diff, train_local_state
+
+from control_plane import HelperProcess  # a sibling: run as bench/attack.py
+
+NODES = 3
+SETTINGS = [
+    "run.steps=100000", "run.eval_every=0", "scheduler.placement=uniform", f"scheduler.stages={NODES}",
+    "scheduler.replicas=1", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5",
+    "profile.layer_repeats=1", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
+    "train.microbatch_size=2", "train.microbatches=4",
+]
+# The attacker asks the coordinator where the run is (Status) at most this often.
+_STATUS_EVERY_S = 0.1
+
+
+# -- the attacker (a process of its own: `attack.py --attacker ADDRESS`) ----------------------------------------
+
+
+class Siege:
+    """One attacker's view of the run and its rounds of attacks; each round returns how its calls ended."""
+
+    def __init__(self, attacker: Attacker, plan: pb.Plan, profile: pb.NodeProfileReport, status_port: int,
+                 max_offences: int, shape: tuple[int, int, int]) -> None:
+        self.a = attacker
+        self.plan = plan
+        self.shape = shape  # an activation's: microbatch size, sequence length, model width
+        self.profile = profile  # a member's honest profile, the base of the extreme ones
+        self.status_port = status_port
+        self.max_offences = max_offences
+        self.step, self.epoch, self._asked_at = 0, plan.epoch, 0.0
+        self.registered = 0  # ids register_many used so far
+        self._member: tuple[str, NodeKey] | None = None
+        self._members = 0
+        self._offences = 0
+
+    def where(self) -> None:
+        """The step in progress, from the coordinator's status (what any token holder may ask)."""
+        if time.monotonic() - self._asked_at >= _STATUS_EVERY_S:
+            status = self.a.coordinator(None, "").Status(pb.StatusRequest(), timeout=10)
+            self.step, self.epoch = status.step, status.plan_epoch
+            self._asked_at = time.monotonic()
+
+    def member(self) -> tuple[str, NodeKey]:
+        """The attacker's own member, registered with a key of its own; a new one once the last may be evicted."""
+        if self._member is None or self._offences >= self.max_offences:
+            self._members += 1
+            node_id, key = f"{ATTACKER}-{os.getpid()}-{self._members}", NodeKey.generate()
+            if not self.a.register(node_id, key).accepted:
+                raise RuntimeError(f"the attacker's member {node_id} was not registered")
+            self._member, self._offences = (node_id, key), 0
+        return self._member
+
+    def _as_member(self, call: Callable[[rpc.CoordinatorStub, str], object]) -> grpc.StatusCode:
+        """call(stub, node id) as the attacker's member; its refusals count towards the member's eviction."""
+        node_id, key = self.member()
+        code = answer(lambda: call(self.a.coordinator(key, node_id), node_id))
+        self._offences += code != grpc.StatusCode.OK
+        return code
+
+    def id_takeover(self, _until: float) -> Counter[str]:
+        """Register a member's id with the attacker's key, carrying that key, then the member's public key."""
+        victim = self.plan.stages[0]
+        replies = Counter()
+        for public_key in (self.a.outsider.public, victim.public_keys[0]):
+            try:
+                reply = self.a.register(victim.node_ids[0], self.a.outsider, public_key)
+            except grpc.RpcError as e:  # over the host's registration rate
+                replies[e.code().name] += 1
+            else:
+                replies[pb.RejectReason.Name(reply.reason) if not reply.accepted else "accepted"] += 1
+        return replies
+
+    def order_stream_theft(self, _until: float) -> Counter[str]:
+        """Open a member's order stream and heartbeat as it, signed by the attacker's key and unsigned."""
+        victim = self.plan.stages[1].node_ids[0]
+        codes = Counter()
+        for key in (self.a.outsider, None):
+            stub = self.a.coordinator(key, victim)
+            codes[answer(lambda: next(stub.Orders(pb.OrdersRequest(node_id=victim), timeout=10))).name] += 1
+            codes[answer(lambda: stub.Heartbeat(pb.HeartbeatRequest(node_id=victim), timeout=10)).name] += 1
+        return codes
+
+    def _forged(self, method: str, victim: str) -> Counter[str]:
+        """`method` reports about `victim` signed by the outsider's key; then the attacker's member's own."""
+        self.where()
+        path = [s.node_ids[0] for s in self.plan.stages]
+        request = forged_report(method, victim, self.step, self.epoch, path)
+        stub = self.a.coordinator(self.a.outsider, victim)
+        codes = Counter([answer(lambda: getattr(stub, method)(request, timeout=10)).name])
+        member_path = [self.member()[0], *path[1:]]
+        codes[self._as_member(lambda s, me: getattr(s, method)(
+            forged_report(method, me, self.step, self.epoch, member_path), timeout=10)).name] += 1
+        return codes
+
+    def forged_microbatch_done(self, _until: float) -> Counter[str]:
+        """Microbatch 0 reported done, as the data head and as the attacker's member."""
+        return self._forged("MicrobatchDone", self.plan.stages[0].node_ids[0])
+
+    def forged_grad_norm(self, _until: float) -> Counter[str]:
+        """A huge gradient norm, as stage 1's node and as the attacker's member."""
+        return self._forged("GradNorm", self.plan.stages[1].node_ids[0])
+
+    def forged_step_applied(self, _until: float) -> Counter[str]:
+        """A wrong checksum for the step, as stage 2's node and as the attacker's member."""
+        return self._forged("StepApplied", self.plan.stages[2].node_ids[0])
+
+    def forged_tensors(self, _until: float) -> Counter[str]:
+        """Activations and gradients claiming the plan's own senders, signed by the attacker's key and unsigned."""
+        self.where()
+        codes = Counter()
+        for method, (address, sender, chunks) in forged_tensors(self.plan, self.step, self.shape).items():
+            for key in (self.a.outsider, None):
+                stub = self.a.stage(address, key, sender)
+                codes[answer(lambda: getattr(stub, method)(iter(chunks), timeout=10)).name] += 1
+        return codes
+
+    def extreme_profile(self, _until: float) -> Counter[str]:
+        """Profiles with extreme numbers, as the attacker's member."""
+        codes = Counter()
+        for report in extreme_profiles(self.profile, self.plan.stages[0].node_ids[0]):
+            codes[self._as_member(lambda s, me: s.ReportProfile(_as(report, me), timeout=10)).name] += 1
+        return codes
+
+    def idle_streams(self, until: float) -> Counter[str]:
+        """200 silent Forward streams at stage 1's node and 200 Probe streams at the coordinator, until `until`."""
+        node = self.a.stage(self.plan.stages[1].addresses[0], self.a.outsider, ATTACKER)
+        coordinator = self.a.coordinator(self.a.outsider, ATTACKER)
+        streams = [IdleStreams(lambda it: node.Forward.future(it, timeout=60), 200),
+                   IdleStreams(lambda it: coordinator.Probe.future(it, timeout=60), 200)]
+        time.sleep(max(0.0, until - time.monotonic()))
+        for s in streams:
+            s.stop()
+        return Counter({code.name: n for s in streams for code, n in s.ended.items()})
+
+    def registrations(self, _until: float) -> Counter[str]:
+        """1,000 registrations of new ids."""
+        outcomes = register_many(self.a.coordinator(None, ""), 1000, first=self.registered)
+        self.registered += 1000
+        return outcomes
+
+    def status_page(self, _until: float) -> Counter[str]:
+        """3,000 status-page requests."""
+        return Counter({str(code): n for code, n in flood_status_page(self.status_port, 3000).items()})
+
+
+def _as(report: pb.NodeProfileReport, node_id: str) -> pb.NodeProfileReport:
+    report.node_id = node_id
+    return report
+
+
+# In the order they run: the registrations last, since the members they add stay listed.
+ATTACKS = ["id_takeover", "order_stream_theft", "forged_microbatch_done", "forged_grad_norm", "forged_step_applied",
+           "forged_tensors", "extreme_profile", "idle_streams", "status_page", "registrations"]
+
+
+def serve_attacks(address: str, token: str) -> None:
+    """Take one JSON command a line on stdin (the plan, a profile, then which attack for how long); answer each
+    attack with one JSON line of how its calls ended."""
+    attacker = Attacker(address, token)
+    siege: Siege | None = None
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if "plan" in command:
+                siege = Siege(attacker, pb.Plan.FromString(bytes.fromhex(command["plan"])),
+                              pb.NodeProfileReport.FromString(bytes.fromhex(command["profile"])),
+                              command["status_port"], command["max_offences"], tuple(command["shape"]))
+                answers: Counter[str] = Counter()
+            else:
+                assert siege is not None
+                until = time.monotonic() + command["seconds"]
+                attack = getattr(siege, command["attack"])
+                answers = Counter()
+                while time.monotonic() < until:
+                    answers += attack(until)
+            sys.stdout.write(json.dumps(dict(answers)) + "\n")
+            sys.stdout.flush()
+    finally:
+        attacker.close()
+
+
+# -- the run and the measurement ------------------------------------------------------------------------------
+
+
+class Run:
+    """The run's commits as they happen, and its parameters fetched at the first commit after `hold()`."""
+
+    def __init__(self) -> None:
+        self.commits: list[float] = []
+        self.first = threading.Event()
+        self.fetch: Callable[[], tuple[int, dict[str, torch.Tensor]]] | None = None
+        self._held: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._want = threading.Event()
+        self._got = threading.Event()
+
+    def on_event(self, kind: str, _data: dict) -> None:
+        """The coordinator's event sink (its run loop waits while a hold fetches the parameters)."""
+        if kind != "step":
+            return
+        self.commits.append(time.monotonic())
+        self.first.set()
+        if self._want.is_set() and self.fetch is not None:
+            self._want.clear()
+            self._held.append(self.fetch())
+            self._got.set()
+
+    def steps_in(self, since: float, until: float) -> int:
+        """Steps committed in [since, until]."""
+        return sum(since <= t <= until for t in self.commits)
+
+    def hold(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """(steps done, parameters) at the next commit."""
+        self._got.clear()
+        self._want.set()
+        if not self._got.wait(timeout):
+            raise RuntimeError(f"no step committed in {timeout} s")
+        return self._held[-1]
+
+
+def measure(cfg: RunConfig, names: list[str], window_s: float, log_dir: Path) -> list[dict]:
+    """Run the attacks one after another on one run; a line per attack, and (steps, parameters) after each."""
+    run = Run()
+    rows: list[dict] = []
+    with local_cluster(cfg, NODES, log_dir, on_event=run.on_event) as cluster:
+        c = cluster.coordinator
+        run.fetch = lambda: (c.step, fetch_model_state(c.plan, cluster.token, c.step, c.key))
+        page = StatusHttpServer(c.status, "127.0.0.1:0")
+        env = {**os.environ, TOKEN_ENV: cluster.token, "OMP_NUM_THREADS": "1"}
+        # At nice 19: on a network the attacker's own work is its own machine's, here it takes only what the run
+        # leaves of the cores; what its calls cost the run's processes is what is measured.
+        attacker = HelperProcess(
+            ["nice", "-n", "19", sys.executable, __file__, "--attacker", f"127.0.0.1:{cluster.port}"], env
+        )
+        try:
+            if not run.first.wait(300):
+                raise RuntimeError(f"no step committed in 300 s; node logs in {log_dir}")
+            first = c.plan.stages[0].node_ids[0]
+            attacker.ask(json.dumps({"plan": c.plan.SerializeToString().hex(), "status_port": page.start(),
+                          "profile": c.members[first].profile.SerializeToString().hex(),
+                          "max_offences": cfg.scheduler.max_offences,
+                          "shape": [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]}))
+            for name in names:
+                since = time.monotonic()
+                time.sleep(window_s)
+                baseline = run.steps_in(since, since + window_s)
+                started = time.time()  # events are stamped with the wall clock
+                since = time.monotonic()
+                answers = attacker.ask(json.dumps({"attack": name, "seconds": window_s}))
+                during = run.steps_in(since, since + window_s)
+                steps, state = run.hold(120)
+                evicted = sum(kind == "evicted" and at >= started for at, kind, _, _ in c.store.events(limit=10**6))
+                rows.append({"attack": name, "steps_during_attack": during, "steps_baseline": baseline,
+                             "steps": steps, "state": state, "evicted": evicted, "answers": answers})
+            if cluster.result:
+                raise RuntimeError(f"the run ended during the attacks: {cluster.result}")
+        finally:
+            attacker.close()
+            page.stop()
+    return rows
+
+
+def main() -> None:
+    """Measure each attack, or (--attacker) be the attacker's process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--window", type=float, default=10.0, help="seconds with and without each attack")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, of: " + ", ".join(ATTACKS))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run config overrides")
+    parser.add_argument("--attacker", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.attacker:
+        serve_attacks(args.attacker, os.environ[TOKEN_ENV])
+        return
+    names = args.attacks.split(",")
+    if unknown := set(names) - set(ATTACKS):
+        parser.error(f"unknown attacks: {', '.join(sorted(unknown))}")
+    lr = load_config(None, [*SETTINGS, *args.set]).train.lr
+    cfg = load_config(None, [*SETTINGS, f"train.min_lr={lr!r}", *args.set])
+    with tempfile.TemporaryDirectory(prefix="geotrain-bench-") as tmp:
+        rows = measure(cfg, names, args.window, Path(tmp))
+    # train-local to each held step (the learning rate does not depend on run.steps, see above).
+    reference: dict[int, dict[str, torch.Tensor]] = {}
+    for steps in sorted({row["steps"] for row in rows}):
+        cfg.run.steps = steps
+        reference[steps] = train_local_state(cfg)
+    for row in rows:
+        print(json.dumps({
+            "attack": row["attack"], "steps_during_attack": row["steps_during_attack"],
+            "steps_baseline": row["steps_baseline"], "final_max_diff": max_diff(row["state"], reference[row["steps"]]),
+            "evicted": row["evicted"], "answers": row["answers"],
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
