@@ -40,6 +40,8 @@ tokenizer through it (data.prepared) on the machine that trained it."""
 
 AUTO_INFLIGHT = 0
 """train.inflight = "auto" (0 on the wire): the coordinator sizes each plan's window (Plan.inflight)."""
+MAX_INFLIGHT = 1024
+"""The most microbatches a data head keeps in flight."""
 
 
 def _bounded(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:
@@ -197,7 +199,7 @@ class TrainSection:
         default=AUTO_INFLIGHT,
         metadata={
             "lo": 0,
-            "hi": 1024,
+            "hi": MAX_INFLIGHT,
             "auto": AUTO_INFLIGHT,
             "doc": "microbatches a data head keeps in flight at once, or \"auto\": each plan's own window, the "
             "round trip over the pace shared among the data heads (sent with the plan)",

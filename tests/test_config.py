@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geotrain.cli import _per_node_flags, build_parser
-from geotrain.config import ConfigError, RunConfig, build_config, from_proto, load_config, to_proto
+from geotrain.config import AUTO_INFLIGHT, ConfigError, RunConfig, build_config, from_proto, load_config, to_proto
 from tests.conftest import run_cli
 
 
@@ -97,3 +97,15 @@ def test_replica_rank_follows_replica_grads():
     assert load_config().compression.replica_rank is None
     assert load_config(None, ["compression.replica_grads=powersgd"]).compression.replica_rank == 4
     assert load_config(None, ["compression.replica_grads=powersgd:rank=8"]).compression.replica_rank == 8
+
+
+def test_inflight_is_auto_by_default_or_a_number():
+    assert RunConfig().train.inflight == AUTO_INFLIGHT
+    assert load_config(None, ["train.inflight=auto"]).train.inflight == AUTO_INFLIGHT
+    assert load_config(None, ["train.inflight=8"]).train.inflight == 8
+    assert from_proto(to_proto(load_config(None, ["train.inflight=8"]))).train.inflight == 8
+    assert from_proto(to_proto(RunConfig())).train.inflight == AUTO_INFLIGHT
+    with pytest.raises(ConfigError, match="train.inflight"):
+        load_config(None, ["train.inflight=2000"])
+    with pytest.raises(ConfigError, match="train.inflight"):
+        load_config(None, ["train.inflight=many"])

@@ -256,6 +256,7 @@ class Planning:
             steps_done=steps_done,
             loss_scale=current_loss_scale(self.cfg, self.store).scale,
             excluded=self.excluded,
+            inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
         )
         for i, ((start, end), group) in enumerate(zip(ranges, groups)):
             plan.stages.add(
@@ -296,6 +297,6 @@ class Planning:
             + (" (averaging region by region)" if s.hierarchical_allreduce else "")
             for s in plan.stages
         )
-        self.store.event("plan", detail=f"epoch {epoch}: {detail}")
+        self.store.event("plan", detail=f"epoch {epoch}: {detail}; {plan.inflight} microbatches in flight per data head")
         self._on_event("plan", {"plan": plan})
         return steps_done
