@@ -182,12 +182,14 @@ def test_auto_window_is_larger_over_a_slow_link():
     # Over a slow link a microbatch's round trip is long against the pace, so the data head keeps more in flight.
     model = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=1)
     nodes = [
-        NodeProfile(node_id=f"n{i}", region=("east", "west")[i % 2], layer_seconds=[f / 4e12 for f in model.layer_flops],
+        NodeProfile(node_id=f"n{i}", region=("east", "west")[i % 2],
+                    layer_seconds=[f / 4e12 for f in model.layer_flops],
                     memory_bytes=int(2.4 * sum(model.layer_param_bytes) + 2e8))
         for i in range(2)
     ]
     windows = {}
-    for name, link in (("slow", Link(bandwidth_bps=5e7, latency_s=0.05)), ("fast", Link(bandwidth_bps=1e10, latency_s=1e-4))):
+    links = {"slow": Link(bandwidth_bps=5e7, latency_s=0.05), "fast": Link(bandwidth_bps=1e10, latency_s=1e-4)}
+    for name, link in links.items():
         network = Network(intra_region=Link(bandwidth_bps=1e10, latency_s=1e-4), inter_region={("east", "west"): link})
         planned = plan(nodes=nodes, model=model, network=network,
                        shape=StepShape(microbatches=64, microbatch_size=1, inflight="auto"))

@@ -502,9 +502,8 @@ class CostModel:
         base = default or self.network.intra_region
         ratio = self.shape.codec_ratio.inter_region if default else self.shape.codec_ratio.intra_region
         self._base_link = (base.bandwidth_bps, base.latency_s, ratio / base.bandwidth_bps)
-        rows, cols = np.nonzero(
-            (bw != self._base_link[0]) | (lat != self._base_link[1]) | (self.class_seconds_per_bit != self._base_link[2])
-        )
+        base_bw, base_lat, base_per_bit = self._base_link
+        rows, cols = np.nonzero((bw != base_bw) | (lat != base_lat) | (self.class_seconds_per_bit != base_per_bit))
         self._odd_rows, self._odd_cols = rows, cols
         self._odd_bw, self._odd_lat = bw[rows, cols], lat[rows, cols]
         self._odd_extra_per_bit = self.class_seconds_per_bit[rows, cols] - self._base_link[2]
@@ -539,7 +538,8 @@ class CostModel:
         those whose link differs from the base link (the rest have the base link)."""
         bw, lat = self._odd_bw[pairs], self._odd_lat[pairs]
         if len(bw) < n_pairs:
-            return min(bw.min(initial=math.inf), self._base_link[0]), max(lat.max(initial=-math.inf), self._base_link[1])
+            base_bw, base_lat, _ = self._base_link
+            return min(bw.min(initial=math.inf), base_bw), max(lat.max(initial=-math.inf), base_lat)
         return float(bw.min()), float(lat.max())
 
     def _group_terms(self, idx: np.ndarray) -> tuple:
@@ -829,7 +829,8 @@ class CostModel:
         heads = len(stages[0][2])
         pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
         round_trip = unbounded.latency.sum() + unbounded.transfer.sum()
-        window = min(math.ceil(round_trip / (pace * heads) - 1e-9), math.ceil(self.shape.microbatches / heads), MAX_INFLIGHT)
+        enough = math.ceil(self.shape.microbatches / heads)  # the whole step in flight at once
+        window = min(math.ceil(round_trip / (pace * heads) - 1e-9), enough, MAX_INFLIGHT)
         for s, (start, end, nodes) in enumerate(stages):
             idx = np.asarray(nodes, dtype=np.int64)
             fixed = self.stage_memory_bytes(start, end, len(stages), 0)

@@ -297,6 +297,7 @@ class Planning:
             + (" (averaging region by region)" if s.hierarchical_allreduce else "")
             for s in plan.stages
         )
-        self.store.event("plan", detail=f"epoch {epoch}: {detail}; {plan.inflight} microbatches in flight per data head")
+        window = f"{plan.inflight} microbatches in flight per data head"
+        self.store.event("plan", detail=f"epoch {epoch}: {detail}; {window}")
         self._on_event("plan", {"plan": plan})
         return steps_done
