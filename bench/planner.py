@@ -35,6 +35,11 @@ is 1.61.
 Its plan time is 0.13 to 3.0 times dtfm's at dtfm's budget here (population 16, 64 offspring per D_PP, a few seconds),
 not the tenth the issue asks. At 4,096 nodes geotrain plans dtfm_worldwide in 7.1 s, volunteers_worldwide in
 10.5-12.1 s and dtfm_spot (2,560 machines as regions) in 32.5 s.
+Issue 19, part 2 (the cost model reads the default link and the few class pairs that differ from it; a node pool whose
+compute bound reaches the best step is skipped): every samples/s of the 36 pairs is unchanged, and the plan time is
+0.12 to 2.3 times dtfm's (median 0.6; volunteers_worldwide at 64-1024 nodes is the slowest, 1.2-2.3x), still not the
+tenth; dtfm's budget is the one above, unchanged. dtfm_spot 1,024 plans in 4.4 s instead of 15 s. At 4,096 nodes, the
+same plans as before: dtfm_spot in 5.9 s, volunteers_worldwide in 7.2 s, dtfm_worldwide in 4.8 s.
 
 Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
 (hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the

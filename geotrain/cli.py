@@ -742,7 +742,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": m.vocab}
     return run_plan(
         args.cluster, model, cfg.train.microbatches, cfg.train.microbatch_size, as_json=args.json,
-        stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight, allreduce=cfg.scheduler.allreduce,
+        stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight or "auto", allreduce=cfg.scheduler.allreduce,
         replica_rank=cfg.compression.replica_rank, compute_bytes=4 if cfg.train.precision == "fp32" else 2,
         recompute=cfg.train.recompute,
     )

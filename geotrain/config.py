@@ -38,6 +38,12 @@ DATA_METADATA_KEY = "geotrain.data"
 tokenizer through it (data.prepared) on the machine that trained it."""
 
 
+AUTO_INFLIGHT = 0
+"""train.inflight = "auto" (0 on the wire): the coordinator sizes each plan's window (Plan.inflight)."""
+MAX_INFLIGHT = 1024
+"""The most microbatches a data head keeps in flight."""
+
+
 def _bounded(default: Any, lo: float | None = None, hi: float | None = None, doc: str = "") -> Any:
     """A dataclass field whose value must lie in [lo, hi]."""
     return field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc})
@@ -189,7 +195,16 @@ class TrainSection:
     beta1: float = _bounded(0.9, 0.0, 0.999999)
     beta2: float = _bounded(0.95, 0.0, 0.999999)
     grad_clip: float = _bounded(1.0, 0.0, 1e6, "global gradient-norm clip; 0 = off")
-    inflight: int = _bounded(4, 1, 1024, "microbatches a data head keeps in flight at once")
+    inflight: int = field(
+        default=AUTO_INFLIGHT,
+        metadata={
+            "lo": 0,
+            "hi": MAX_INFLIGHT,
+            "auto": AUTO_INFLIGHT,
+            "doc": "microbatches a data head keeps in flight at once, or \"auto\": each plan's own window, the "
+            "round trip over the pace shared among the data heads (sent with the plan)",
+        },
+    )
     precision: str = field(
         default="fp32",
         metadata={
@@ -543,11 +558,13 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"[{name}] must be a table")
         cls = sections[name]
         hints = typing.get_type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name: f for f in dataclasses.fields(cls)}
         fields_: dict[str, Any] = {}
         for key, v in value.items():
             if key not in known:
                 raise ConfigError(f"unknown key {name}.{key}; known: {', '.join(sorted(known))}")
+            if v == "auto" and "auto" in known[key].metadata:
+                v = known[key].metadata["auto"]
             fields_[key] = _coerce(name, key, hints[key], v)
         kwargs[name] = cls(**fields_)
     return RunConfig(**kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geotrain.cli import _per_node_flags, build_parser
-from geotrain.config import ConfigError, LimitsSection, RunConfig, build_config, from_proto, load_config, to_proto
+from geotrain.config import AUTO_INFLIGHT, ConfigError, LimitsSection, RunConfig, build_config, from_proto, load_config, to_proto
 from geotrain.protocol.limits import LimitValues
 from tests.conftest import run_cli
 

@@ -235,3 +235,22 @@ def test_low_rank_replica_averaging_pays_two_rounds_of_factors():
         CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(replica_rank=2))
     with pytest.raises(ValueError, match="replica_rank"):
         CostModel(nodes=nodes, model=shaped, network=SLOW_NET, shape=shape4(replica_rank=0))
+
+
+def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
+    # Round trip 4 s over the link's pace of 1 s with one data head: 4 in flight keep the unbounded step time, 7 s.
+    plan = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
+    assert plan.inflight == 4 and plan.step_seconds == pytest.approx(7.0)
+    # A stage-0 replica holds 400 bytes of state and 10 per microbatch in flight: with 425 bytes, 2 fit, so the
+    # window is 2 and paces (4 / 2 = 2 s per microbatch): T = 3 * 2 + 4 = 10, and the stage reports 420 bytes.
+    tight = [node("a", [0.5, 2.0], memory=425), node("b", [2.0, 0.5])]
+    plan = CostModel(nodes=tight, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
+    assert plan.inflight == 2 and plan.step_seconds == pytest.approx(10.0)
+    assert plan.stages[0].memory_bytes == 420
+    # A fixed window is the plan's window; unbounded has none.
+    assert CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=3)).plan(stages, {}).inflight == 3
+    assert model_for(nodes).plan(stages, {}).inflight is None
+    with pytest.raises(ValueError, match="inflight"):
+        shape4(inflight="some")

@@ -108,3 +108,12 @@ def test_signal_stops_demo_and_its_nodes(sig):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_auto_window_from_the_plan_equals_train_local(tmp_path):
+    # train.inflight = "auto" (the default): the measured plan carries its window, which the data heads keep.
+    settings = ["run.steps=4", "train.microbatches=6", "run.eval_every=0", "scheduler.placement=measured"]
+    assert load_config(None, settings).train.inflight == 0
+    plan, _, diff = _pipeline_against_local(tmp_path, 3, settings)
+    assert 1 <= plan.inflight <= 6 and diff <= 1e-4

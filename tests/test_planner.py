@@ -174,3 +174,25 @@ def test_dealt_stages_span_every_region_with_even_compute():
         assert max(counts) - min(counts) <= 1
     rates = [sum(planner.speed[i] for i in g) for g in groups]
     assert max(rates) - min(rates) <= 2 * max(planner.speed)
+
+
+@pytest.mark.timeout(60)
+def test_auto_window_is_larger_over_a_slow_link():
+    # A node in each of two regions, each with memory for only part of the model: the pipeline crosses between them.
+    # Over a slow link a microbatch's round trip is long against the pace, so the data head keeps more in flight.
+    model = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=1)
+    nodes = [
+        NodeProfile(node_id=f"n{i}", region=("east", "west")[i % 2],
+                    layer_seconds=[f / 4e12 for f in model.layer_flops],
+                    memory_bytes=int(2.4 * sum(model.layer_param_bytes) + 2e8))
+        for i in range(2)
+    ]
+    windows = {}
+    links = {"slow": Link(bandwidth_bps=5e7, latency_s=0.05), "fast": Link(bandwidth_bps=1e10, latency_s=1e-4)}
+    for name, link in links.items():
+        network = Network(intra_region=Link(bandwidth_bps=1e10, latency_s=1e-4), inter_region={("east", "west"): link})
+        planned = plan(nodes=nodes, model=model, network=network,
+                       shape=StepShape(microbatches=64, microbatch_size=1, inflight="auto"))
+        assert len(planned.stages) == 2
+        windows[name] = planned.inflight
+    assert windows["slow"] > windows["fast"] >= 1

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from geotrain.compression.policy import CodecPolicy
+from geotrain.config import MAX_INFLIGHT
 from geotrain.lifetime import tie_children_to_this_process
 from geotrain.node.dataplane import Encoded
 from geotrain.node.device import COMPUTE_DTYPES
@@ -74,7 +75,9 @@ class StepFlow:
     def _start_step(self, start: pb.StartStep) -> None:
         assert self.cfg is not None and self.plan is not None
         self._head = _HeadState(epoch=self.plan.epoch, step=start.step, waiting=deque(start.microbatches))
-        for _ in range(min(self.cfg.train.inflight, len(start.microbatches))):
+        # The plan's window (the coordinator's under train.inflight = "auto"), kept within config's bounds.
+        window = min(max(self.plan.inflight, 1), MAX_INFLIGHT)
+        for _ in range(min(window, len(start.microbatches))):
             self._launch_next()
 
     def _launch_next(self) -> None:

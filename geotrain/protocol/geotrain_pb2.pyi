@@ -388,7 +388,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ..., unreachable: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key")
+    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key", "inflight")
     class ExcludedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +403,7 @@ class Plan(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_KEY_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     total_layers: int
@@ -410,7 +411,8 @@ class Plan(_message.Message):
     loss_scale: float
     excluded: _containers.ScalarMap[str, str]
     coordinator_key: bytes
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ...) -> None: ...
+    inflight: int
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class LoadState(_message.Message):
     __slots__ = ("plan_epoch", "steps_done", "source_address", "expected_checksum")

@@ -28,6 +28,9 @@ For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n 
 The data heads' window (train.inflight = W; None: unbounded): each replica of stage 0 keeps at most W microbatches
 in flight and launches the next only when one has come back, so by Little's law
     w = (sum_s h_s + sum_s x_s) / (W * |R_0|)                   one microbatch's round trip over all windows
+Under train.inflight = "auto" plans are searched unbounded and each plan gets the smallest window that keeps its pace,
+    W = ceil((sum_s h_s + sum_s x_s) / (max(max_s c_s, max_s o_s) * |R_0|))
+lowered where a replica's memory cannot hold its share of the W |R_0| microbatches in flight (below).
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
     beta = max(max_s c_s, max_s o_s, w)
     T = (M - 1) * beta + sum_s h_s + sum_s x_s + max_s g_s
@@ -35,7 +38,9 @@ Step (GPipe-style fill and drain; compute and communication overlap, so the slow
 
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
 copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes per parameter, fp32 too)
-+ activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound).
++ activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound) while
+plans are searched; a plan's window W puts min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the
+W |R_0| microbatches the data heads keep in flight, and the plan reports that.
 Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and that
 the live all-reduce sends float64 copies of fp32 gradients (node.averaging: replicas end bit-identical), twice the
 bytes P_s counts.
@@ -50,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from geotrain.config import RunConfig
+from geotrain.config import AUTO_INFLIGHT, MAX_INFLIGHT, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +282,9 @@ class StepShape:
     """Samples per microbatch (train.microbatch_size)."""
     codec_ratio: CodecRatio = field(default_factory=CodecRatio)
     """Compressed / raw size of activations and their gradients per link kind; a float applies to every link."""
-    inflight: int | None = None
-    """Microbatches each data head keeps in flight (train.inflight); None: unbounded."""
+    inflight: int | str | None = None
+    """Microbatches each data head keeps in flight (train.inflight); None: unbounded; "auto": each plan's own
+    (Plan.inflight)."""
     allreduce: str = "auto"
     """How replicas average (scheduler.allreduce): one of ALLREDUCE_MODES."""
     replica_rank: int | None = None
@@ -299,8 +305,8 @@ class StepShape:
             raise ValueError(f"replica_rank must be > 0 or None, got {self.replica_rank}")
         if self.allreduce not in ALLREDUCE_MODES:
             raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}")
-        if self.inflight is not None and self.inflight <= 0:
-            raise ValueError(f"inflight must be > 0 or None, got {self.inflight}")
+        if self.inflight not in (None, "auto") and not (isinstance(self.inflight, int) and self.inflight > 0):
+            raise ValueError(f"inflight must be > 0, None or 'auto', got {self.inflight!r}")
         if self.compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
 
@@ -312,7 +318,7 @@ class StepShape:
         return cls(
             microbatches=cfg.train.microbatches,
             microbatch_size=cfg.train.microbatch_size,
-            inflight=cfg.train.inflight,
+            inflight="auto" if cfg.train.inflight == AUTO_INFLIGHT else cfg.train.inflight,
             allreduce=cfg.scheduler.allreduce,
             replica_rank=cfg.compression.replica_rank if param_shapes_known else None,
             compute_bytes=4 if cfg.train.precision == "fp32" else 2,
@@ -363,6 +369,9 @@ class Plan:
     """What limits the step, and why."""
     compute_bound_samples_per_s: float
     """Sum of the full-model speeds of every node with memory for some stage: no plan beats it."""
+    inflight: int | None = None
+    """Microbatches each data head keeps in flight under this plan (train.inflight, or the plan's own under "auto");
+    None: unbounded."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -433,7 +442,7 @@ class CostModel:
             self.max_act[a, a + 1:] = np.maximum.accumulate(acts[a:])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
-        self._allreduce_terms: dict[tuple[int, ...], tuple] = {}
+        self._allreduce_terms: dict[bytes, tuple] = {}
         self._stage_memo: dict[tuple, tuple] = {}
         self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
@@ -475,7 +484,7 @@ class CostModel:
         first: dict[tuple, int] = {}
         self.link_class = np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
         self.n_link_classes = len(first)
-        reps = np.array([keys.index(k) for k in first], dtype=np.int64)
+        reps = np.unique(self.link_class, return_index=True)[1]  # each class's first node
         rc = r_of[reps]
         self.class_region = rc
         bw = np.minimum(r_bw[np.ix_(rc, rc)], np.minimum.outer(caps[reps], caps[reps]))
@@ -487,6 +496,17 @@ class CostModel:
         self.class_bw = bw
         self.class_lat = lat
         self.class_seconds_per_bit = r_ratio[np.ix_(rc, rc)] / bw
+        # Terms over every pair of a group's classes read a base link and the class pairs whose link differs from
+        # it, never the dense matrices: where machines are regions there are thousands of classes, and all but a
+        # few pairs per class share the default inter-region link.
+        base = default or self.network.intra_region
+        ratio = self.shape.codec_ratio.inter_region if default else self.shape.codec_ratio.intra_region
+        self._base_link = (base.bandwidth_bps, base.latency_s, ratio / base.bandwidth_bps)
+        base_bw, base_lat, base_per_bit = self._base_link
+        rows, cols = np.nonzero((bw != base_bw) | (lat != base_lat) | (self.class_seconds_per_bit != base_per_bit))
+        self._odd_rows, self._odd_cols = rows, cols
+        self._odd_bw, self._odd_lat = bw[rows, cols], lat[rows, cols]
+        self._odd_extra_per_bit = self.class_seconds_per_bit[rows, cols] - self._base_link[2]
 
     def _class_weights(self, idx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The link classes present in idx and the summed weights of their nodes."""
@@ -502,25 +522,45 @@ class CostModel:
         return self._class_link(*self._class_weights(a, wa), *self._class_weights(b, wb))
 
     def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
-        """mean_link over link classes ca, cb with summed weights va, vb."""
-        pairs = np.ix_(ca, cb)  # gathers only the pairs: thousands of classes where machines are regions
-        return float(va @ self.class_seconds_per_bit[pairs] @ vb), float(va @ self.class_lat[pairs] @ vb)
+        """mean_link over link classes ca, cb with summed weights va, vb: the base link's terms over all the weight,
+        corrected on the class pairs whose link differs from it."""
+        wa, wb = np.zeros(self.n_link_classes), np.zeros(self.n_link_classes)
+        wa[ca], wb[cb] = va, vb
+        both = wa[self._odd_rows] * wb[self._odd_cols]
+        total = float(va.sum() * vb.sum())
+        _, base_lat, base_per_bit = self._base_link
+        per_bit = base_per_bit * total + float(both @ self._odd_extra_per_bit)
+        lat = base_lat * total + float(both @ (self._odd_lat - base_lat))
+        return per_bit, lat
+
+    def _extreme_link(self, pairs: np.ndarray, n_pairs: int) -> tuple[float, float]:
+        """The lowest bandwidth and the highest latency over n_pairs ordered class pairs, of which `pairs` selects
+        those whose link differs from the base link (the rest have the base link)."""
+        bw, lat = self._odd_bw[pairs], self._odd_lat[pairs]
+        if len(bw) < n_pairs:
+            base_bw, base_lat, _ = self._base_link
+            return min(bw.min(initial=math.inf), base_bw), max(lat.max(initial=-math.inf), base_lat)
+        return float(bw.min()), float(lat.max())
 
     def _group_terms(self, idx: np.ndarray) -> tuple:
         """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
         (seconds per bit, seconds): arrays of them over the regions for the in-region rounds, one pair for the
         shards."""
-        key = tuple(idx.tolist())
-        if key not in self._allreduce_terms:  # planners score the same replica group many times
+        # The set, not its order: planners score the same replica group many times, listed in different orders.
+        key = np.sort(idx).astype(np.int64).tobytes()
+        if key not in self._allreduce_terms:
             n = len(idx)
             classes, counts = self._class_weights(idx, np.ones(n))
-            bw, lat = self.class_bw[np.ix_(classes, classes)], self.class_lat[np.ix_(classes, classes)]
+            count = np.zeros(self.n_link_classes)
+            count[classes] = counts
+            rows, cols = self._odd_rows, self._odd_cols
             # Two different nodes of one class meet over the class's own link only when the class has two of them.
-            alone = np.flatnonzero(counts < 2)
-            bw[alone, alone], lat[alone, alone] = math.inf, -math.inf
-            flat = (2 * (n - 1) / n / bw.min(), 2 * lat.max())
+            pairs = (count[rows] > 0) & (count[cols] > 0) & ((rows != cols) | (count[rows] >= 2))
+            n_pairs = len(classes) * (len(classes) - 1) + int(np.sum(counts >= 2))
+            bw, lat = self._extreme_link(pairs, n_pairs)
+            flat = (2 * (n - 1) / n / bw, 2 * lat)
             hierarchical = None
-            region = np.unique(self.class_region[classes], return_inverse=True)[1]  # of each class, from 0
+            regions, region = np.unique(self.class_region[classes], return_inverse=True)  # of each class, from 0
             k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
             if self.shape.allreduce != "flat" and len(k) > 1 and k.max() > 1:
                 # Per region with two replicas or more, (seconds per bit, seconds) of its in-region rounds. A region
@@ -531,16 +571,26 @@ class CostModel:
                 in_bw = np.empty(len(shared))
                 in_lat = np.empty(len(shared))
                 one = classes_in[shared] == 1
-                only_class = np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]
-                in_bw[one], in_lat[one] = bw[only_class, only_class], lat[only_class, only_class]
+                only_class = classes[np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]]
+                in_bw[one], in_lat[one] = self.class_bw[only_class, only_class], self.class_lat[only_class, only_class]
+                row_region, col_region = self.class_region[rows], self.class_region[cols]
                 for j in np.flatnonzero(~one):
                     mine = region == shared[j]
-                    in_bw[j], in_lat[j] = bw[mine][:, mine].min(), lat[mine][:, mine].max()
-                inside = (2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat)
-                across = region[:, None] != region[None, :]
+                    inside = pairs & (row_region == regions[shared[j]]) & (col_region == regions[shared[j]])
+                    in_pairs = int(mine.sum() * (mine.sum() - 1) + np.sum(counts[mine] >= 2))
+                    in_bw[j], in_lat[j] = self._extreme_link(inside, in_pairs)
+                # The slowest region's rounds, a maximum over lines in the bits: only the lines no other one beats
+                # at every size matter (spot instances of one kind are all the same line).
+                per_bit, fixed = 2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat
+                order = np.lexsort((-fixed, -per_bit))
+                beaten = np.concatenate([[False], fixed[order][1:] <= np.maximum.accumulate(fixed[order])[:-1]])
+                inside = (per_bit[order][~beaten], fixed[order][~beaten])
+                across_bw, across_lat = self._extreme_link(
+                    pairs & (row_region != col_region), len(classes) ** 2 - int(np.sum(classes_in**2))
+                )
                 m, shards = len(k), int(k.max())
                 share = max(math.ceil(shards / kr) for kr in k) / shards
-                hierarchical = (inside, (share * 2 * (m - 1) / m / bw[across].min(), 2 * lat[across].max()))
+                hierarchical = (inside, (share * 2 * (m - 1) / m / across_bw, 2 * across_lat))
             self._allreduce_terms[key] = (flat, hierarchical)
         return self._allreduce_terms[key]
 
@@ -582,13 +632,17 @@ class CostModel:
         """One microbatch's fwd+bwd seconds over [start, end) on each node in idx."""
         return self.prefix_seconds[idx, end] - self.prefix_seconds[idx, start]
 
-    def stage_memory_bytes(self, start: np.ndarray | int, end: np.ndarray | int, n_stages: int) -> np.ndarray | float:
+    def stage_memory_bytes(
+        self, start: np.ndarray | int, end: np.ndarray | int, n_stages: int, in_flight: int | None = None
+    ) -> np.ndarray | float:
         """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs in a pipeline of n_stages:
         parameters, gradients, optimizer state (and master weights, or autocast's 16-bit weight copies), plus the
-        activations of the microbatches in flight (with recomputation only each layer's input, plus one layer's
-        activations in backward), all in the run's precision as the nodes measured them."""
+        activations of the microbatches in flight, min(M, n_stages) unless given (with recomputation only each
+        layer's input, plus one layer's activations in backward), all in the run's precision as the nodes measured
+        them."""
         params = self.param_prefix[end] - self.param_prefix[start]
-        in_flight = min(self.shape.microbatches, n_stages)
+        if in_flight is None:
+            in_flight = min(self.shape.microbatches, n_stages)
         if self.shape.recompute:
             acts = (self.input_prefix[end] - self.input_prefix[start]) * in_flight + self.max_act[start, end]
         else:
@@ -628,9 +682,16 @@ class CostModel:
         serialise = bits * seconds_per_bit
         return serialise / pairs, 2 * (serialise + latency_s)
 
-    def window_seconds(self, round_trip_s: float, data_heads: int) -> float:
-        """w: the data heads' window as seconds per microbatch, for one microbatch's round trip over all stages."""
-        return round_trip_s / (self.shape.inflight * data_heads) if self.shape.inflight else 0.0
+    @property
+    def fixed_window(self) -> int | None:
+        """The window every plan is priced with: train.inflight when it is a number; None while searching unbounded
+        (and under "auto", whose window each plan gets once chosen: auto_window)."""
+        return self.shape.inflight if isinstance(self.shape.inflight, int) else None
+
+    def window_seconds(self, round_trip_s: float, data_heads: int, window: int | None) -> float:
+        """w: a window of that many microbatches per data head (None: unbounded) as seconds per microbatch, for one
+        microbatch's round trip over all stages."""
+        return round_trip_s / (window * data_heads) if window else 0.0
 
     def paced_seconds(self, per_microbatch_s: np.ndarray | float) -> np.ndarray | float:
         """The step's pace term: seconds of the M - 1 microbatches after the first at this pace."""
@@ -640,10 +701,10 @@ class CostModel:
         # One microbatch paces nothing, but a stage that no replica can serve stays out of reach.
         return np.where(np.isinf(per_microbatch_s), math.inf, 0.0)
 
-    def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int) -> float:
+    def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
         sync_s = max_s g_s; the data heads' window paces instead where it is slower."""
-        return max(paced_s, self.paced_seconds(self.window_seconds(fill_s, data_heads))) + fill_s + sync_s
+        return max(paced_s, self.paced_seconds(self.window_seconds(fill_s, data_heads, window))) + fill_s + sync_s
 
     def occupancy(self, start: int, end: int, nodes: Sequence[int]) -> float:
         """c_s of the replicas nodes serving layers [start, end)."""
@@ -662,7 +723,7 @@ class CostModel:
             self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx))
         return self._stage_memo[key]
 
-    def _terms(self, stages: Stages) -> _Terms:
+    def _terms(self, stages: Stages, window: int | None) -> _Terms:
         n_stages = len(stages)
         terms = [self._stage_terms(start, end, nodes) for start, end, nodes in stages]
         occ = np.array([t[0] for t in terms])
@@ -677,14 +738,14 @@ class CostModel:
             )
         round_trip = lat.sum() + transfer.sum()
         pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
-        step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5])
+        step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5], window)
         return _Terms(
             occupancy=occ,
             latency=lat,
             transfer=transfer,
             link_occupancy=link_occ,
             allreduce=allreduce,
-            window=self.window_seconds(round_trip, terms[0][5]),
+            window=self.window_seconds(round_trip, terms[0][5], window),
             step_s=step,
         )
 
@@ -707,13 +768,16 @@ class CostModel:
         """Estimated seconds per step; inf when the plan is infeasible."""
         if not self.feasible(stages):
             return math.inf
-        return self._terms(stages).step_s
+        return self._terms(stages, self.fixed_window).step_s
 
     def plan(self, stages: Stages, excluded: dict[str, str]) -> Plan:
         """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list."""
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
-        t = self._terms(stages)
+        t = self._terms(stages, self.fixed_window)
+        window = self.auto_window(stages, t) if self.shape.inflight == "auto" else self.fixed_window
+        if window != self.fixed_window:
+            t = self._terms(stages, window)
         m = self.shape.microbatches
         out = []
         for s, (start, end, nodes) in enumerate(stages):
@@ -726,7 +790,7 @@ class CostModel:
                     transfer_s=float(m * t.link_occupancy[s]) if s < len(stages) - 1 else 0.0,
                     allreduce_s=float(t.allreduce[s]),
                     hierarchical_allreduce=self.hierarchical_allreduce(np.asarray(nodes, dtype=np.int64), start, end),
-                    memory_bytes=int(self.stage_memory_bytes(start, end, len(stages))),
+                    memory_bytes=int(max(self._replica_memory(stages, s, window))),
                 )
             )
         return Plan(
@@ -736,11 +800,52 @@ class CostModel:
             microbatch_size=self.shape.microbatch_size,
             step_seconds=float(t.step_s),
             samples_per_s=m * self.shape.microbatch_size / t.step_s,
-            bottleneck=self._bottleneck(stages, t),
+            bottleneck=self._bottleneck(stages, t, window),
             compute_bound_samples_per_s=self.compute_bound(self.usable),
+            inflight=window,
         )
 
-    def _bottleneck(self, stages: Stages, t: _Terms) -> str:
+    def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
+        """How many of the window x |R_0| microbatches in flight each replica of stage s holds at most: its routing
+        share (w_r = c_s / t_r) of them, rounded up, and never more than the step's M."""
+        start, end, nodes = stages[s]
+        inv = 1.0 / self.node_seconds(np.asarray(nodes, dtype=np.int64), start, end)
+        total = window * len(stages[0][2])
+        return np.minimum(self.shape.microbatches, np.ceil(total * inv / inv.sum() - 1e-9))
+
+    def _replica_memory(self, stages: Stages, s: int, window: int | None) -> np.ndarray:
+        """Memory each replica of stage s needs: its share of the window's microbatches in flight, or the search's
+        min(M, S) when the window is unbounded."""
+        start, end, nodes = stages[s]
+        if window is None:
+            return np.full(len(nodes), self.stage_memory_bytes(start, end, len(stages)))
+        shares = self._in_flight_shares(stages, s, window)
+        return np.array([self.stage_memory_bytes(start, end, len(stages), int(k)) for k in shares])
+
+    def auto_window(self, stages: Stages, unbounded: _Terms) -> int:
+        """train.inflight = "auto": the smallest window that keeps the plan's unbounded pace (one microbatch's round
+        trip over the pace, shared among the stage-0 replicas), at most enough for the whole step and MAX_INFLIGHT, and
+        lowered (to 1 at least) until every replica's memory holds its share of the microbatches in flight."""
+        heads = len(stages[0][2])
+        pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
+        round_trip = unbounded.latency.sum() + unbounded.transfer.sum()
+        enough = math.ceil(self.shape.microbatches / heads)  # the whole step in flight at once
+        window = min(math.ceil(round_trip / (pace * heads) - 1e-9), enough, MAX_INFLIGHT)
+        for s, (start, end, nodes) in enumerate(stages):
+            idx = np.asarray(nodes, dtype=np.int64)
+            fixed = self.stage_memory_bytes(start, end, len(stages), 0)
+            per_microbatch = self.stage_memory_bytes(start, end, len(stages), 1) - fixed
+            if per_microbatch <= 0:
+                continue
+            inv = 1.0 / self.node_seconds(idx, start, end)
+            room = np.floor((self.memory[idx] - fixed) / per_microbatch)  # microbatches in flight each one holds
+            short = room < self.shape.microbatches
+            if short.any():
+                share = heads * inv[short] / inv.sum()  # of the window, in microbatches per replica
+                window = min(window, int(np.floor(room[short] / share + 1e-9).min()))
+        return max(window, 1)
+
+    def _bottleneck(self, stages: Stages, t: _Terms, window: int | None) -> str:
         m = self.shape.microbatches
         pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0, t.window)
         fill = t.latency.sum() + t.transfer.sum()
@@ -761,7 +866,7 @@ class CostModel:
         s = int(np.argmax(t.occupancy))
         if t.window > max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
             return (
-                f"data heads' window: {self.shape.inflight} microbatches in flight on each of {len(stages[0][2])} stage-0"
+                f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
                 f" replicas over a {fill:.3g} s round trip, {share(pace)}"
             )
         if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:

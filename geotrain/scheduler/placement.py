@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from geotrain.config import RunConfig
+from geotrain.config import AUTO_INFLIGHT, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel
 from geotrain.scheduler.membership import Member
@@ -99,6 +99,14 @@ def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan |
     cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=step_shape(cfg, model))
     stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
     return cm.plan(stages, {}) if cm.feasible(stages) else None
+
+
+def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> int:
+    """The data heads' window a plan runs with: train.inflight, or under "auto" the estimate's (the round trip over
+    the pace, shared among the stage-0 replicas), and one microbatch per stage until profiles price the plan."""
+    if cfg.train.inflight != AUTO_INFLIGHT:
+        return cfg.train.inflight
+    return estimate.inflight if estimate is not None and estimate.inflight else n_stages
 
 
 def slowdown(estimate_s: float, planned_s: float) -> float:

@@ -28,7 +28,7 @@ def run_plan(
     out: TextIO | None = None,
     *,
     stages: int | None = None,
-    inflight: int | None = None,
+    inflight: int | str | None = None,
     codec_ratio: float | CodecRatio = 1.0,
     allreduce: str = "auto",
     replica_rank: int | None = None,
@@ -37,10 +37,11 @@ def run_plan(
     err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
-    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded); allreduce and
-    replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None); compute_bytes (2 under
-    bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0, or 2 after printing
-    the error for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they are at the call."""
+    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded; "auto": the
+    plan's own); allreduce and replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None);
+    compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0,
+    or 2 after printing the error for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they
+    are at the call."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
@@ -94,6 +95,7 @@ def write_plan(result: Plan, *, as_json: bool, out: TextIO) -> None:
         f" samples\nthroughput: {result.samples_per_s:.2f} samples/s"
         f"\ncompute bound: {result.compute_bound_samples_per_s:.2f} samples/s ({100 * ratio:.0f}% reached)"
         f"\nbottleneck: {result.bottleneck}\n"
+        + (f"window: {result.inflight} microbatches in flight per data head\n" if result.inflight else "")
     )
     if result.excluded:
         out.write(f"\nleft out ({len(result.excluded)}):\n")

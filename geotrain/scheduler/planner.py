@@ -100,7 +100,7 @@ class Planner:
         self._starts, self._ends = np.ogrid[: cm.model.n_layers + 1, : cm.model.n_layers + 1]  # [a, b] grids
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
-        self._region_members: dict[tuple, dict[str, list[int]]] = {}
+        self._region_members: dict[tuple, tuple[dict[str, list[int]], list[float]]] = {}
         self._best_split = math.inf  # the DP's best step time over every group list split so far
         self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
         self.region_cost = self._region_costs()
@@ -197,6 +197,10 @@ class Planner:
             pools.append((tuple(i for i in self.cm.usable if region_of[i] in window), chain[start : start + width]))
         scored: dict[tuple[Stage, ...], float] = {}
         for k, (subset, order) in enumerate(pools):
+            # No plan of a pool paces faster than its compute bound (every node on its share of the whole model):
+            # a pool whose bound alone reaches the best step so far has nothing to offer.
+            if self.cm.paced_seconds(1.0 / self.speed[list(subset)].sum()) >= min(scored.values(), default=math.inf):
+                continue
             top = min(self.n_layers, len(subset))
             counts = [self.config.stages] if self.config.stages else range(1, top + 1)
             # Direction decides which end region holds the embedding and the head; worth trying on the full chain.
@@ -269,7 +273,7 @@ class Planner:
         "deal": every stage gets its share of every region."""
         if n_stages > len(subset):
             return None
-        by_region = self._by_region(subset, chain)
+        by_region, rates = self._by_region(subset, chain)
         if mode == "flat":
             return self._cut_equal_rate([i for r in chain for i in by_region[r]], n_stages)
         if mode == "deal":
@@ -283,49 +287,46 @@ class Planner:
                 dealt[seat if lap % 2 == 0 else n_stages - 1 - seat].append(i)
             return dealt
         # D'Hondt: each stage goes to the region with the most compute per stage it would have; ties go up the chain.
-        seats = dict.fromkeys(chain, 0)
-        heap = [(-float(self.speed[by_region[r]].sum()), pos, r) for pos, r in enumerate(chain) if by_region[r]]
-        rate = {r: -neg for neg, _, r in heap}
+        seats = np.zeros(len(chain), dtype=np.int64)
+        heap = [(-rate, pos) for pos, rate in enumerate(rates) if by_region[chain[pos]]]
         heapq.heapify(heap)
         for _ in range(n_stages):
-            _, pos, r = heapq.heappop(heap)
-            seats[r] += 1
-            if seats[r] < len(by_region[r]):
-                heapq.heappush(heap, (-rate[r] / (seats[r] + 1), pos, r))
-        if mode == "drop" and all(seats.values()):
+            _, pos = heapq.heappop(heap)
+            seats[pos] += 1
+            if seats[pos] < len(by_region[chain[pos]]):
+                heapq.heappush(heap, (-rates[pos] / (seats[pos] + 1), pos))
+        if mode == "drop" and seats.all():
             return None  # same as the merging variant
         groups: list[list[int]] = []
-        owner: dict[str, tuple[int, int]] = {}  # region -> (first, last) group index it owns
-        for r in chain:
-            if seats[r]:
-                first = len(groups)
-                groups.extend(self._cut_equal_rate(by_region[r], seats[r]))
-                owner[r] = (first, len(groups) - 1)
+        first, last = np.zeros(len(chain), dtype=np.int64), np.zeros(len(chain), dtype=np.int64)  # groups it owns
+        for pos in np.flatnonzero(seats):
+            first[pos] = len(groups)
+            groups.extend(self._cut_equal_rate(by_region[chain[pos]], int(seats[pos])))
+            last[pos] = len(groups) - 1
         if mode == "merge":
-            # Join the nearest seated region along the chain, on the side with the cheaper link.
-            nearest: dict[str, list[tuple[float, int, int]]] = {r: [] for r in chain}
-            for side, walk in ((1, chain), (0, chain[::-1])):
-                seated = None
-                for r in walk:
-                    if seats[r]:
-                        seated = r
-                    elif seated is not None:
-                        cost = float(self.region_cost[self.region_index[r], self.region_index[seated]])
-                        nearest[r].append((cost, side, owner[seated][side]))
-            for r in chain:
-                if not seats[r]:
-                    groups[min(nearest[r])[2]].extend(by_region[r])
+            # Join the nearest seated region along the chain, on the side with the cheaper link (the later one on a
+            # tie): the last group of the one before, or the first group of the one after.
+            at, n = np.arange(len(chain)), len(chain)
+            before = np.maximum.accumulate(np.where(seats > 0, at, -1))
+            after = np.minimum.accumulate(np.where(seats > 0, at, n)[::-1])[::-1]
+            where = np.array([self.region_index[r] for r in chain])
+            cost_before = np.where(before >= 0, self.region_cost[where, where[np.maximum(before, 0)]], math.inf)
+            cost_after = np.where(after < n, self.region_cost[where, where[np.minimum(after, n - 1)]], math.inf)
+            joins = np.where(cost_after <= cost_before, first[np.minimum(after, n - 1)], last[np.maximum(before, 0)])
+            for pos in np.flatnonzero(seats == 0):
+                groups[joins[pos]].extend(by_region[chain[pos]])
         return groups
 
-    def _by_region(self, subset: Sequence[int], chain: Sequence[str]) -> dict[str, list[int]]:
-        """The subset's nodes of each region of the chain, in rank order. Memoised: every stage count and grouping
-        mode of a node pool starts from them."""
+    def _by_region(self, subset: Sequence[int], chain: Sequence[str]) -> tuple[dict[str, list[int]], list[float]]:
+        """The subset's nodes of each region of the chain, in rank order, and each region's summed speed along the
+        chain. Memoised: every stage count and grouping mode of a node pool starts from them."""
         key = (tuple(subset), tuple(chain))
         if key not in self._region_members:
             members = np.asarray(subset, dtype=np.int64)
             members = members[np.argsort(self.rank[members], kind="stable")]
             of = self.cm.region_of[members]
-            self._region_members[key] = {r: members[of == self.region_index[r]].tolist() for r in chain}
+            by_region = {r: members[of == self.region_index[r]].tolist() for r in chain}
+            self._region_members[key] = (by_region, [float(self.speed[by_region[r]].sum()) for r in chain])
         return self._region_members[key]
 
     def _cut_equal_rate(self, members: Sequence[int], k: int) -> list[list[int]]:
@@ -361,7 +362,7 @@ class Planner:
                 break
             bounds, pace, fill, slowest_sync = found
             # The cost model adds the DP's terms up; the data heads are the members of the first stage that fit.
-            cost = cm.step_from(pace, fill, slowest_sync, int(tables[0][3][:, 0, bounds[1]].sum()))
+            cost = cm.step_from(pace, fill, slowest_sync, int(tables[0][3][:, 0, bounds[1]].sum()), cm.fixed_window)
             if cost < best_cost:
                 best, best_cost = bounds, cost
             # A lower cap cannot lower the pace, so once the pace alone reaches the best step of these groups, or

@@ -278,6 +278,7 @@ class Planning:
             loss_scale=current_loss_scale(self.cfg, self.store).scale,
             excluded=self.excluded,
             coordinator_key=self.coordinator_key,
+            inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
         )
         for i, ((start, end), group) in enumerate(zip(ranges, groups)):
             plan.stages.add(
@@ -332,6 +333,7 @@ class Planning:
             + (" (averaging region by region)" if s.hierarchical_allreduce else "")
             for s in plan.stages
         )
-        self.store.event("plan", detail=f"epoch {epoch}: {detail}")
+        window = f"{plan.inflight} microbatches in flight per data head"
+        self.store.event("plan", detail=f"epoch {epoch}: {detail}; {window}")
         self._on_event("plan", {"plan": plan})
         return steps_done
