@@ -83,12 +83,21 @@ def test_idle_streams_do_not_stop_a_live_run(tmp_path):
     cfg = small_run("run.steps=8", "scheduler.stages=2", "scheduler.replicas=1",
                     "scheduler.heartbeat_interval_s=1.0", "scheduler.heartbeat_timeout_s=5.0",
                     "limits.registration_burst=1000", "limits.calls_per_s=10000", "limits.call_burst=10000")
-    with local_cluster(cfg, 2, tmp_path) as cluster:
+    members_in = threading.Event()
+
+    def hold_after_each_step(kind: str, _data: dict) -> None:
+        # The run waits after its first step until the idle members are in, however long registering them takes, so
+        # that steps are left to count with their streams open.
+        if kind == "step":
+            members_in.wait(120)
+
+    with local_cluster(cfg, 2, tmp_path, on_event=hold_after_each_step) as cluster:
         coordinator = cluster.coordinator
         wait_until(lambda: coordinator.store.committed_steps() >= 1, 90, "the first step")
         with idle_members(cluster, IDLE_MEMBERS, cfg.scheduler.heartbeat_interval_s) as ids:
             assert len(coordinator.membership.alive()) == 2 + IDLE_MEMBERS
             committed = coordinator.store.committed_steps()
+            members_in.set()
             wait_until(lambda: coordinator.store.committed_steps() >= committed + 3, 60,
                        f"3 more steps with {IDLE_MEMBERS} idle order streams open")
             assert not set(ids) & set(placement.plan_nodes(coordinator.plan)), "an idle member was planned in"

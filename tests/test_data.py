@@ -24,6 +24,7 @@ from geotrain.node.data import CoordinatorTokens, PreparedTokens, WindowsRefused
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import new_token
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
@@ -313,14 +314,15 @@ def served(corpus, tmp_path):
     ])
     cfg.data.fingerprint = dataset.fingerprint
     coordinator = Coordinator(cfg)
+    key = NodeKey.generate()  # a member's windows are served only to calls that member signed
     reply = coordinator.register(pb.RegisterRequest(
-        protocol_version=PROTOCOL_VERSION, node_id="node-1", address="127.0.0.1:1", region="eu",
-    ))
+        protocol_version=PROTOCOL_VERSION, node_id="node-1", address="127.0.0.1:1", region="eu", public_key=key.public,
+    ), key.public)
     assert reply.accepted, reply.message
     token = new_token()
     server, port = make_coordinator_server(coordinator, token, "127.0.0.1:0")
     server.start()
-    channel = make_channel(f"127.0.0.1:{port}", token, lambda: "node-1")
+    channel = make_channel(f"127.0.0.1:{port}", token, lambda: "node-1", key=key)
     try:
         yield coordinator, channel, dataset
     finally:

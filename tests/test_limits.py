@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,11 +110,16 @@ def test_1000_registrations(tmp_path):
     with _attacked_run(tmp_path) as (cluster, _):
         stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: ""))
         # Refused by the host's registration rate, or (faster) by the peer's call rate.
+        started = time.monotonic()
         outcomes = register_many(stub, 1000)
+        elapsed = time.monotonic() - started
         assert set(outcomes) <= {"accepted", "rejected", "refused"}, outcomes
-        # limits.registration_burst at once, then limits.registrations_per_s: most are refused.
-        assert outcomes["refused"] >= 700, outcomes
-        assert len(cluster.coordinator.members) <= 3 + 300
+        # At most limits.registration_burst at once, then limits.registrations_per_s, get as far as being read (and
+        # rejected: they carry no key); a slower machine lets more through, never more than that.
+        limits = cluster.coordinator.cfg.limits
+        read = outcomes["accepted"] + outcomes["rejected"]
+        assert read <= limits.registration_burst + limits.registrations_per_s * elapsed + 1, (outcomes, elapsed)
+        assert len(cluster.coordinator.members) == 3
         _steps_while(cluster, lambda: True, 2, 90)
 
 
