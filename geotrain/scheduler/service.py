@@ -306,10 +306,9 @@ def fetch_model_state(
 class DhtProcess:
     """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
     which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
-    gRPC threads are busy can leave the child stuck on a lock it inherited (a test process that had run many servers
-    hung so about once in thirty starts). The coordinator needs only the DHT's addresses; the DHT ends when this object is
-    closed or its coordinator dies, however it died (the process reads the end of a pipe that only the coordinator
-    holds open)."""
+    gRPC threads are busy can leave the child stuck on a lock it inherited (the test suite's process hung so, at the
+    same test in two runs). The coordinator needs only the DHT's addresses. The DHT ends when this object is closed
+    or its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
 
     def __init__(self, host_maddr: str) -> None:
         context = forkserver()
