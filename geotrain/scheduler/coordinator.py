@@ -157,13 +157,14 @@ class Coordinator:
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
     def register(
-        self, request: pb.RegisterRequest, signer: bytes | None = None, dialed: DialedBack | None = None
+        self, request: pb.RegisterRequest, signer: bytes | None = None, dial_back: Callable[[], DialedBack] | None = None
     ) -> pb.RegisterReply:
         """Admit a node (new, or returning with the stage it holds), or say why not. `signer`: the key that signed
         the call (the RPC service passes it, b"" for an unsigned call), which must be the key the request carries;
-        None in-process, where the request's key is taken as it is. `dialed`: what the dial-back found before
-        (the RPC service dials; None in-process: not dialled), kept with the member from its first moment, so that no
-        plan counts it before its reachability is known."""
+        None in-process, where the request's key is taken as it is. `dial_back`: dials the node and says what it
+        found (the RPC service's; None in-process: not dialled), called only for a request that passed every check
+        (a token holder cannot make the coordinator dial for a refused one) and kept with the member from its first
+        moment, so that no plan counts it before its reachability is known."""
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -180,7 +181,7 @@ class Coordinator:
                 message="a registration must carry the node's public key and be signed with it",
             )
         try:
-            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dialed)
+            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dial_back)
         except Rejected as e:
             return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
         reply = pb.RegisterReply(
@@ -190,9 +191,9 @@ class Coordinator:
             heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
             run_id=self.run_id,
         )
-        if dialed is not None:
-            reply.reachability = pb.REACHABILITY_DIRECT if dialed.reached else pb.REACHABILITY_UNREACHABLE
-            reply.reachable_at = dialed.reached or ""
+        if member.reachability:  # dialled: the address that answered is the member's
+            reply.reachability = pb.REACHABILITY_UNREACHABLE if member.unreachable else pb.REACHABILITY_DIRECT
+            reply.reachable_at = "" if member.unreachable else member.address
         return reply
 
     def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:

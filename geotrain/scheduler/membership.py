@@ -145,13 +145,16 @@ class Membership:
 
     # -- changes from RPC threads ---------------------------------------------------------------------------------
 
-    def admit(self, request: pb.RegisterRequest, plan_nodes: set[str], dialed: DialedBack | None = None) -> Member:
-        """Admit a registration (a new node, or a known id returning) with what the dial-back found (None: not
-        dialled); Rejected with the reason otherwise."""
+    def admit(
+        self, request: pb.RegisterRequest, plan_nodes: set[str], dial_back: Callable[[], DialedBack] | None = None
+    ) -> Member:
+        """Admit a registration (a new node, or a known id returning) with what dial_back finds once the request is
+        well-formed and its key not evicted (None: not dialled); Rejected with the reason otherwise."""
         _check_registration(request)
         key = request.public_key
         if key and self.store.evicted(key):
             raise Rejected(pb.REJECT_REASON_EVICTED, "this node's key was evicted from the run for refused reports")
+        dialed = dial_back() if dial_back is not None else None  # outside the condition: it takes seconds
         with self.cond:
             node_id = request.node_id
             existing = self.members.get(node_id) if node_id else None

@@ -106,9 +106,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
                    f"{limits.registration_burst}) from this host")
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-        # A node serves before it registers: dialled now, it answers unless nobody can reach it.
-        reached = await self._off_loop(self._dial_back, reachability.candidates(request.address, context.peer()))
-        reply = await self._off_loop(self.c.register, request, signer(context) or b"", DialedBack(reached))
+        # A node serves before it registers: dialled once its request passed the checks, it answers unless nobody
+        # can reach it.
+        addresses = reachability.candidates(request.address, context.peer())
+        reply = await self._off_loop(
+            self.c.register, request, signer(context) or b"", lambda: DialedBack(self._dial_back(addresses))
+        )
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
         return reply
