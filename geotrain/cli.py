@@ -273,18 +273,19 @@ def _run_coordinator(
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (stop_reason: why the command
     set stop_requested itself, if it did)."""
-    import grpc
-
-    from geotrain.scheduler.coordinator import RunAborted
-    from geotrain.scheduler.http import StatusHttpServer
-    from geotrain.scheduler.service import CoordinatorProcess
-
     out = _out(args.json)
     tls = _tls(args)
     listen = _listen(listen, "--listen")
     http_listen = _listen(args.http, "--http") if args.http != "off" else None
     _writable_file(args.save_final, "--save-final")
     _check_state_dir(cfg, args.state_dir, args.resume)
+    # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
+    import grpc
+
+    from geotrain.scheduler.coordinator import RunAborted
+    from geotrain.scheduler.http import StatusHttpServer
+    from geotrain.scheduler.service import CoordinatorProcess
+
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
@@ -348,16 +349,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_join(args: argparse.Namespace) -> int:
     """geotrain join."""
+    token, tls = _token(args), _tls(args)
+    _resolvable(args.coordinator, "--coordinator")
+    listen = _listen(args.listen, "--listen")
+    # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
     from geotrain.protocol.identity import IdentityError
 
-    token, tls = _token(args), _tls(args)
-    _resolvable(args.coordinator, "--coordinator")
     options = NodeOptions(
         coordinator=args.coordinator,
         token=token,
-        listen=_listen(args.listen, "--listen"),
+        listen=listen,
         advertise=args.advertise,
         node_id=args.node_id,
         region=args.region,
@@ -422,7 +425,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
-    _device(args.device)  # a device this machine lacks: one line now, not from each node later
     stages = args.nodes if args.stages is None else args.stages
     if stages > args.nodes:
         raise UsageError(f"--stages {stages} needs at least {stages} nodes, --nodes is {args.nodes}")
@@ -437,6 +439,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         chaos = Chaos.parse(args.chaos) if args.chaos else None
     except ValueError as e:  # parse's way of naming what is wrong
         raise UsageError(str(e)) from None
+    _device(args.device)  # a device this machine lacks: one line now, not from each node later
     torch_threads()
     start_forkserver()
     token = os.environ.get(TOKEN_ENV) or new_token()
@@ -570,10 +573,10 @@ def torch_threads() -> None:
 
 def cmd_train_local(args: argparse.Namespace) -> int:
     """geotrain train-local."""
-    from geotrain.node.local import train_local
-
     cfg = _config(args, **{"run.steps": args.steps})
     _writable_file(args.save_final, "--save-final")
+    from geotrain.node.local import train_local  # torch: only once the arguments are known good
+
     _corpus_fingerprint(cfg)  # train_local reads it again (a second or so), but cannot say what is wrong with it
     torch_threads()
     out = _out(args.json)
