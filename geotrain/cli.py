@@ -268,11 +268,13 @@ def _run_coordinator(
     token: str,
     listen: str,
     args: argparse.Namespace,
+    preload: list[str],
     on_listening: Callable[[int, threading.Event], None] | None = None,
     stop_reason: Callable[[], str | None] = lambda: None,
 ) -> int:
-    """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (stop_reason: why the command
-    set stop_requested itself, if it did)."""
+    """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (preload: what the forkserver the
+    DHT process is forked from imports, unless the command started it already; stop_reason: why the command set
+    stop_requested itself, if it did)."""
     out = _out(args.json)
     tls = _tls(args)
     listen = _listen(listen, "--listen")
@@ -282,10 +284,12 @@ def _run_coordinator(
     # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     import grpc
 
+    from geotrain.lifetime import start_forkserver
     from geotrain.scheduler.coordinator import RunAborted
     from geotrain.scheduler.http import StatusHttpServer
     from geotrain.scheduler.service import CoordinatorProcess
 
+    start_forkserver(preload)
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
@@ -335,8 +339,11 @@ def _run_coordinator(
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """geotrain coordinator."""
+    from geotrain.lifetime import DHT_PRELOAD
+
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
-    return _run_coordinator(cfg, _token(args), args.listen, args)
+    # Its forkserver serves the DHT process only: this command forks no node.
+    return _run_coordinator(cfg, _token(args), args.listen, args, DHT_PRELOAD)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -420,7 +427,7 @@ def _announce_device(spec: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """geotrain demo."""
     from geotrain.protocol.auth import TOKEN_ENV, new_token
-    from geotrain.lifetime import start_forkserver
+    from geotrain.lifetime import NODE_PRELOAD, start_forkserver
     from geotrain.localnodes import Chaos, LocalNodes
 
     if args.nodes < 1:
@@ -464,7 +471,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         return _run_coordinator(
-            cfg, token, "127.0.0.1:0", args, on_listening=launch, stop_reason=lambda: failed[0] if failed else None
+            cfg, token, "127.0.0.1:0", args, NODE_PRELOAD, on_listening=launch,
+            stop_reason=lambda: failed[0] if failed else None,
         )
     finally:
         if chaos is not None:

@@ -10,7 +10,8 @@ The process's forkserver lives here too. Local nodes (localnodes.py) and the coo
 (scheduler.service) are both forked from it: it is a fresh process without threads, so nothing it forks inherits a
 lock that a thread held (a fork from a process with busy gRPC threads can hang the child), and it imports once what
 a node imports, so a forked local node starts without seconds of imports. multiprocessing keeps one forkserver per
-process, whose imports are fixed by whoever starts it first: both go through forkserver() so that they agree.
+process, whose imports are fixed by whoever starts it first: both go through forkserver() so that they agree, and
+the coordinator command, which forks no node, starts it first with hivemind's imports only.
 
 The node (agent) and the coordinator (scheduler.service) both start a DHT and neither may import the other, so this
 sits beside config.py at the top of the package and imports nothing of ours (protocol/ is shared too, but it is the
@@ -33,7 +34,9 @@ _PR_SET_PDEATHSIG = 1
 # What `geotrain join` imports up to its first optimizer step, and hivemind for the coordinator's DHT process; in a
 # forked child they cost nothing. (forkserver skips a module that fails to import: the child then imports it itself,
 # or reports why.)
-_FORKSERVER_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo", "hivemind"]
+NODE_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo", "hivemind"]
+# A process that forks no node (`geotrain coordinator`) needs hivemind only: the rest costs seconds of CPU.
+DHT_PRELOAD = ["hivemind"]
 _WATCH_INTERVAL_S = 0.5
 
 # This process as its children see it: its pid and its main thread, once tie_children_to_this_process has run.
@@ -106,15 +109,15 @@ def _signal_when_ended(pid: int, sig: int) -> None:
     os.kill(os.getpid(), sig)
 
 
-def forkserver() -> multiprocessing.context.BaseContext:
+def forkserver(preload: list[str] = NODE_PRELOAD) -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver context, its imports set (they take effect if it is not running yet)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    context.set_forkserver_preload(preload)
     return context
 
 
-def start_forkserver() -> None:
+def start_forkserver(preload: list[str] = NODE_PRELOAD) -> None:
     """Start the forkserver now, not with the first process forked from it, so that its imports overlap with
     whatever the caller does until then (a demo: the coordinator's start)."""
-    forkserver()
+    forkserver(preload)
     multiprocessing.forkserver.ensure_running()

@@ -102,10 +102,10 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
 @pytest.mark.timeout(150)
 def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
     # Measured placement, two stages over node-1 and node-2, both four times slower than node-3, which joins after
-    # step 2. Adding node-3 as a replica would leave the other slow stage as slow as before; the planner's best plans
-    # give node-3 a stage of its own, so layers move, and they travel through a checkpoint of the committed step.
-    # (With a single slow node the replica and the move come within the re-plan margin of each other, and profile
-    # noise decides.)
+    # step 2. Adding node-3 as a replica of an unchanged layout would leave the other slow stage as slow as before;
+    # the planner's better plans move layers, and they travel through a checkpoint of the committed step. (With a
+    # single slow node the replica and the move come within the re-plan margin of each other, and profile noise
+    # decides.)
     cfg = _config("scheduler.stages=2", "scheduler.placement=measured", "run.steps=5")
     plans: list[pb.Plan] = []
     step_2_done = threading.Event()
@@ -138,10 +138,9 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
 
     before, after = ranges(plans[0]), ranges(plans[-1])
     assert set(before) == {"node-1", "node-2"} and "node-3" in after, (before, after)
-    # node-3 serves layers of its own rather than becoming a replica of a slow node's stage, and layers moved. Which
-    # of the plans that do so wins (node-3 with most layers, or node-3 alone on one stage and the slow nodes made
-    # replicas of the other) depends on profiles measured beside other tests, so both are accepted.
-    assert all(after["node-3"] != after[n] for n in before), (before, after)
+    # Layers moved between the nodes that served before. Which plan moves them (node-3 with most layers, node-3 alone
+    # on one stage and the slow nodes replicas of the other, or node-3 a replica of a widened stage) depends on
+    # profiles measured on a loaded machine; choosing among such plans is test_planner's, with fixed profiles.
     assert any(after[n] != before[n] for n in before), (before, after)
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
