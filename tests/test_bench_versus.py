@@ -72,6 +72,17 @@ def test_figures_come_from_the_summary():
         "averaging_bytes_per_step"] == 30
 
 
+def test_geotrain_line_is_its_run_judged_against_the_target(monkeypatch):
+    summary = {"steps": 20, "validation": [(10, 2.6, 4.0), (20, 2.4, 8.5)], "val_loss": 2.4, "wire_bytes": 10,
+               "tokens_per_s": 800.0}
+    runs = []
+    monkeypatch.setattr(ttt, "train", lambda config, steps, links: runs.append((config, steps, links)) or summary)
+    line, fig = versus.geotrain_line("geotrain_best", "int8", 20, "emulator", 2.5)
+    assert runs == [(ttt.CONFIGS["int8"], 20, "emulator")]
+    assert line == {"system": "geotrain_best", "config": "int8", "links": fig["links"], "tokens_per_s": 800.0,
+                    "seconds_to_target": 8.5, "steps_to_target": 20, "target_val_loss": 2.5}
+
+
 def test_projection_is_the_reference_steps_at_the_measured_pace():
     line = versus.projected_line("torch_pipelining", [0.5, 1.5], [5.0, 4.0], "loopback", 40, "geotrain none")
     assert line["seconds_to_target"] == 40.0 and line["tokens_per_s"] == round(ttt.tokens_per_step() / 1.0, 1)
