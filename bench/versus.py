@@ -25,8 +25,8 @@ trains exactly what geotrain none trains (its loss_first and loss_last are in th
 
 Measured on a shared 2-core machine, namespaces (geotrain's lines are time_to_target.py's none and int8 runs; torch
 and hivemind 20 steps each, projected at geotrain none's 100 steps): geotrain 1,586 tokens/s, 189.6 s to target;
-geotrain int8 2,162 tokens/s, 140.4 s; torch pipelining 800 tokens/s, 383.8 s (geotrain's best 2.7x sooner; its
-losses follow geotrain's: 5.4921 at step 1); hivemind 1,578 tokens/s, 194.7 s, but its loss after 20 steps was 3.53
+geotrain int8 2,162 tokens/s, 140.4 s; torch pipelining 800 tokens/s, 383.8 s (geotrain's best 2.7x sooner; GPipe's
+losses are geotrain none's: 5.4921 at step 1); hivemind 1,578 tokens/s, 194.7 s, but its loss after 20 steps was 3.53
 against torch pipelining's 3.20 (no clip, peers' shares of a global step uneven), so its real time to target is longer.
 """
 
