@@ -170,6 +170,46 @@ def test_training_runs_across_the_wan_and_the_profiler_measures_the_link(wan):
     assert f"r1n0 joined from {wan.node_address(1, 0)} (region-1)" in log
 
 
+ECHO_SERVER = """
+import socket
+s = socket.create_server(("0.0.0.0", 0))
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(c.recv(16))
+    c.close()
+"""
+ECHO_CLIENT = """
+import socket, sys, time
+began = time.monotonic()
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+c.sendall(b"x")
+assert c.recv(16) == b"x"
+print(time.monotonic() - began)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+def test_router_delay_reaches_any_port(tmp_path):
+    # A process that listens on a port of its own choosing (no relay knows it) is reached across regions with the
+    # latency: a connect and one exchange are two round trips.
+    _skip_unless_namespaces()
+    w = netwan.Wan(netwan.WanSpec(regions=2, link_mbps=LINK_MBPS, latency_ms=LATENCY_MS, delay="router"), tmp_path)
+    try:
+        w.build()
+        server = w.spawn(1, "echo", [sys.executable, "-c", ECHO_SERVER], pipe=True)
+        port = int(server.stdout.readline())
+        done = subprocess.run(["ip", "netns", "exec", w.region_ns(0), sys.executable, "-c", ECHO_CLIENT,
+                               w.region_ip(1), str(port)], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert float(done.stdout) >= 4 * LATENCY_MS / 1000
+    finally:
+        w.close()
+        _assert_gone(w)
+
+
 def _status(wan) -> dict | None:
     """`geotrain status --json` of the WAN's coordinator, asked from its region; None until it serves."""
     result = subprocess.run(

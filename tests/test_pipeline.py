@@ -64,7 +64,8 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {
-        "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages"
+        "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages",
+        "validation", "wire_bytes", "raw_bytes",
     }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
     # A byte model starts near ln(256) = 5.5; within the default steps it must clearly learn the corpus.
@@ -83,6 +84,13 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
                                 seq_len=cfg.model.seq_len, validation=True)
             losses.append(loss_fn(model(x), y).item())
     assert sum(losses) / len(losses) == pytest.approx(summary["val_loss"], abs=1e-4)
+    # Every validation pass with its step and training seconds so far; the last is the run's; bytes crossed links.
+    steps_done = [step for step, _, _ in summary["validation"]]
+    assert steps_done == list(range(cfg.run.eval_every, cfg.run.steps + 1, cfg.run.eval_every))
+    assert summary["validation"][-1][1] == summary["val_loss"]
+    seconds = [s for _, _, s in summary["validation"]]
+    assert seconds == sorted(seconds) and 0 < seconds[-1] <= summary["wall_s"]
+    assert summary["wire_bytes"] == summary["raw_bytes"] > 0  # codec none
 
 
 @pytest.mark.timeout(90)

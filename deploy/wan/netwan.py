@@ -19,6 +19,9 @@ Arguments after `--` go to `geotrain coordinator`. Wiring, for run id RID and re
 - The relay (delay_relay.py) holds each chunk for latency-ms in each direction, so a round trip between regions
   costs 2 x latency-ms. Clients from the relay's own region are relayed without delay. `tc netem` would do this
   in the kernel, but not every kernel has it.
+- With --delay router, the router delays every packet between regions instead (tun_delay.py: policy rules send
+  what enters the router from a region through a TUN device that holds each packet for latency-ms), so any
+  process in a region sees the latency, whatever ports it opens (gloo, libp2p); the relays then only forward.
 - A region behind NAT (--behind-nat R, needs nftables) is a home network: nftables in its namespace drops every
   connection that comes in, while its processes still connect out. It has no relay; its nodes listen on 0.0.0.0 and
   advertise nothing, as a volunteer behind a home router would (they find their own LAN address). Its traffic is
@@ -53,6 +56,8 @@ COORDINATOR_PORT = 7000
 NODE_PORT_BASE = 7100
 READY_TIMEOUT_S = 15.0
 STOP_GRACE_S = 5.0
+DELAYS = ("relay", "router")
+ROUTER_DELAY_TABLE = "100"
 
 
 class WanError(RuntimeError):
@@ -73,6 +78,9 @@ class WanSpec:
     """Prefix of every namespace, so parallel runs never collide."""
     behind_nat: tuple[int, ...] = ()
     """Regions whose namespace drops every incoming connection (home networks); never region 0, the coordinator's."""
+    delay: str = "relay"
+    """Who adds the latency: "relay" (the relays, per connection to a relayed port) or "router" (every packet
+    between regions, through a TUN device in the router)."""
 
     def __post_init__(self) -> None:
         # Region r uses 10.(r+1).0.0/24, so at most 254 regions fit in 10/8.
@@ -88,6 +96,8 @@ class WanSpec:
             raise ValueError(f"run id must be alphanumeric, got {self.run_id!r}")
         if any(not 1 <= r < self.regions for r in self.behind_nat):
             raise ValueError(f"--behind-nat takes regions 1..{self.regions - 1} (region 0 holds the coordinator)")
+        if self.delay not in DELAYS:
+            raise ValueError(f"--delay must be one of {', '.join(DELAYS)}, got {self.delay!r}")
 
 
 def _run(*cmd: str) -> str:
@@ -250,6 +260,8 @@ class Wan:
             self._shape(rt, f"r{r}")
             if r in self.spec.behind_nat:
                 self._drop_incoming(ns)
+        if self.spec.delay == "router":
+            self._start_router_delay()
         for r in range(self.spec.regions):
             if r not in self.spec.behind_nat:
                 self._start_relay(r)
@@ -274,13 +286,30 @@ class Wan:
         _run(*nft, "add", "chain", "inet", "home", "inbound", "{ type filter hook input priority 0; policy accept; }")
         _run(*nft, "add", "rule", "inet", "home", "inbound", "iifname", "wan", "ct", "state", "new", "drop")
 
+    def _start_router_delay(self) -> None:
+        """Route every packet that enters the router from a region through tun_delay.py's device, which gives it
+        back latency-ms later; the main table then takes it to its region."""
+        rt = self.router_ns
+        cmd = [sys.executable, str(HERE / "tun_delay.py"), "--latency-ms", str(self.spec.latency_ms)]
+        delay = self._spawn(rt, "tun-delay", cmd, pipe=True)
+        self._relays.append(delay)
+        _read_line(delay, READY_TIMEOUT_S, "the router's delay device")
+        _run("ip", "-n", rt, "link", "set", "delay", "up")
+        # Packets come back from the device with sources the main table routes elsewhere: no reverse-path check.
+        for conf in ("all", "default", "delay"):
+            _run("ip", "netns", "exec", rt, "sysctl", "-qw", f"net.ipv4.conf.{conf}.rp_filter=0")
+        _run("ip", "-n", rt, "route", "add", "default", "dev", "delay", "table", ROUTER_DELAY_TABLE)
+        for r in range(self.spec.regions):
+            _run("ip", "-n", rt, "rule", "add", "iif", f"r{r}", "lookup", ROUTER_DELAY_TABLE)
+
     def _start_relay(self, region: int) -> None:
         ports = [NODE_PORT_BASE + i for i in range(self.spec.nodes_per_region)]
         if region == 0:
             ports.append(COORDINATOR_PORT)
         ip = self.region_ip(region)
         routes = [arg for port in ports for arg in ("--route", f"{ip}:{port}=127.0.0.1:{port}")]
-        cmd = [sys.executable, str(HERE / "delay_relay.py"), "--latency-ms", str(self.spec.latency_ms),
+        latency_ms = self.spec.latency_ms if self.spec.delay == "relay" else 0.0  # else the router delays
+        cmd = [sys.executable, str(HERE / "delay_relay.py"), "--latency-ms", str(latency_ms),
                "--local-net", f"10.{region + 1}.0.0/24", *routes]
         relay = self._spawn(self.region_ns(region), f"relay-r{region}", cmd, pipe=True)
         self._relays.append(relay)
@@ -299,6 +328,13 @@ class Wan:
                 ["ip", "netns", "exec", ns, *cmd], env=env, stdin=subprocess.DEVNULL, stdout=stdout,
                 stderr=log_file, bufsize=0, start_new_session=True, preexec_fn=_die_with_parent,
             )
+
+    def spawn(self, region: int, name: str, cmd: list[str], pipe: bool = False) -> subprocess.Popen:
+        """Start any command in a region's namespace (stopped with the WAN); its stderr (and stdout unless piped)
+        go to name.log."""
+        proc = self._spawn(self.region_ns(region), name, cmd, pipe=pipe)
+        self.processes.append(proc)
+        return proc
 
     def start_coordinator(self, extra_args: list[str] | None = None, console: bool = False) -> subprocess.Popen:
         """Start `geotrain coordinator` in region 0, waiting for every node; extra_args go to its command line."""
@@ -418,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one-way delay between regions (default 50)")
     parser.add_argument("--behind-nat", type=int, action="append", default=[], metavar="REGION",
                         help="a region whose namespace drops incoming connections, as a home router does (repeatable)")
+    parser.add_argument("--delay", choices=DELAYS, default="relay",
+                        help="who adds the latency: the relays (default) or the router, to every packet")
     parser.add_argument("--timeout", type=float, help="give up after this many seconds")
     parser.add_argument("--log-dir", type=Path, help="where process logs go (default: a new temporary directory)")
     parser.add_argument("--cleanup", metavar="RUN_ID", help="remove what a killed run left behind, then exit")
@@ -427,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         spec = WanSpec(regions=args.regions, nodes_per_region=args.nodes_per_region, link_mbps=args.link_mbps,
-                       latency_ms=args.latency_ms, behind_nat=tuple(args.behind_nat))
+                       latency_ms=args.latency_ms, behind_nat=tuple(args.behind_nat), delay=args.delay)
     except ValueError as e:
         parser.error(str(e))
     try:

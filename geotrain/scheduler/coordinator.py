@@ -17,6 +17,7 @@ runs again: each (stage, microbatch) is counted exactly once (DESIGN.md "Failure
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -70,6 +71,12 @@ class RunSummary:
     wall_s: float
     nodes: int
     stages: int
+    validation: list[tuple[int, float, float]]
+    """Each validation pass: (steps done, val_loss, training seconds to then: the committed steps' own times)."""
+    wire_bytes: int
+    """Activation and gradient bytes the nodes sent their neighbours on the wire (their last heartbeats' counters)."""
+    raw_bytes: int
+    """The same tensors' bytes before compression."""
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
@@ -370,6 +377,9 @@ class Coordinator:
         history = self.store.steps()
         train_s = sum(r.seconds for r in history if r.step >= first_step)
         vals = [r.val_loss for r in history if r.val_loss is not None]
+        trained_s = list(itertools.accumulate(r.seconds for r in history))
+        with self.membership.cond:
+            links = [link for m in self.membership.alive() for link in m.links]
         return RunSummary(
             steps=len(history),
             loss_first=history[0].loss,
@@ -380,6 +390,9 @@ class Coordinator:
             wall_s=time.monotonic() - started,
             nodes=len(self.membership.alive()),
             stages=len(self.plan.stages) if self.plan else 0,
+            validation=[(r.step + 1, r.val_loss, s) for r, s in zip(history, trained_s) if r.val_loss is not None],
+            wire_bytes=sum(link.wire_bytes for link in links),
+            raw_bytes=sum(link.raw_bytes for link in links),
         )
 
     def _note_failure(self, why: str) -> None:

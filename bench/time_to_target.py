@@ -1,0 +1,229 @@
+"""Time to a target loss over slow links: each way to send fewer bytes, judged by when it reaches the loss that
+exact training reaches, not by its bytes.
+
+Three stages in three regions joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
+runs as root (tbf rate limits, and the router delays every packet between regions), else `geotrain demo --uplink
+50/50` (every node's traffic through one emulated 50 Mbit/s, 50 ms uplink); each line says which, key "links". The
+model is a byte GPT of 2.7M parameters (6 blocks of width 192); every configuration trains the same steps on the
+same tokens per step, with a validation pass every EVAL_EVERY steps.
+
+The target is TARGET_VAL_LOSS: the validation loss the uncompressed run (config none) reached at step TARGET_STEP
+(120 of 150) on this bench's links, measured once and fixed here, so every configuration chases the same number.
+Each validation pass samples its windows anew by step (the same windows for every configuration at a step), so the
+curve is noisy: none's run went below its step-120 figure first at step 100 (2.818).
+
+One JSON line per configuration: config, links, steps_to_target and seconds_to_target (the first validation pass at
+or below the target, and the training seconds of the committed steps until then; null if the run never got there),
+boundary_bytes_per_token (activation and gradient bytes on the wire across every stage boundary per token trained,
+from the nodes' own link counters; they also count the validation passes' activations, forward only, 12,288 tokens
+a pass, so codec none shows 3,679 where training alone sends 3,072 and headers), averaging_bytes_per_step (replica averaging's bytes per step as the run reports
+them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_tokens (the last validation pass: every
+configuration trains the same tokens), tokens_per_s.
+
+Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
+averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The ranks and the
+replica sync are options other branches add: until they are merged, their runs fail on the unknown keys.
+Run: sudo python bench/time_to_target.py [--configs none,int8,auto] [--steps N] [--links namespaces|emulator]
+
+Measured on a shared 2-core machine, namespaces, 150 steps (the ranks and replica sync not merged yet, not run):
+none 100 steps, 189.6 s to target, 3,679 B/token, 2.7557 at equal tokens, 1,586 tokens/s; int8 100 steps, 140.4 s
+(1.35x sooner), 973 B/token (3.8x fewer), 2.7538, 2,162 tokens/s; auto 150 steps, 237.4 s, 1,198 B/token, 2.8888
+(+4.8%: its top-k costs loss), 1,941 tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+LINK_MBPS = 50.0
+LATENCY_MS = 50.0
+STAGES = 3
+# A byte GPT of 2.7M parameters; 6 microbatches of 8 x 64 bytes (3,072 tokens) a step, all in flight at once.
+MODEL = ["model.n_layers=6", "model.d_model=192", "model.n_heads=6", "model.seq_len=64"]
+TRAIN = ["train.microbatches=6", "train.microbatch_size=8", "train.inflight=6"]
+STEPS = 150
+EVAL_EVERY = 10
+# Each pass samples its windows anew (a function of the step): 4 microbatches (32 windows) gave passes +-0.2 apart
+# around the trend, more than a codec's effect; 24 (192 windows, 12,288 tokens) cost ~8 s a pass.
+EVAL_MICROBATCHES = 24
+TARGET_STEP = 120
+TARGET_VAL_LOSS = 2.8986  # the none run's val loss at TARGET_STEP, measured on namespaces (below)
+REPLICA_SYNC_EVERY = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the table: its settings and how many replicas serve each stage."""
+
+    settings: tuple[str, ...]
+    replicas: int = 1
+
+
+CONFIGS = {
+    "none": Config(()),
+    "int8": Config(("compression.activations=int8", "compression.activation_grads=int8")),
+    "auto": Config(("compression.activations=auto", "compression.activation_grads=auto")),
+    "rank8": Config(("model.boundary_rank=8",)),
+    "rank32": Config(("model.boundary_rank=32",)),
+    "replicas_every_step": Config(("compression.replica_sync=every_step",), replicas=2),
+    "replicas_diloco": Config(
+        ("compression.replica_sync=diloco", f"compression.replica_sync_every={REPLICA_SYNC_EVERY}"), replicas=2
+    ),
+}
+LINKS = ("namespaces", "emulator")
+
+
+def run_settings(config: Config, steps: int) -> list[str]:
+    """Every --set of one run of `config`."""
+    return [
+        *MODEL, *TRAIN, f"run.steps={steps}", f"run.eval_every={EVAL_EVERY}",
+        f"run.eval_microbatches={EVAL_MICROBATCHES}", f"scheduler.stages={STAGES}",
+        "scheduler.placement=uniform", *config.settings,
+    ]
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script of this repository imported by path (bench/ and deploy/ are not packages), as its file's stem."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while the class body runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _netwan() -> ModuleType:
+    return sys.modules.get("netwan") or load_script(REPO / "deploy" / "wan" / "netwan.py")
+
+
+def default_links() -> str:
+    """namespaces where this process can build them (root, iproute2), else the in-process link emulator."""
+    netwan = _netwan()
+    try:
+        netwan.check_environment()
+    except netwan.WanError:
+        return "emulator"
+    return "namespaces"
+
+
+def links_label(links: str) -> str:
+    """What a line's "links" says."""
+    if links == "namespaces":
+        return f"namespaces: tbf {LINK_MBPS:g} Mbit/s, router delay {LATENCY_MS:g} ms one way"
+    return f"emulator: each node's uplink {LINK_MBPS:g} Mbit/s, {LATENCY_MS:g} ms one way"
+
+
+def new_wan(netwan: ModuleType, replicas: int, log_dir: Path):
+    """A fresh WAN of STAGES regions with `replicas` nodes each, delay in the router (so any process sees it)."""
+    spec = netwan.WanSpec(regions=STAGES, nodes_per_region=replicas, link_mbps=LINK_MBPS, latency_ms=LATENCY_MS,
+                          delay="router")
+    return netwan.Wan(spec, log_dir)
+
+
+def train(config: Config, steps: int, links: str, timeout_s: float = 3600.0) -> dict:
+    """One run of `config`; its --json summary."""
+    flags = [arg for s in run_settings(config, steps) for arg in ("--set", s)]
+    if links == "emulator":
+        cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * config.replicas), "--steps",
+               str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"the run failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    netwan = _netwan()
+    with new_wan(netwan, config.replicas, Path(tempfile.mkdtemp(prefix="bench-ttt-"))) as wan:
+        wan.build()
+        coordinator = wan.start_coordinator(["--json", *flags])
+        wan.join_in_order(coordinator)
+        log = wan.log_dir / "coordinator.log"
+        if coordinator.wait(timeout_s) != 0:
+            raise RuntimeError(f"the run failed:\n{log.read_text()[-3000:]}")
+        return json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
+
+
+def to_target(summary: dict, target: float) -> tuple[int | None, float | None]:
+    """(steps, training seconds) of the first validation pass at or below `target`; (None, None) if none was."""
+    for steps, val_loss, seconds in summary["validation"]:
+        if val_loss <= target:
+            return steps, seconds
+    return None, None
+
+
+def tokens_per_step() -> int:
+    """Tokens one step trains on, from TRAIN and MODEL."""
+    from geotrain.config import load_config
+
+    return load_config(None, [*MODEL, *TRAIN]).tokens_per_step
+
+
+def figures(name: str, config: Config, summary: dict, links: str, target: float) -> dict:
+    """The JSON line of one run."""
+    steps_to_target, seconds_to_target = to_target(summary, target)
+    tokens = summary["steps"] * tokens_per_step()
+    averaging = summary.get("averaging_bytes")
+    return {
+        "config": name,
+        "links": links_label(links),
+        "target_val_loss": target,
+        "steps_to_target": steps_to_target,
+        "seconds_to_target": None if seconds_to_target is None else round(seconds_to_target, 1),
+        "boundary_bytes_per_token": round(summary["wire_bytes"] / tokens, 1),
+        "averaging_bytes_per_step": (0 if config.replicas == 1 else
+                                     None if averaging is None else round(averaging / summary["steps"])),
+        "val_loss_at_equal_tokens": round(summary["val_loss"], 4),
+        "tokens": tokens,
+        "tokens_per_s": round(summary["tokens_per_s"], 1),
+    }
+
+
+def names_in(table: Iterable[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names of `table`'s entries (`what` they are, in its error)."""
+    choices = list(table)
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none)'}; "
+                                              f"choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", type=names_in(CONFIGS, "configuration(s)"), default=["none", "int8", "auto"],
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default none,int8,auto)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS})")
+    p.add_argument("--target", type=float, default=TARGET_VAL_LOSS,
+                   help=f"target validation loss (default {TARGET_VAL_LOSS}: none's at step {TARGET_STEP})")
+    p.add_argument("--links", choices=LINKS, help="namespaces (needs root) or emulator (default: namespaces if root)")
+    return p
+
+
+def main() -> None:
+    """Run each chosen configuration and print one JSON line each."""
+    args = parser().parse_args()
+    links = args.links or default_links()
+    for name in args.configs:
+        summary = train(CONFIGS[name], args.steps, links)
+        print(json.dumps({"config": name, "summary": summary}), file=sys.stderr, flush=True)  # for other targets
+        print(json.dumps(figures(name, CONFIGS[name], summary, links, args.target)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

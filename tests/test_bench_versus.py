@@ -1,0 +1,127 @@
+"""bench/time_to_target.py and bench/versus.py: their command lines and tables, the figures of a run's summary, and
+one tiny run of each kind end to end (geotrain through the link emulator, torch pipelining and hivemind on loopback)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+ttt = _load("time_to_target")
+versus = _load("versus")
+
+TINY_MODEL = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=8"]
+TINY_TRAIN = ["train.microbatches=6", "train.microbatch_size=2", "train.inflight=6"]
+
+
+def test_configs_cover_the_issue_and_parse(capsys):
+    assert {"none", "int8", "auto"} <= set(ttt.CONFIGS)
+    ranks = [c for c in ttt.CONFIGS.values() if any(s.startswith("model.boundary_rank=") for s in c.settings)]
+    syncs = {s for c in ttt.CONFIGS.values() for s in c.settings if s.startswith("compression.replica_sync=")}
+    assert len(ranks) >= 2 and syncs == {"compression.replica_sync=every_step", "compression.replica_sync=diloco"}
+    assert all(c.replicas == 2 for c in ttt.CONFIGS.values() if any("replica_sync" in s for s in c.settings))
+    args = ttt.parser().parse_args(["--configs", "int8,rank8", "--steps", "7", "--links", "emulator"])
+    assert (args.configs, args.steps, args.links) == (["int8", "rank8"], 7, "emulator")
+    assert ttt.parser().parse_args([]).configs == ["none", "int8", "auto"]
+    with pytest.raises(SystemExit):
+        ttt.parser().parse_args(["--configs", "none,zip"])
+    assert "unknown configuration(s) zip; choose from none, int8" in capsys.readouterr().err
+    settings = ttt.run_settings(ttt.CONFIGS["int8"], 12)
+    assert "run.steps=12" in settings and "compression.activations=int8" in settings
+    assert settings[: len(ttt.MODEL)] == ttt.MODEL
+
+
+def test_versus_systems_parse(capsys):
+    assert versus.parser().parse_args(["--systems", "torch_pipelining,hivemind"]).systems == [
+        "torch_pipelining", "hivemind"]
+    with pytest.raises(SystemExit):
+        versus.parser().parse_args(["--systems", "deepspeed"])
+    assert "unknown system(s) deepspeed" in capsys.readouterr().err
+    args = versus.parser().parse_args(["--best", "auto", "--other-steps", "3"])
+    assert (args.best, args.other_steps, args.systems) == ("auto", 3, list(versus.SYSTEMS))
+
+
+def test_figures_come_from_the_summary():
+    summary = {"steps": 30, "validation": [(10, 3.0, 5.0), (20, 2.4, 11.0), (30, 2.1, 16.5)], "val_loss": 2.1,
+               "wire_bytes": 6_000_000, "tokens_per_s": 500.0}
+    assert ttt.to_target(summary, 2.5) == (20, 11.0)
+    assert ttt.to_target(summary, 1.0) == (None, None)
+    fig = ttt.figures("none", ttt.CONFIGS["none"], summary, "namespaces", 2.5)
+    assert (fig["steps_to_target"], fig["seconds_to_target"], fig["val_loss_at_equal_tokens"]) == (20, 11.0, 2.1)
+    tokens = 30 * ttt.tokens_per_step()
+    assert fig["tokens"] == tokens and fig["boundary_bytes_per_token"] == round(6_000_000 / tokens, 1)
+    assert fig["averaging_bytes_per_step"] == 0 and "namespaces" in fig["links"]
+    # Two replicas per stage: the averaging bytes the run reports, or null when it reports none.
+    replicas = ttt.CONFIGS["replicas_diloco"]
+    assert ttt.figures("d", replicas, summary, "emulator", 2.5)["averaging_bytes_per_step"] is None
+    assert ttt.figures("d", replicas, {**summary, "averaging_bytes": 900}, "emulator", 2.5)[
+        "averaging_bytes_per_step"] == 30
+
+
+def test_geotrain_line_is_its_run_judged_against_the_target(monkeypatch):
+    summary = {"steps": 20, "validation": [(10, 2.6, 4.0), (20, 2.4, 8.5)], "val_loss": 2.4, "wire_bytes": 10,
+               "tokens_per_s": 800.0}
+    runs = []
+    monkeypatch.setattr(ttt, "train", lambda config, steps, links: runs.append((config, steps, links)) or summary)
+    line, fig = versus.geotrain_line("geotrain_best", "int8", 20, "emulator", 2.5)
+    assert runs == [(ttt.CONFIGS["int8"], 20, "emulator")]
+    assert line == {"system": "geotrain_best", "config": "int8", "links": fig["links"], "tokens_per_s": 800.0,
+                    "seconds_to_target": 8.5, "steps_to_target": 20, "target_val_loss": 2.5}
+
+
+def test_projection_is_the_reference_steps_at_the_measured_pace():
+    line = versus.projected_line("torch_pipelining", [0.5, 1.5], [5.0, 4.0], "loopback", 40, "geotrain none")
+    assert line["seconds_to_target"] == 40.0 and line["tokens_per_s"] == round(ttt.tokens_per_step() / 1.0, 1)
+    assert (line["loss_first"], line["loss_last"]) == (5.0, 4.0) and "geotrain none" in line["seconds_to_target_from"]
+    assert versus.projected_line("hivemind", [1.0], [], "x", None, "none")["seconds_to_target"] is None
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_tiny_geotrain_run_through_the_emulator(monkeypatch):
+    monkeypatch.setattr(ttt, "MODEL", TINY_MODEL)
+    monkeypatch.setattr(ttt, "TRAIN", TINY_TRAIN)
+    monkeypatch.setattr(ttt, "EVAL_EVERY", 1)
+    monkeypatch.setattr(ttt, "EVAL_MICROBATCHES", 1)
+    summary = ttt.train(ttt.CONFIGS["none"], 2, "emulator", timeout_s=100)
+    assert [steps for steps, _, _ in summary["validation"]] == [1, 2]
+    fig = ttt.figures("none", ttt.CONFIGS["none"], summary, "emulator", target=summary["validation"][1][1])
+    assert fig["steps_to_target"] in (1, 2) and fig["seconds_to_target"] > 0
+    # Two boundaries each way, 6 microbatches of 2 x 8 x 16 float32 a step, over 2 x 6 x 2 x 8 tokens a step.
+    assert fig["boundary_bytes_per_token"] > 0 and "emulator" in fig["links"]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_tiny_torch_pipeline_trains_what_train_local_trains():
+    from geotrain.config import load_config
+    from geotrain.node.local import train_local
+
+    settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=2", "run.eval_every=0"]
+    result = versus.run_torch("emulator", settings, timeout_s=100)
+    assert len(result["seconds"]) == 2 and result["links"].startswith("loopback")
+    _, summary = train_local(load_config(None, settings))
+    # GPipe over the same layers, data and optimizer: geotrain's exact training (float summation order aside).
+    assert result["losses"] == pytest.approx([summary["loss_first"], summary["loss_last"]], abs=1e-4)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_tiny_hivemind_run_takes_global_steps():
+    settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=3"]
+    result = versus.run_hivemind("emulator", settings, timeout_s=100)
+    assert result["epochs"] >= 1 and result["seconds"] > 0 and result["links"].startswith("loopback")
