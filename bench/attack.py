@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -70,6 +71,8 @@ SETTINGS = [
 ]
 # The attacker asks the coordinator where the run is (Status) at most this often.
 _STATUS_EVERY_S = 0.1
+# After an attack window, this long passes before the next window starts.
+_SETTLE_S = 1.0
 
 
 # -- the attacker (a process of its own: `attack.py --attacker ADDRESS`) ----------------------------------------
@@ -276,8 +279,9 @@ class Run:
         return self._held[-1]
 
 
-def measure(cfg: RunConfig, names: list[str], window_s: float, log_dir: Path) -> list[dict]:
-    """Run the attacks one after another on one run; a line per attack, and (steps, parameters) after each."""
+def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_dir: Path) -> list[dict]:
+    """Run the attacks one after another on one run, each for `rounds` attack windows and as many baseline windows;
+    a row per attack, with (steps, parameters) after it."""
     run = Run()
     rows: list[dict] = []
     with local_cluster(cfg, NODES, log_dir, on_event=run.on_event) as cluster:
@@ -299,17 +303,24 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, log_dir: Path) ->
                           "max_offences": cfg.scheduler.max_offences,
                           "shape": [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]}))
             for name in names:
-                since = time.monotonic()
-                time.sleep(window_s)
-                baseline = run.steps_in(since, since + window_s)
                 started = time.time()  # events are stamped with the wall clock
-                since = time.monotonic()
-                answers = attacker.ask(json.dumps({"attack": name, "seconds": window_s}))
-                during = run.steps_in(since, since + window_s)
+                baselines, during, answers = [], [], Counter()
+                for i in range(rounds):
+                    # Baseline and attack windows alternate, each first in every other round, so that a drift of
+                    # the machine's load falls on both alike.
+                    for attacking in (False, True) if i % 2 == 0 else (True, False):
+                        since = time.monotonic()
+                        if attacking:
+                            answers += attacker.ask(json.dumps({"attack": name, "seconds": window_s}))
+                            during.append(run.steps_in(since, since + window_s))
+                            time.sleep(_SETTLE_S)  # what the attack left (streams being cut) is not the baseline's
+                        else:
+                            time.sleep(window_s)
+                            baselines.append(run.steps_in(since, since + window_s))
                 steps, state = run.hold(120)
                 evicted = sum(kind == "evicted" and at >= started for at, kind, _, _ in c.store.events(limit=10**6))
-                rows.append({"attack": name, "steps_during_attack": during, "steps_baseline": baseline,
-                             "steps": steps, "state": state, "evicted": evicted, "answers": answers})
+                rows.append({"attack": name, "during": during, "baselines": baselines, "steps": steps,
+                             "state": state, "evicted": evicted, "answers": dict(answers)})
             if cluster.result:
                 raise RuntimeError(f"the run ended during the attacks: {cluster.result}")
         finally:
@@ -321,7 +332,8 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, log_dir: Path) ->
 def main() -> None:
     """Measure each attack, or (--attacker) be the attacker's process."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=float, default=10.0, help="seconds with and without each attack")
+    parser.add_argument("--window", type=float, default=5.0, help="seconds of each window, with or without an attack")
+    parser.add_argument("--rounds", type=int, default=3, help="windows with each attack, and as many without")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, of: " + ", ".join(ATTACKS))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run config overrides")
     parser.add_argument("--attacker", metavar="ADDRESS", help=argparse.SUPPRESS)
@@ -336,16 +348,18 @@ def main() -> None:
     lr = load_config(None, [*SETTINGS, *args.set]).train.lr
     cfg = load_config(None, [*SETTINGS, f"train.min_lr={lr!r}", *args.set])
     with tempfile.TemporaryDirectory(prefix="geotrain-bench-") as tmp:
-        rows = measure(cfg, names, args.window, Path(tmp))
+        rows = measure(cfg, names, args.window, args.rounds, Path(tmp))
     # train-local to each held step (the learning rate does not depend on run.steps, see above).
     reference: dict[int, dict[str, torch.Tensor]] = {}
     for steps in sorted({row["steps"] for row in rows}):
         cfg.run.steps = steps
         reference[steps] = train_local_state(cfg)
     for row in rows:
+        during, baseline = statistics.median(row["during"]), statistics.median(row["baselines"])
         print(json.dumps({
-            "attack": row["attack"], "steps_during_attack": row["steps_during_attack"],
-            "steps_baseline": row["steps_baseline"], "final_max_diff": max_diff(row["state"], reference[row["steps"]]),
+            "attack": row["attack"], "steps_during_attack": during, "steps_baseline": baseline,
+            "ratio": round(during / baseline, 2) if baseline else None, "windows_during": row["during"],
+            "windows_baseline": row["baselines"], "final_max_diff": max_diff(row["state"], reference[row["steps"]]),
             "evicted": row["evicted"], "answers": row["answers"],
         }), flush=True)
 

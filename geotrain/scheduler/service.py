@@ -44,6 +44,8 @@ _DHT_READY_S = 30.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
 # event loop, which holds every order stream and heartbeat, is never among them.
 _BLOCKING_WORKERS = 8
+# One host (a NAT with volunteers behind it) may register as many new members as this many keys.
+_KEYS_PER_HOST = 8
 T = TypeVar("T")
 
 
@@ -63,7 +65,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         self._blocking = blocking
         self._refusals = refusals
         limits = coordinator.cfg.limits
+        # Per key and host, and per host: a flood from one key (or unsigned) empties its own bucket, not the host's,
+        # so a volunteer behind the same NAT still gets in; fresh keys for every call empty the host's.
         self._registrations = TokenBuckets(limits.registrations_per_s, limits.registration_burst)
+        self._host_registrations = TokenBuckets(
+            limits.registrations_per_s * _KEYS_PER_HOST, limits.registration_burst * _KEYS_PER_HOST
+        )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
@@ -100,21 +107,27 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), what, request.node_id)
 
     async def Register(self, request, context):  # noqa: D102, N802
-        if not self._registrations.take(peer_host(context.peer())):
-            limits = self.c.cfg.limits
-            why = (f"more than {limits.registrations_per_s:g} registrations a second (burst "
-                   f"{limits.registration_burst}) from this host")
-            self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        host, key = peer_host(context.peer()), signer(context) or b""
+        if not self._registrations.take((host, key)):
+            await self._too_many_registrations(context, request, self._registrations, "key")
+        if not self._host_registrations.take(host):
+            await self._too_many_registrations(context, request, self._host_registrations, "host")
         # A node serves before it registers: dialled once its request passed the checks, it answers unless nobody
         # can reach it.
         addresses = reachability.candidates(request.address, context.peer())
         reply = await self._off_loop(
-            self.c.register, request, signer(context) or b"", lambda: DialedBack(self._dial_back(addresses))
+            self.c.register, request, key, lambda: DialedBack(self._dial_back(addresses))
         )
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
         return reply
+
+    async def _too_many_registrations(
+        self, context: grpc.aio.ServicerContext, request: pb.RegisterRequest, buckets: TokenBuckets, whose: str
+    ) -> None:
+        why = f"more than {buckets.rate:g} registrations a second (burst {buckets.burst}) from this {whose}"
+        self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
         return await self._from_member(context, self.c.heartbeat, request)
