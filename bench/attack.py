@@ -1,32 +1,29 @@
 """A token holder attacks a live run, one attack after another: how many steps the run commits while it does.
 
-An in-process coordinator and three `geotrain join` processes train a tiny model on three stages of one node each
-(the run's own numbers: default limits, scheduler.max_offences). An attacker in a process of its own at nice 19
-(its Python shares no interpreter lock with the coordinator's, and takes only the cores the run leaves idle, as its
-own machine would) holds the run token and knows the plan, as every volunteer does; it asks Status where the run
-is ten times a second, and makes each attack of issue 17 again and again for --window seconds, with the
-shared attack code of tests/attackers.py: id takeover, order-stream theft, forged microbatch-done, gradient-norm
-and step-applied reports (as an outsider claiming a member's id, and as a member of its own reporting what is not
-its own, again under a new id and key each time it is evicted), activations and gradients claiming another node's
-path, profiles with extreme numbers, 200 idle streams at a node and 200 at the coordinator, 1,000 registrations,
-3,000 status-page requests.
+An in-process coordinator (its status page in a process of its own, as `geotrain coordinator --http` runs it) and
+three `geotrain join` processes train a tiny model on three stages of one node each (the run's own numbers: default
+limits, scheduler.max_offences). An attacker in a process of its own at nice 19 (its Python shares no interpreter
+lock with the coordinator's, and takes only the cores the run leaves idle, as its own machine would) holds the run
+token and knows the plan, as every volunteer does; it asks Status where the run is ten times a second, and makes
+each attack of issue 17 for a window, with the shared attack code of tests/attackers.py: id takeover, order-stream
+theft, forged microbatch-done, gradient-norm and step-applied reports (as an outsider claiming a member's id, and as
+a member of its own reporting what is not its own, again under a new id and key each time it is evicted),
+activations and gradients claiming another node's path, profiles with extreme numbers (these one call after
+another, each as soon as the last was answered), 200 idle streams at a node and 200 at the coordinator (each
+opened again as soon as it ends), and the issue's floods at the issue's counts, each window: 1,000 registrations
+and 3,000 status-page requests, in ten batches sent at once at even intervals.
 
-One JSON line per attack: attack; steps_baseline (steps committed in the --window seconds just before the attack,
-without one); steps_during_attack (in the --window seconds of the attack); final_max_diff (the largest difference
-of any parameter from train-local's at the first commit after the attack, fetched while the run is held there);
-evicted (the members the coordinator evicted during the attack); answers (how the attacker's calls ended, by gRPC
-status, registration reply or HTTP status; OK: a member's report about a step that was over when it arrived, which
-the coordinator ignores). The learning rate is constant after warm-up (train.min_lr =
-train.lr), so train-local's parameters after step s are those of the long run after step s.
-Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 10] [--attacks NAME,...]
-
-On the 2-core machine of issue 17's runs (3 nodes, the coordinator and the attacker on it, ~10 steps/s, windows of
-10 s, which vary by +-30% from one baseline to the next): every run ended where train-local does (final_max_diff
-0.0). At 0.8x of the baseline or above: order-stream theft, forged step-applied, profiles with extreme numbers;
-0.7-0.8x: id takeover, forged gradient norms, idle streams, 1,000 registrations; below: forged microbatch-done
-(0.68x), forged tensors (0.58x to 0.84x in two runs) and 3,000 status-page requests (0.30x): a flood costs the
-Python that serves it (aiohttp's for the page, grpc's, a signature check per call) on the cores and the
-interpreter lock the run needs; the page runs in the coordinator's process.
+Each attack gets --rounds attack windows and as many baseline windows without an attack, alternating (baseline
+first in even rounds, the attack first in odd ones) so that a drift of the shared machine's load falls on both
+alike; a second passes after each attack window before the next window starts. One JSON line per attack: attack;
+steps_baseline and steps_during_attack (the medians of the steps committed in its windows without and with it);
+ratio; windows_baseline and windows_during (every window's count); final_max_diff (the largest difference of any
+parameter from train-local's at the first commit after the attack, fetched while the run is held there); evicted
+(the members the coordinator evicted during the attack); answers (how the attacker's calls ended, by gRPC status,
+registration reply or HTTP status; OK: a member's report about a step that was over when it arrived, which the
+coordinator ignores). The learning rate is constant after warm-up (train.min_lr = train.lr), so train-local's
+parameters after step s are those of the long run after step s.
+Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 5] [--rounds 3] [--attacks NAME,...]
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import TOKEN_ENV
 from geotrain.protocol.identity import NodeKey
-from geotrain.scheduler.http import StatusHttpServer
+from geotrain.scheduler.http import StatusPageProcess
 from geotrain.scheduler.service import fetch_model_state
 from tests.attackers import (
     ATTACKER, Attacker, IdleStreams, answer, extreme_profiles, flood_status_page, forged_report, forged_tensors,
@@ -73,6 +70,8 @@ SETTINGS = [
 _STATUS_EVERY_S = 0.1
 # After an attack window, this long passes before the next window starts.
 _SETTLE_S = 1.0
+# The floods (registrations, status-page requests) send the issue's count in each window, in this many batches.
+_BATCHES = 10
 
 
 # -- the attacker (a process of its own: `attack.py --attacker ADDRESS`) ----------------------------------------
@@ -194,15 +193,29 @@ class Siege:
             s.stop()
         return Counter({code.name: n for s in streams for code, n in s.ended.items()})
 
-    def registrations(self, _until: float) -> Counter[str]:
-        """1,000 registrations of new ids."""
-        outcomes = register_many(self.a.coordinator(None, ""), 1000, first=self.registered)
-        self.registered += 1000
-        return outcomes
+    def registrations(self, until: float) -> Counter[str]:
+        """1,000 registrations of new ids in the window, in batches sent at once."""
+        def batch() -> Counter[str]:
+            outcomes = register_many(self.a.coordinator(None, ""), 1000 // _BATCHES, first=self.registered)
+            self.registered += 1000 // _BATCHES
+            return outcomes
 
-    def status_page(self, _until: float) -> Counter[str]:
-        """3,000 status-page requests."""
-        return Counter({str(code): n for code, n in flood_status_page(self.status_port, 3000).items()})
+        return _paced(until, batch)
+
+    def status_page(self, until: float) -> Counter[str]:
+        """3,000 status-page requests in the window, in batches of four clients at once."""
+        return _paced(until, lambda: Counter(
+            {str(code): n for code, n in flood_status_page(self.status_port, 3000 // _BATCHES).items()}))
+
+
+def _paced(until: float, batch: Callable[[], Counter[str]]) -> Counter[str]:
+    """batch() _BATCHES times, started at even intervals until `until` (at once after one that ran late)."""
+    outcomes: Counter[str] = Counter()
+    interval = (until - time.monotonic()) / _BATCHES
+    for i in range(_BATCHES):
+        time.sleep(max(0.0, until - (_BATCHES - i) * interval - time.monotonic()))
+        outcomes += batch()
+    return outcomes
 
 
 def _as(report: pb.NodeProfileReport, node_id: str) -> pb.NodeProfileReport:
@@ -287,7 +300,7 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
     with local_cluster(cfg, NODES, log_dir, on_event=run.on_event) as cluster:
         c = cluster.coordinator
         run.fetch = lambda: (c.step, fetch_model_state(c.plan, cluster.token, c.step, c.key))
-        page = StatusHttpServer(c.status, "127.0.0.1:0")
+        page = StatusPageProcess(c.status, "127.0.0.1:0")
         env = {**os.environ, TOKEN_ENV: cluster.token, "OMP_NUM_THREADS": "1"}
         # At nice 19: on a network the attacker's own work is its own machine's, here it takes only what the run
         # leaves of the cores; what its calls cost the run's processes is what is measured.

@@ -22,7 +22,7 @@ from geotrain.node.local import train_local
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.identity import NodeKey
-from geotrain.protocol.limits import LimitValues, PeerLimits
+from geotrain.protocol.limits import Backoff, LimitValues, PeerLimits
 from geotrain.protocol.transport import make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
@@ -160,8 +160,9 @@ def test_a_registration_flood_from_one_key_leaves_a_neighbour_behind_the_same_na
         started = time.monotonic()
         unsigned = register_many(attacker.coordinator(None, ""), 30)
         assert unsigned["refused"] >= 25, unsigned
-        one_key = Counter(register(f"{ATTACKER}-{i}", attacker.outsider) for i in range(30))
-        assert sum(n for o, n in one_key.items() if "from this key" in o) >= 25, one_key
+        # One after another: the answer to each refused call is held twice as long as the last.
+        one_key = Counter(register(f"{ATTACKER}-{i}", attacker.outsider) for i in range(10))
+        assert sum(n for o, n in one_key.items() if "from this key" in o) >= 6, one_key
         assert register("neighbour", NodeKey.generate()) == "accepted"
         # A fresh key for every call empties the host's budget (8 keys' worth: a burst of 24, 4 a second) instead.
         fresh_keys = Counter(register(f"{ATTACKER}-fresh-{i}", NodeKey.generate()) for i in range(60))
@@ -363,6 +364,39 @@ def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_
         for key in (attacker.outsider, None):
             assert [fetch(key) for _ in range(5)][-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert fetch(member) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        attacker.close()
+        server.stop(None)
+
+
+def test_a_backoff_doubles_with_each_refusal_in_a_row_up_to_its_cap_and_forgets():
+    backoff = Backoff(first_s=0.01, max_s=0.05, forget_s=10.0)
+    assert [backoff.delay("mallory", now=t) for t in range(5)] == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert backoff.delay("neighbour", now=5.0) == 0.01  # a caller of its own
+    assert backoff.delay("mallory", now=20.0) == 0.01  # quiet for longer than forget_s
+
+
+class _Denying(rpc.StageServicer):
+    """FetchState refused to every caller, as to a key that may not read the state."""
+
+    def FetchState(self, request, context):  # noqa: N802
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+
+
+@pytest.mark.timeout(30)
+def test_a_sync_server_holds_its_answers_to_a_caller_it_keeps_denying():
+    limits = PeerLimits()
+    limits.backoff = Backoff(first_s=0.05, max_s=0.2)
+    server, port = make_server("limits-token", "127.0.0.1:0", limits)
+    rpc.add_StageServicer_to_server(_Denying(), server)
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", "limits-token")
+    try:
+        stub = attacker.stage(attacker.address, attacker.outsider, "node-1")
+        started = time.monotonic()
+        codes = {answer(lambda: list(stub.FetchState(pb.FetchStateRequest(), timeout=10))) for _ in range(5)}
+        assert codes == {grpc.StatusCode.PERMISSION_DENIED}
+        assert time.monotonic() - started >= 0.05 + 0.1 + 0.2 * 3  # held: 0.05, 0.1, then 0.2 each
     finally:
         attacker.close()
         server.stop(None)

@@ -23,7 +23,7 @@ from geotrain.lifetime import forkserver, tie_children_to_this_process
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.auth import RefusalLog, peer_host, signer
+from geotrain.protocol.auth import peer_host, signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
@@ -57,13 +57,12 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(
-        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: Dialler
-    ) -> None:
+    def __init__(self, coordinator: Coordinator, blocking: Executor, limits: PeerLimits, dial_back: Dialler) -> None:
         self.c = coordinator
         self._dial_back = dial_back  # addresses -> the first that answered, or None
         self._blocking = blocking
-        self._refusals = refusals
+        self._refusals = limits.refusals
+        self._backoff = limits.backoff  # shared with the server's limits: one count of a caller's refusals
         limits = coordinator.cfg.limits
         # Per key and host, and per host: a flood from one key (or unsigned) empties its own bucket, not the host's,
         # so a volunteer behind the same NAT still gets in; fresh keys for every call empty the host's.
@@ -78,12 +77,18 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def _refuse(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, why: str, what: str, sender: str | None
     ) -> None:
-        """Answer `code` with why; one log line per peer host a minute; the refusal counts against `sender`, the
-        member whose key signed the call (None: no member's)."""
+        """Answer `code` with why, held by the caller's backoff; one log line per peer host a minute; the refusal
+        counts against `sender`, the member whose key signed the call (None: no member's)."""
         self._refusals.refused(context.peer(), what, sender or "", why)
         if sender is not None:
             await self._off_loop(self.c.refused, sender, why)
+        await self._held(context)
         await context.abort(code, why)
+
+    async def _held(self, context: grpc.aio.ServicerContext) -> None:
+        """Wait out the backoff of the caller (its host and key) of a refused call."""
+        key = signer(context)
+        await asyncio.sleep(self._backoff.delay((peer_host(context.peer()), key.hex() if key else "")))
 
     async def _check_member(self, context: grpc.aio.ServicerContext, request: Any) -> None:
         """PERMISSION_DENIED unless the key of member request.node_id signed the call (which counts against the
@@ -118,8 +123,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         reply = await self._off_loop(
             self.c.register, request, key, lambda: DialedBack(self._dial_back(addresses))
         )
-        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
+        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):  # another's id, or an evicted key
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
+            await self._held(context)
         return reply
 
     async def _too_many_registrations(
@@ -127,6 +133,7 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     ) -> None:
         why = f"more than {buckets.rate:g} registrations a second (burst {buckets.burst}) from this {whose}"
         self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
+        await self._held(context)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
@@ -286,7 +293,7 @@ def make_coordinator_server(
         limits = PeerLimits(coordinator.cfg.limits.values())
         server, port = make_aio_server(token, listen, blocking, tls, limits)
         dial_back = lambda addresses: reachability.dial_back(addresses, token, COORDINATOR_ID, tls)  # noqa: E731
-        servicer = CoordinatorServicer(coordinator, blocking, limits.refusals, dial_back)
+        servicer = CoordinatorServicer(coordinator, blocking, limits, dial_back)
         rpc.add_CoordinatorServicer_to_server(servicer, server)
         return server, port
 
