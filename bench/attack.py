@@ -24,6 +24,17 @@ registration reply or HTTP status; OK: a member's report about a step that was o
 coordinator ignores). The learning rate is constant after warm-up (train.min_lr = train.lr), so train-local's
 parameters after step s are those of the long run after step s.
 Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 5] [--rounds 3] [--attacks NAME,...]
+
+Measured on the shared 2-core machine (3 nodes, the coordinator and the attacker on it, ~10 steps/s; --window 5
+--rounds 2; the page's process then at nice 10, now 19), ratio of the medians, every run ending where train-local
+does (final_max_diff 0.0): order-stream theft 0.94, forged microbatch-done 0.92, forged gradient norm 0.94, forged
+step-applied 0.85, forged tensors 0.96, extreme profiles 1.06, 1,000 registrations 0.99; below 0.8x: id takeover
+0.78 (18 calls in its two windows, each held by the backoff: the first attack, on a run still warming up, and within
+the windows' spread), 3,000 status-page requests 0.77 and 200 idle streams 0.66. Before the backoff and the page's
+process (10 s windows, one each): 0.30x for the page, 0.58-0.84x for forged tensors. What the idle streams still
+cost: a node's sync server answers a refused stream at once beyond the 8 workers it lets wait, so the attacker
+reopens its ~180 refused streams as fast as they are answered, each paying the server's Python (auth, limits)
+under the interpreter lock the node's compute needs.
 """
 
 from __future__ import annotations
@@ -191,7 +202,8 @@ class Siege:
         time.sleep(max(0.0, until - time.monotonic()))
         for s in streams:
             s.stop()
-        return Counter({code.name: n for s in streams for code, n in s.ended.items()})
+        return Counter({f"{where} {code.name}": n for where, s in zip(("node", "coordinator"), streams)
+                        for code, n in s.ended.items()})
 
     def registrations(self, until: float) -> Counter[str]:
         """1,000 registrations of new ids in the window, in batches sent at once."""
