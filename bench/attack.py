@@ -32,9 +32,9 @@ step-applied 0.85, forged tensors 0.96, extreme profiles 1.06, 1,000 registratio
 0.78 (18 calls in its two windows, each held by the backoff: the first attack, on a run still warming up, and within
 the windows' spread), 3,000 status-page requests 0.77 and 200 idle streams 0.66. Before the backoff and the page's
 process (10 s windows, one each): 0.30x for the page, 0.58-0.84x for forged tensors. What the idle streams still
-cost: a node's sync server answers a refused stream at once beyond the 8 workers it lets wait, so the attacker
-reopens its ~180 refused streams as fast as they are answered, each paying the server's Python (auth, limits)
-under the interpreter lock the node's compute needs.
+cost: a node's sync server answers a refused stream at once beyond the 8 workers it lets wait, and the attacker
+reopens its ~180 refused streams every 0.1 s, each paying the server's Python (auth, limits) under the interpreter
+lock the node's compute needs.
 """
 
 from __future__ import annotations
