@@ -30,7 +30,8 @@ Measured on the shared 2-core machine (3 nodes, the coordinator and the attacker
 order-stream theft 1.0, forged microbatch-done 0.98, forged gradient norm 0.93, forged step-applied 0.94, forged
 tensors 1.02, extreme profiles 0.90, 200 idle streams 0.80, 1,000 registrations 0.95; below 0.8x: 3,000
 status-page requests 0.73 (its batches ran late: 642 requests got a 200 under a limit of 10 a second, so the page's
-process at nice 19 served them over about a minute, not the windows' 15 s). Before the backoff and the page's process (10 s windows, one each): 0.30x for the page, 0.58-0.84x
+process, then at nice 19, served them over about a minute, not the windows' 15 s; at nice 10, as now, 0.77 in a
+2-round run). Before the backoff and the page's process (10 s windows, one each): 0.30x for the page, 0.58-0.84x
 for forged tensors, 0.72x for idle streams. What the idle streams still cost: a node's sync server answers a refused
 stream at once beyond the 8 workers it lets wait, and the attacker reopens its ~180 refused streams every 0.1 s,
 each paying the server's Python (auth, limits) under the interpreter lock the node's compute needs.

@@ -62,7 +62,7 @@ _PATH = re.compile(r"(?<![\w.:/])/(?:[\w.\-]+/)*[\w.\-]+")
 # The page process gets a new snapshot at most this often: the page itself polls once a second.
 STATUS_PUSH_EVERY_S = 1.0
 # The page process's niceness: on a machine the run keeps busy, the page waits, not the run.
-_PAGE_NICENESS = 19
+_PAGE_NICENESS = 10
 
 
 def metric_families(reply: pb.StatusReply) -> Iterator[Metric]:
