@@ -286,7 +286,7 @@ def _run_coordinator(
 
     from geotrain.lifetime import start_forkserver
     from geotrain.scheduler.coordinator import RunAborted
-    from geotrain.scheduler.http import StatusHttpServer
+    from geotrain.scheduler.http import StatusPageProcess
     from geotrain.scheduler.service import CoordinatorProcess
 
     start_forkserver(preload)
@@ -296,7 +296,7 @@ def _run_coordinator(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
     )
     coordinator = process.coordinator
-    http = StatusHttpServer(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
+    http = StatusPageProcess(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
     _install_signal_handlers(coordinator.stop_requested.set)
     print(f"coordinator listening on {listen.rsplit(':', 1)[0]}:{process.port}", file=out, flush=True)
     try:

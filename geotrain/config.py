@@ -467,9 +467,10 @@ class LimitsSection:
     calls_per_s: float = _bounded(200.0, 1.0, 1e6, "calls a peer may start per second, on average")
     call_burst: int = _bounded(400, 1, 10**7, "calls a peer may start at once after being quiet")
     registrations_per_s: float = _bounded(
-        50.0, 0.01, 1e6, "new members one host may register per second, on average (the coordinator)"
+        50.0, 0.01, 1e6, "registrations one key (or unsigned calls) from one host may make per second, on average; a "
+        "host 8 times that (the coordinator)"
     )
-    registration_burst: int = _bounded(100, 1, 10**7, "new members one host may register at once")
+    registration_burst: int = _bounded(100, 1, 10**7, "registrations one key from one host may make at once")
 
     def __post_init__(self) -> None:
         _check_bounds(self, "limits")

@@ -22,11 +22,11 @@ from geotrain.node.local import train_local
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.identity import NodeKey
-from geotrain.protocol.limits import LimitValues, PeerLimits
+from geotrain.protocol.limits import Backoff, LimitValues, PeerLimits
 from geotrain.protocol.transport import make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
-from geotrain.scheduler.http import REQUEST_BURST, StatusHttpServer
+from geotrain.scheduler.http import REQUEST_BURST, StatusHttpServer, StatusPageProcess
 from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.status_cli import status_dict
 from tests.attackers import (
@@ -126,7 +126,7 @@ def test_1000_registrations(tmp_path):
 @pytest.mark.cluster
 def test_3000_status_page_requests(tmp_path):
     with _attacked_run(tmp_path) as (cluster, _):
-        page = StatusHttpServer(cluster.coordinator.status, "127.0.0.1:0")
+        page = StatusPageProcess(cluster.coordinator.status, "127.0.0.1:0")
         port = page.start()
         try:
             codes = flood_status_page(port, 3000)
@@ -136,6 +136,75 @@ def test_3000_status_page_requests(tmp_path):
             _steps_while(cluster, lambda: True, 2, 90)
         finally:
             page.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_flood_from_one_key_leaves_a_neighbour_behind_the_same_nat_its_own_budget():
+    from geotrain.protocol.auth import new_token
+    from geotrain.scheduler.coordinator import Coordinator
+    from geotrain.scheduler.service import make_coordinator_server
+
+    coordinator = Coordinator(small_run("limits.registrations_per_s=0.5", "limits.registration_burst=3"))
+    token = new_token()
+    server, port = make_coordinator_server(coordinator, token, "127.0.0.1:0")
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", token)  # every caller here comes from 127.0.0.1: one NAT
+
+    def register(node_id: str, key: NodeKey) -> str:
+        try:
+            return "accepted" if attacker.register(node_id, key).accepted else "rejected"
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+
+    try:
+        started = time.monotonic()
+        unsigned = register_many(attacker.coordinator(None, ""), 30)
+        assert unsigned["refused"] >= 25, unsigned
+        # One after another: the answer to each refused call is held twice as long as the last.
+        one_key = Counter(register(f"{ATTACKER}-{i}", attacker.outsider) for i in range(10))
+        assert sum(n for o, n in one_key.items() if "from this key" in o) >= 6, one_key
+        assert register("neighbour", NodeKey.generate()) == "accepted"
+        # A fresh key for every call empties the host's budget (8 keys' worth: a burst of 24, 4 a second) instead.
+        fresh_keys = Counter(register(f"{ATTACKER}-fresh-{i}", NodeKey.generate()) for i in range(60))
+        elapsed = time.monotonic() - started
+        assert any("from this host" in o for o in fresh_keys), fresh_keys
+        read = sum(c["accepted"] + c["rejected"] for c in (unsigned, one_key, fresh_keys)) + 1
+        assert read <= 24 + 4 * elapsed + 1, (unsigned, one_key, fresh_keys, elapsed)
+    finally:
+        attacker.close()
+        server.stop(grace=0.5).wait(2)
+        coordinator.store.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_the_page_process_reads_the_status_once_a_push_however_many_requests():
+    reads: list[float] = []
+
+    def status() -> pb.StatusReply:
+        reads.append(time.monotonic())
+        return pb.StatusReply(state="training", step=len(reads), steps=10**6)  # a new snapshot at every read
+
+    page = StatusPageProcess(status, "127.0.0.1:0", push_every_s=0.25)
+    started = time.monotonic()
+    port = page.start()
+    try:
+        codes = flood_status_page(port, 600)
+        assert set(codes) <= {200, 429} and codes[200] >= REQUEST_BURST, codes
+        # Pushes go on: the page shows later snapshots than the first (once the flood's 429s are over).
+        def step_shown() -> int:
+            code, body = _get(port, "/api/status")
+            return int(json.loads(body)["step"]) if code == 200 else 0
+
+        wait_until(lambda: step_shown() > 1, 10, "a later snapshot served", interval=0.2)
+        assert len(reads) <= 2 + (time.monotonic() - started) / 0.25, (len(reads), codes)
+        with pytest.raises(OSError):  # the port is taken: the process says so, and ends
+            StatusPageProcess(status, f"127.0.0.1:{port}").start()
+    finally:
+        page.stop()
+    assert not page.serving
+    with pytest.raises(ConnectionRefusedError):
+        _get(port, "/api/status")
 
 
 @pytest.mark.cluster
@@ -295,6 +364,39 @@ def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_
         for key in (attacker.outsider, None):
             assert [fetch(key) for _ in range(5)][-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert fetch(member) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        attacker.close()
+        server.stop(None)
+
+
+def test_a_backoff_doubles_with_each_refusal_in_a_row_up_to_its_cap_and_forgets():
+    backoff = Backoff(first_s=0.01, max_s=0.05, forget_s=10.0)
+    assert [backoff.delay("mallory", now=t) for t in range(5)] == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert backoff.delay("neighbour", now=5.0) == 0.01  # a caller of its own
+    assert backoff.delay("mallory", now=20.0) == 0.01  # quiet for longer than forget_s
+
+
+class _Denying(rpc.StageServicer):
+    """FetchState refused to every caller, as to a key that may not read the state."""
+
+    def FetchState(self, request, context):  # noqa: N802
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+
+
+@pytest.mark.timeout(30)
+def test_a_sync_server_holds_its_answers_to_a_caller_it_keeps_denying():
+    limits = PeerLimits()
+    limits.backoff = Backoff(first_s=0.05, max_s=0.2)
+    server, port = make_server("limits-token", "127.0.0.1:0", limits)
+    rpc.add_StageServicer_to_server(_Denying(), server)
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", "limits-token")
+    try:
+        stub = attacker.stage(attacker.address, attacker.outsider, "node-1")
+        started = time.monotonic()
+        codes = {answer(lambda: list(stub.FetchState(pb.FetchStateRequest(), timeout=10))) for _ in range(5)}
+        assert codes == {grpc.StatusCode.PERMISSION_DENIED}
+        assert time.monotonic() - started >= 0.05 + 0.1 + 0.2 * 3  # held: 0.05, 0.1, then 0.2 each
     finally:
         attacker.close()
         server.stop(None)

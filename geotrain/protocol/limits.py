@@ -7,7 +7,8 @@ token can open streams, so without these limits a few dozen silent Forward strea
 node (grpc's sync server) and the run stops. `PeerLimits` counts per peer and per host; the interceptors wrap each
 handler so that a call over a limit is refused with RESOURCE_EXHAUSTED before it runs, and a request stream that
 sends nothing for `idle_stream_s` is cut (CANCELLED on a sync server, DEADLINE_EXCEEDED on grpc.aio). Refusals are
-logged through auth's RefusalLog: one line per host per interval, never a traceback.
+logged through auth's RefusalLog: one line per host per interval, never a traceback; on grpc.aio their answers
+are held longer the more of a caller's calls were refused (`Backoff`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from geotrain.protocol.auth import MD_KEY, MD_NODE, RefusalLog, peer_host
 _MAX_TRACKED = 1 << 16
 # A peer: the node id its calls claim, and the public key (hex) that signed them ("": none).
 Peer = tuple[str, str]
+# A sync server's workers that may wait out refused callers' backoffs at once (a node has 64; the run needs a few).
+_MAX_HELD = 8
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,34 @@ class TokenBuckets:
             return allowed
 
 
+class Backoff:
+    """How long to hold the answer to a caller's refused call: from first_s, doubling with each refusal of its calls
+    less than forget_s after the one before, up to max_s. A caller that waits for its answers is slowed to one call a
+    max_s; a grpc.aio server holds an answer without a thread (a sync server's would hold a worker: it answers at
+    once)."""
+
+    def __init__(
+        self, first_s: float = 0.01, max_s: float = 1.0, forget_s: float = 10.0, max_keys: int = _MAX_TRACKED
+    ) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.forget_s = forget_s
+        self._max_keys = max_keys
+        self._refused: OrderedDict[Any, tuple[int, float]] = OrderedDict()  # key -> (refusals in a row, last)
+        self._lock = threading.Lock()
+
+    def delay(self, key: Any, now: float | None = None) -> float:
+        """Count one refusal for key; the seconds to hold its answer."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            count, last = self._refused.pop(key, (0, now))
+            count = count + 1 if now - last < self.forget_s else 1
+            self._refused[key] = (count, now)
+            while len(self._refused) > self._max_keys:
+                self._refused.popitem(last=False)
+        return min(self.max_s, self.first_s * 2.0 ** min(count - 1, 64))
+
+
 class _Watched:
     """A request stream's idle clock: when it began waiting for its next message (None while not waiting)."""
 
@@ -82,6 +113,8 @@ class PeerLimits:
 
     def __init__(self, values: LimitValues | None = None, refusals: RefusalLog | None = None) -> None:
         self.refusals = refusals or RefusalLog()
+        self.backoff = Backoff()  # by (host, key)
+        self._held = threading.BoundedSemaphore(_MAX_HELD)
         self._lock = threading.Lock()
         self._streams: dict[tuple[str, Peer], int] = {}
         self._host_streams: dict[str, int] = {}
@@ -122,6 +155,16 @@ class PeerLimits:
                     counts[key] = left
                 else:
                     del counts[key]
+
+    def hold(self, host: str, key: str) -> None:
+        """A sync server's refused caller (its host and key) waits out its backoff in the worker that refused it,
+        while fewer than _MAX_HELD workers wait; beyond that it is answered at once."""
+        delay = self.backoff.delay((host, key))
+        if self._held.acquire(blocking=False):
+            try:
+                time.sleep(delay)
+            finally:
+                self._held.release()
 
     def open_streams(self) -> int:
         """Request streams open now, all peers together."""
@@ -193,7 +236,8 @@ def _inner_behavior(handler: Any) -> Callable[..., Any]:
 
 class LimitsInterceptor(grpc.ServerInterceptor):
     """Applies PeerLimits to every call of a sync grpc.Server: refuses calls over a limit, cuts idle request streams
-    (a cut stream frees its worker thread at once)."""
+    (a cut stream frees its worker thread at once), and holds the answer to a call refused over a limit or as not the
+    caller's to make (PERMISSION_DENIED: signed by a key that may not send it) by the caller's backoff."""
 
     def __init__(self, limits: PeerLimits) -> None:
         self.limits = limits
@@ -211,8 +255,13 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             why = limits.open(host, peer, stream)
             if why is not None:
                 limits.refusals.refused(context.peer(), method, node_id, why)
+                limits.hold(host, peer[1])
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             return host
+
+        def held_if_denied(host: str, context: grpc.ServicerContext) -> None:
+            if context.code() == grpc.StatusCode.PERMISSION_DENIED:
+                limits.hold(host, peer[1])
 
         def request_of(request: Any, context: grpc.ServicerContext) -> Any:
             if not stream:
@@ -232,6 +281,9 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                 host = admit(context)
                 try:
                     yield from inner(request_of(request, context), context)
+                except Exception:
+                    held_if_denied(host, context)
+                    raise
                 finally:
                     if stream:
                         limits.close(host, peer)
@@ -241,6 +293,9 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                 host = admit(context)
                 try:
                     return inner(request_of(request, context), context)
+                except Exception:
+                    held_if_denied(host, context)
+                    raise
                 finally:
                     if stream:
                         limits.close(host, peer)
@@ -268,6 +323,7 @@ class AioLimitsInterceptor(grpc.aio.ServerInterceptor):
             why = limits.open(host, peer, stream)
             if why is not None:
                 limits.refusals.refused(context.peer(), method, node_id, why)
+                await asyncio.sleep(limits.backoff.delay((host, peer[1])))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             return host
 

@@ -1,10 +1,15 @@
 """The coordinator's status page over HTTP: the page itself, /api/status (JSON) and /metrics (Prometheus text).
 
-aiohttp runs on its own event loop in a daemon thread, so the coordinator's threads never wait on it. The page is
+`StatusHttpServer` serves a status callable with aiohttp on its own event loop in a daemon thread. The page is
 public by default, so nothing a request costs grows with the number of requests: `status()` is the coordinator's
 snapshot (rendered again after an event or when stale, never per request), its JSON and metrics bodies are encoded
 once per snapshot, each client gets a few requests a second (429 after that), an optional viewer token guards the
 data (the static files hold none), and event details lose filesystem paths.
+
+`StatusPageProcess` (what `geotrain coordinator --http` runs) puts that server in a process of its own, forked from
+the forkserver, at a lower CPU priority, and hands it the coordinator's snapshot at most once every
+STATUS_PUSH_EVERY_S: even the cheap per-request work (HTTP parsing, the rate limit, a 429) took the interpreter lock
+the coordinator's RPCs need, and 3,000 requests slowed a run to 0.3x of its steps.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from aiohttp import web
@@ -30,6 +38,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from geotrain.lifetime import forkserver
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.limits import TokenBuckets
@@ -50,6 +59,10 @@ _MAX_PATH = 256
 # An absolute POSIX path in an event's detail (a checkpoint that failed to write, a data set that vanished): where the
 # coordinator keeps its files is nobody's business on a public page.
 _PATH = re.compile(r"(?<![\w.:/])/(?:[\w.\-]+/)*[\w.\-]+")
+# The page process gets a new snapshot at most this often: the page itself polls once a second.
+STATUS_PUSH_EVERY_S = 1.0
+# The page process's niceness: on a machine the run keeps busy, the page waits, not the run.
+_PAGE_NICENESS = 10
 
 
 def metric_families(reply: pb.StatusReply) -> Iterator[Metric]:
@@ -257,3 +270,106 @@ class StatusHttpServer:
         thread.join(5.0)
         if not thread.is_alive():
             loop.close()
+
+
+class StatusPageProcess:
+    """StatusHttpServer in a process of its own (forked from the forkserver, at a lower CPU priority), serving the
+    snapshot `status()` returned last: a thread here reads it every `push_every_s` and sends the process each new
+    one, so the coordinator's cost is one serialized snapshot a push, whatever the requests. The process ends when
+    this object is stopped or its parent dies (it reads a pipe only the parent holds open). The same start(),
+    serving and stop() as StatusHttpServer; start() raises OSError when `listen` cannot be bound."""
+
+    def __init__(
+        self, status: Callable[[], pb.StatusReply], listen: str, viewer_token: str | None = None,
+        push_every_s: float = STATUS_PUSH_EVERY_S,
+    ) -> None:
+        _split_listen(listen)  # a bad address fails here, as StatusHttpServer's does
+        self._status = status
+        self._listen = listen
+        self._viewer_token = viewer_token
+        self._push_every_s = push_every_s
+        self._conn: Connection | None = None
+        self._process = None
+        self._pusher: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> int:
+        """Start the page's process and the pushes; returns the bound port."""
+        context = forkserver()
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_serve_page, args=(self._listen, self._viewer_token, child_conn),
+                                        name="geotrain-status-page", daemon=True)
+        self._process.start()
+        child_conn.close()
+        try:
+            self._conn.send_bytes(self._status().SerializeToString())  # served from the first request on
+            if not self._conn.poll(_START_TIMEOUT_S * 3):  # the process imports aiohttp first
+                raise RuntimeError(f"the status page's process did not start within {_START_TIMEOUT_S * 3:.0f} s")
+            port, errno, strerror = self._conn.recv()
+        except EOFError:
+            self.stop()
+            raise RuntimeError("the status page's process ended before it was ready: its error is above") from None
+        except BaseException:
+            self.stop()
+            raise
+        if errno is not None:
+            self.stop()
+            raise OSError(errno, strerror)
+        self._pusher = threading.Thread(target=self._push, name="status-page-push", daemon=True)
+        self._pusher.start()
+        log.info("status page on http://%s:%d/", self._listen.rsplit(":", 1)[0], port)
+        return port
+
+    def _push(self) -> None:
+        """Send the page process each new snapshot, at most once every push_every_s, until stopped."""
+        assert self._conn is not None
+        last: pb.StatusReply | None = None
+        while not self._stop.wait(self._push_every_s):
+            reply = self._status()
+            if reply is last:
+                continue
+            last = reply
+            try:
+                self._conn.send_bytes(reply.SerializeToString())
+            except OSError:  # the process is gone (stop() closed the pipe, or it died): no page to feed
+                return
+
+    @property
+    def serving(self) -> bool:
+        """Whether start() succeeded and stop() has not been called since."""
+        return self._pusher is not None and not self._stop.is_set()
+
+    def stop(self) -> None:
+        """End the pushes and the process (it lets in-flight requests finish briefly); safe to call twice."""
+        self._stop.set()
+        if self._pusher is not None:
+            self._pusher.join(5.0)
+        if self._conn is not None:
+            self._conn.close()
+        if self._process is not None:
+            self._process.join(_SHUTDOWN_GRACE_S + 5.0)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5.0)
+
+
+def _serve_page(listen: str, viewer_token: str | None, conn: Connection) -> None:
+    """StatusPageProcess's process: serve the snapshots read from `conn` until the parent's end closes. It sends the
+    parent (port, None, None) once serving, or (0, errno, strerror) when it cannot bind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C at a terminal reaches this process too; the parent decides
+    os.nice(_PAGE_NICENESS)
+    latest = pb.StatusReply.FromString(conn.recv_bytes())
+    server = StatusHttpServer(lambda: latest, listen, viewer_token)
+    try:
+        port = server.start()
+    except OSError as e:
+        conn.send((0, e.errno, e.strerror))
+        return
+    conn.send((port, None, None))
+    try:
+        while True:
+            latest = pb.StatusReply.FromString(conn.recv_bytes())
+    except EOFError:
+        pass
+    finally:
+        server.stop()

@@ -23,7 +23,7 @@ from geotrain.lifetime import forkserver, tie_children_to_this_process
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.auth import RefusalLog, peer_host, signer
+from geotrain.protocol.auth import peer_host, signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
@@ -44,6 +44,8 @@ _DHT_READY_S = 30.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
 # event loop, which holds every order stream and heartbeat, is never among them.
 _BLOCKING_WORKERS = 8
+# One host (a NAT with volunteers behind it) may register as many new members as this many keys.
+_KEYS_PER_HOST = 8
 T = TypeVar("T")
 
 
@@ -55,15 +57,19 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(
-        self, coordinator: Coordinator, blocking: Executor, refusals: RefusalLog, dial_back: Dialler
-    ) -> None:
+    def __init__(self, coordinator: Coordinator, blocking: Executor, limits: PeerLimits, dial_back: Dialler) -> None:
         self.c = coordinator
         self._dial_back = dial_back  # addresses -> the first that answered, or None
         self._blocking = blocking
-        self._refusals = refusals
+        self._refusals = limits.refusals
+        self._backoff = limits.backoff  # shared with the server's limits: one count of a caller's refusals
         limits = coordinator.cfg.limits
+        # Per key and host, and per host: a flood from one key (or unsigned) empties its own bucket, not the host's,
+        # so a volunteer behind the same NAT still gets in; fresh keys for every call empty the host's.
         self._registrations = TokenBuckets(limits.registrations_per_s, limits.registration_burst)
+        self._host_registrations = TokenBuckets(
+            limits.registrations_per_s * _KEYS_PER_HOST, limits.registration_burst * _KEYS_PER_HOST
+        )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
@@ -71,12 +77,18 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def _refuse(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, why: str, what: str, sender: str | None
     ) -> None:
-        """Answer `code` with why; one log line per peer host a minute; the refusal counts against `sender`, the
-        member whose key signed the call (None: no member's)."""
+        """Answer `code` with why, held by the caller's backoff; one log line per peer host a minute; the refusal
+        counts against `sender`, the member whose key signed the call (None: no member's)."""
         self._refusals.refused(context.peer(), what, sender or "", why)
         if sender is not None:
             await self._off_loop(self.c.refused, sender, why)
+        await self._held(context)
         await context.abort(code, why)
+
+    async def _held(self, context: grpc.aio.ServicerContext) -> None:
+        """Wait out the backoff of the caller (its host and key) of a refused call."""
+        key = signer(context)
+        await asyncio.sleep(self._backoff.delay((peer_host(context.peer()), key.hex() if key else "")))
 
     async def _check_member(self, context: grpc.aio.ServicerContext, request: Any) -> None:
         """PERMISSION_DENIED unless the key of member request.node_id signed the call (which counts against the
@@ -100,21 +112,29 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), what, request.node_id)
 
     async def Register(self, request, context):  # noqa: D102, N802
-        if not self._registrations.take(peer_host(context.peer())):
-            limits = self.c.cfg.limits
-            why = (f"more than {limits.registrations_per_s:g} registrations a second (burst "
-                   f"{limits.registration_burst}) from this host")
-            self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        host, key = peer_host(context.peer()), signer(context) or b""
+        if not self._registrations.take((host, key)):
+            await self._too_many_registrations(context, request, self._registrations, "key")
+        if not self._host_registrations.take(host):
+            await self._too_many_registrations(context, request, self._host_registrations, "host")
         # A node serves before it registers: dialled once its request passed the checks, it answers unless nobody
         # can reach it.
         addresses = reachability.candidates(request.address, context.peer())
         reply = await self._off_loop(
-            self.c.register, request, signer(context) or b"", lambda: DialedBack(self._dial_back(addresses))
+            self.c.register, request, key, lambda: DialedBack(self._dial_back(addresses))
         )
-        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):
+        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):  # another's id, or an evicted key
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
+            await self._held(context)
         return reply
+
+    async def _too_many_registrations(
+        self, context: grpc.aio.ServicerContext, request: pb.RegisterRequest, buckets: TokenBuckets, whose: str
+    ) -> None:
+        why = f"more than {buckets.rate:g} registrations a second (burst {buckets.burst}) from this {whose}"
+        self._refusals.refused(context.peer(), "Register", request.node_id[:80], why)
+        await self._held(context)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     async def Heartbeat(self, request, context):  # noqa: D102, N802
         return await self._from_member(context, self.c.heartbeat, request)
@@ -273,7 +293,7 @@ def make_coordinator_server(
         limits = PeerLimits(coordinator.cfg.limits.values())
         server, port = make_aio_server(token, listen, blocking, tls, limits)
         dial_back = lambda addresses: reachability.dial_back(addresses, token, COORDINATOR_ID, tls)  # noqa: E731
-        servicer = CoordinatorServicer(coordinator, blocking, limits.refusals, dial_back)
+        servicer = CoordinatorServicer(coordinator, blocking, limits, dial_back)
         rpc.add_CoordinatorServicer_to_server(servicer, server)
         return server, port
 
