@@ -10,7 +10,7 @@ from geotrain.config import load_config
 from geotrain.node.model import GPT, family_of
 from geotrain.node.profiler import profile_layers
 from geotrain.node.stage import StageRuntime
-from geotrain.scheduler.costmodel import ModelProfile
+from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 
 RANK = 8
 TINY = ["model.n_layers=3", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "train.microbatch_size=2"]
@@ -118,6 +118,16 @@ def test_the_cost_model_prices_a_boundary_by_the_rank():
     assert ranked.boundary_bytes[0] == 2 * 64 * 16 * 4 and ranked.boundary_bytes[-1] == 0
     with pytest.raises(ValueError, match="boundary_rank"):
         ModelProfile.gpt(**dims, boundary_rank=129)
+    # Over a slow link (50 Mbit/s) the same two-stage plan is faster by the boundary's bytes.
+    nodes = [NodeProfile(node_id=n, region="r", layer_seconds=[0.001] * 6, memory_bytes=10**10) for n in "ab"]
+    network = Network(intra_region=Link(bandwidth_bps=50e6, latency_s=0.05))
+    shape = StepShape(microbatches=4, microbatch_size=2)
+    stages = [(0, 3, [0]), (3, 6, [1])]
+    dense_s, ranked_s = (
+        CostModel(nodes=nodes, model=profile, network=network, shape=shape).step_seconds(stages)
+        for profile in (off, ranked)
+    )
+    assert ranked_s < dense_s
 
 
 @pytest.mark.timeout(60)

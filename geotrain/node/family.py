@@ -1,10 +1,10 @@
 """The model-family interface: all that stages, the profiler and the planner may know about a model.
 
 A family is an architecture written as an ordered list of layers, so any contiguous range is a stage: layer 0 reads
-token ids (B, T), every layer up to the last passes hidden states (B, T, d_model) on, and the last returns logits
-(B, T, vocab). Each layer is built from (config, seed, layer index) alone, so a stage builds only its own layers and
-still matches the whole model built in one process. The families themselves live in node/model.py (byte-gpt, and
-the registry) and node/llama.py.
+token ids (B, T), every layer up to the last passes hidden states (B, T, d_model; k under model.boundary_rank) on,
+and the last returns logits (B, T, vocab). Each layer is built from (config, seed, layer index) alone, so a stage
+builds only its own layers and still matches the whole model built in one process. The families themselves live in
+node/model.py (byte-gpt, and the registry) and node/llama.py.
 
 model.boundary_rank = k: every block writes into the first k coordinates of the residual stream only (its attention
 and MLP output projections have k rows), and the other d_model - k coordinates hold a fixed, untrained embedding of
@@ -57,7 +57,8 @@ class FixedEmbedding(nn.Module):
         super().__init__()
         # On the CPU whatever the default device (a model built on meta still gets real tables), from one generator.
         gen = torch.Generator().manual_seed(_FIXED_SEED)
-        self.register_buffer("tok", torch.randn(vocab, width, generator=gen, device="cpu") * _FIXED_STD, persistent=False)
+        tok = torch.randn(vocab, width, generator=gen, device="cpu") * _FIXED_STD
+        self.register_buffer("tok", tok, persistent=False)
         pos = torch.randn(positions, width, generator=gen, device="cpu") * _FIXED_STD if positions else None
         self.register_buffer("pos", pos, persistent=False)
 
@@ -83,6 +84,10 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     learned_positions: ClassVar[bool]  # layer 0 embeds positions (else they enter in the blocks' attention)
+    # Under model.boundary_rank: layer 0's tables -> the fixed table holding the stream's other coordinates, and the
+    # blocks' parameters that write the stream (their rows are its first coordinates).
+    fixed_tables: ClassVar[dict[str, str]]
+    stream_writers: ClassVar[tuple[str, ...]]
 
     @abstractmethod
     def construct(self, cfg: ModelSection, index: int) -> nn.Module:
@@ -117,7 +122,25 @@ class ModelFamily(ABC):
         when the stream is the boundary (model.boundary_rank off, or d_model)."""
         if cfg.boundary_width == cfg.d_model:
             return None
-        return FixedEmbedding(self.vocab(cfg), cfg.seq_len if self.learned_positions else 0, cfg.d_model - cfg.boundary_width)
+        positions = cfg.seq_len if self.learned_positions else 0
+        return FixedEmbedding(self.vocab(cfg), positions, cfg.d_model - cfg.boundary_width)
+
+    def dense_state(self, cfg: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole-model state as the same network without model.boundary_rank (for export): layer 0's tables
+        followed by the fixed ones, the writers' rows followed by zero rows, which add nothing to the fixed
+        coordinates."""
+        fixed = self.fixed_embedding(cfg)
+        if fixed is None:
+            return dict(state)
+        dense = {}
+        for name, tensor in state.items():
+            _, index, param = name.split(".", 2)
+            if index == "0" and param in self.fixed_tables:
+                tensor = torch.cat((tensor, getattr(fixed, self.fixed_tables[param]).to(tensor.dtype)), dim=1)
+            elif index != "0" and param in self.stream_writers:
+                tensor = torch.cat((tensor, tensor.new_zeros(cfg.d_model - tensor.shape[0], *tensor.shape[1:])))
+            dense[name] = tensor
+        return dense
 
     def layer_params(self, cfg: ModelSection, index: int) -> list[tuple[str, tuple[int, ...]]]:
         """(name in the layer's state dict, shape) of each parameter of layer `index`, without allocating them."""

@@ -140,6 +140,8 @@ class Llama(ModelFamily):
 
     name = "llama"
     learned_positions = False
+    fixed_tables = {"embed_tokens.weight": "tok"}
+    stream_writers = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
     def construct(self, cfg: ModelSection, index: int) -> nn.Module:  # noqa: D102
         return Embedding(cfg) if index == 0 else Head(cfg) if index == cfg.total_layers - 1 else Block(cfg)

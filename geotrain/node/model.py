@@ -87,6 +87,8 @@ class ByteGPT(ModelFamily):
 
     name = "byte-gpt"
     learned_positions = True
+    fixed_tables = {"tok.weight": "tok", "pos.weight": "pos"}
+    stream_writers = ("proj.weight", "proj.bias", "out.weight", "out.bias")
 
     def construct(self, cfg: ModelSection, index: int) -> nn.Module:  # noqa: D102
         return Embedding(cfg) if index == 0 else Head(cfg) if index == cfg.total_layers - 1 else Block(cfg)
