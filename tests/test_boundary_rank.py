@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geotrain.config import load_config
+from geotrain.config import from_proto, load_config, to_proto
 from geotrain.node.model import GPT, family_of
 from geotrain.node.profiler import profile_layers
 from geotrain.node.stage import StageRuntime
@@ -54,6 +54,11 @@ def test_a_cut_at_any_layer_boundary_computes_the_whole_model_bit_for_bit(family
         split = {**_gradients(first), **_gradients(second)}
         assert split.keys() == expected.keys()
         assert all(torch.equal(split[name], expected[name]) for name in expected), f"cut at {cut}"
+
+
+def test_nodes_get_the_rank_with_the_run_config():
+    cfg = _config("llama")
+    assert from_proto(to_proto(cfg)).model == cfg.model and cfg.model.boundary_width == RANK
 
 
 @pytest.mark.timeout(60)
