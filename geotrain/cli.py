@@ -750,7 +750,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     m = cfg.model
-    model = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": m.vocab}
+    model = {
+        "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "seq_len": m.seq_len, "vocab": m.vocab,
+        "boundary_rank": m.boundary_rank,
+    }
     return run_plan(
         args.cluster, model, cfg.train.microbatches, cfg.train.microbatch_size, as_json=args.json,
         stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight or "auto", allreduce=cfg.scheduler.allreduce,

@@ -102,6 +102,11 @@ class ModelSection:
         default="",
         metadata={"doc": "llama: a Hugging Face-format checkpoint directory to start from; nodes read it at this path"},
     )
+    boundary_rank: int = _bounded(
+        0, 0, 65536,
+        "blocks write into k of the residual stream's d_model coordinates, the rest is a fixed embedding of the "
+        "tokens (node/family.py): a stage boundary carries k values per token, exactly; 0 = off",
+    )
 
     def __post_init__(self) -> None:
         _check_bounds(self, "model")
@@ -109,12 +114,19 @@ class ModelSection:
             raise ConfigError(f"model.family must be one of {', '.join(MODEL_FAMILIES)}, got {self.family!r}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads must divide model.d_model ({self.d_model}), got {self.n_heads}")
+        if self.boundary_rank > self.d_model:
+            raise ConfigError(
+                f"model.boundary_rank must be at most model.d_model ({self.d_model}), got {self.boundary_rank}"
+            )
         if self.family == "byte-gpt":
             defaults = ModelSection.__dataclass_fields__
             for key in _LLAMA_ONLY:
                 if getattr(self, key) != defaults[key].default:
                     raise ConfigError(f"model.{key} applies to model.family = 'llama' only")
             return
+        if self.boundary_rank and (self.init_from or self.tie_embeddings):
+            # A checkpoint's blocks write every coordinate, and a d_model-wide head cannot start as a k-wide embedding.
+            raise ConfigError("model.boundary_rank cannot be combined with model.init_from or model.tie_embeddings")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -142,6 +154,11 @@ class ModelSection:
         if self.family == "byte-gpt":
             return 4 * self.d_model
         return self.mlp_width or -(-8 * self.d_model // (3 * 64)) * 64
+
+    @property
+    def boundary_width(self) -> int:
+        """Values per token a layer passes on (so a stage boundary carries): boundary_rank, or d_model when off."""
+        return self.boundary_rank or self.d_model
 
     @property
     def total_layers(self) -> int:

@@ -39,6 +39,10 @@ def test_toml_and_overrides(tmp_path):
         ({"bogus": {}}, "unknown section [bogus]"),
         ({"scheduler": {"heartbeat_interval_s": 2, "heartbeat_timeout_s": 1}}, "heartbeat_timeout_s must exceed"),
         ({"scheduler": {"allreduce": "ring"}}, "scheduler.allreduce must be auto, flat or hierarchical, got 'ring'"),
+        ({"model": {"boundary_rank": -1}}, "model.boundary_rank must be in [0, 65536], got -1"),
+        ({"model": {"boundary_rank": 129}}, "model.boundary_rank must be at most model.d_model (128), got 129"),
+        ({"model": {"boundary_rank": "8.5"}}, "model.boundary_rank must be an integer"),
+        ({"model": {"family": "llama", "boundary_rank": 8, "tie_embeddings": True}}, "model.boundary_rank cannot"),
     ],
 )
 def test_bad_values_name_the_key(raw, message):

@@ -63,7 +63,15 @@ def hf_logits(directory: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x).logits
 
 
-@pytest.mark.parametrize("settings, architecture", [(LLAMA, "LlamaForCausalLM"), (BYTE_GPT, "GPT2LMHeadModel")])
+# Under model.boundary_rank the export is the same network at full width (no tied head: it cannot start as a k-wide
+# embedding).
+RANKED_LLAMA = [*(s for s in LLAMA if not s.startswith("model.tie_embeddings")), "model.boundary_rank=8"]
+
+
+@pytest.mark.parametrize("settings, architecture", [
+    (LLAMA, "LlamaForCausalLM"), (BYTE_GPT, "GPT2LMHeadModel"), (RANKED_LLAMA, "LlamaForCausalLM"),
+    ([*BYTE_GPT, "model.boundary_rank=8"], "GPT2LMHeadModel"),
+])
 def test_export_loads_in_transformers_with_geotrains_logits(settings, architecture, tmp_path):
     cfg = train(settings, tmp_path / "model.safetensors")
     saved = read_saved_file(tmp_path / "model.safetensors")

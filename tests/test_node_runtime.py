@@ -299,3 +299,33 @@ def test_fetch_state_goes_only_to_plan_keys_and_refuses_an_empty_layer_range(mak
         assert framing.read_state(stub.FetchState(whole, timeout=10)).keys() == dict(agent.runtime.full_state()).keys()
     finally:
         channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_ones(make_agent):
+    import grpc
+
+    from geotrain.compression.policy import CodecPolicy
+    from geotrain.protocol import geotrain_pb2_grpc as rpc
+    from geotrain.protocol.transport import make_channel
+    from tests.conftest import expect_status, tensor_chunks
+
+    a, b = make_agent("node-a", _FakeCoordinator()), make_agent("node-b", _FakeCoordinator())
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
+                             "model.boundary_rank=4"])
+    total = cfg.model.total_layers
+    b.cfg = cfg
+    b._policies = {"activations": CodecPolicy("activations", cfg.compression.activations)}
+    plan = _plan(1, 0, total, [(0, 2, a), (2, total, b)])
+    b._apply_plan(plan)
+    channel = make_channel(b.address, b.options.token, lambda: a.node_id, key=a.key)
+    try:
+        forward = rpc.StageStub(channel).Forward
+        ref = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=0, path=[a.node_id], eval=True)
+        rows = (cfg.train.microbatch_size, cfg.model.seq_len)
+        for width in (cfg.model.d_model, 5):  # the stream's full width, and one more than the rank
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape [{rows[0]}, {rows[1]}, 4]",
+                          lambda: forward(iter(tensor_chunks(torch.randn(*rows, width), ref)), timeout=10))
+        assert forward(iter(tensor_chunks(torch.randn(*rows, 4), ref)), timeout=10) == pb.Ack()
+    finally:
+        channel.close()

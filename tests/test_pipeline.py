@@ -40,8 +40,12 @@ def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> 
 
 
 @pytest.mark.timeout(120)
-def test_three_stages_equal_train_local(tmp_path):
-    settings = ["run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0", "scheduler.placement=uniform"]
+@pytest.mark.parametrize("model", [[], ["model.boundary_rank=8"]], ids=["dense", "boundary_rank"])
+def test_three_stages_equal_train_local(tmp_path, model):
+    # Under model.boundary_rank the boundaries carry 8 of 128 values per token; the middle and last stages rebuild
+    # the stream from them and the token ids.
+    settings = [*model, "run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0",
+                "scheduler.placement=uniform"]
     plan, state, diff = _pipeline_against_local(tmp_path, 3, settings)
     assert len(plan.stages) == 3 and diff <= 1e-4
     # The parameters the run changed: they differ from the initial ones.

@@ -12,6 +12,7 @@ interrupted export leaves no --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import torch
 from geotrain.config import ConfigError, ModelSection
 from geotrain.durable import fsync
 from geotrain.node.llama import CONFIG_FILE, hf_config, hf_names
+from geotrain.node.model import family_of
 from geotrain.node.saved import SavedModel
 from geotrain.node.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_config
 
@@ -57,8 +59,10 @@ def gpt2_config(cfg: ModelSection) -> dict[str, Any]:
 
 
 def hf_model(saved: SavedModel) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json, tensors by transformers' names) of a saved model."""
-    cfg, state = saved.model, saved.state
+    """(config.json, tensors by transformers' names) of a saved model; one trained under model.boundary_rank as the
+    same network written at full width (ModelFamily.dense_state)."""
+    state = family_of(saved.model).dense_state(saved.model, saved.state)
+    cfg = dataclasses.replace(saved.model, boundary_rank=0)
     if cfg.family == "llama":
         tensors = {
             theirs: state[f"layers.{i}.{ours}"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from geotrain.config import ConfigError, ModelSection
-from geotrain.node.family import ModelFamily, check_index
+from geotrain.node.family import ModelFamily, check_index, widen
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.boundary_width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         b, t, _ = x.shape
@@ -90,14 +90,15 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.boundary_width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: attention, then the MLP, each added to the residual stream."""
+    """Pre-norm decoder block: attention, then the MLP, each added to the residual stream (to its first
+    boundary-width coordinates: see node/family.py on model.boundary_rank)."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
@@ -106,17 +107,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, z: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        z = z + self.self_attn(self.input_layernorm(widen(z, rest)))
+        return z + self.mlp(self.post_attention_layernorm(widen(z, rest)))
 
 
 class Embedding(nn.Module):
-    """Token embeddings: (B, T) ids -> (B, T, d); positions enter in each block's attention."""
+    """Token embeddings: (B, T) ids -> (B, T, boundary width); positions enter in each block's attention."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.boundary_width)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.embed_tokens(idx)
@@ -130,14 +131,17 @@ class Head(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.lm_head(self.norm(x))
+    def forward(self, z: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        return self.lm_head(self.norm(widen(z, rest)))
 
 
 class Llama(ModelFamily):
     """The llama family, initialised from the seed or read from `model.init_from`."""
 
     name = "llama"
+    learned_positions = False
+    fixed_tables = {"embed_tokens.weight": "tok"}
+    stream_writers = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
     def construct(self, cfg: ModelSection, index: int) -> nn.Module:  # noqa: D102
         return Embedding(cfg) if index == 0 else Head(cfg) if index == cfg.total_layers - 1 else Block(cfg)

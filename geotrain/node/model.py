@@ -2,8 +2,9 @@
 built as an ordered list of layers, so any contiguous range is a stage.
 
 Layer 0 embeds bytes and positions, layers 1..n are transformer blocks, the last layer is the final norm and the
-output head. Each layer is initialised from (seed, layer index) alone, so a stage builds only its own layers and
-still matches the whole model built in one process.
+output head. Under model.boundary_rank = k the embedding is k wide, the blocks write k coordinates and read the
+stream rebuilt with the fixed ones (node/family.py). Each layer is initialised from (seed, layer index) alone, so
+a stage builds only its own layers and still matches the whole model built in one process.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from geotrain.config import ModelSection
-from geotrain.node.family import ModelFamily
+from geotrain.node.family import ModelFamily, call_layer, widen
 from geotrain.node.llama import Llama
 
 VOCAB = 256
 
 
 class Embedding(nn.Module):
-    """Token and position embeddings: (B, T) bytes -> (B, T, d)."""
+    """Token and position embeddings: (B, T) bytes -> (B, T, boundary width)."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.tok = nn.Embedding(VOCAB, cfg.boundary_width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.boundary_width)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -36,25 +37,27 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention."""
+    """Pre-norm transformer block with causal self-attention; it writes the stream's first boundary-width
+    coordinates (all of them without model.boundary_rank)."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.boundary_width)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.boundary_width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, z: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        x = widen(z, rest)
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (h.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for h in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        z = z + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return z + self.out(F.gelu(self.fc(self.ln2(widen(z, rest)))))
 
 
 class Head(nn.Module):
@@ -65,8 +68,8 @@ class Head(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.lm = nn.Linear(cfg.d_model, VOCAB, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.lm(self.ln(x))
+    def forward(self, z: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        return self.lm(self.ln(widen(z, rest)))
 
 
 def _init_weights(module: nn.Module, n_layers: int) -> None:
@@ -83,6 +86,9 @@ class ByteGPT(ModelFamily):
     """The byte-level GPT: the zero-setup default."""
 
     name = "byte-gpt"
+    learned_positions = True
+    fixed_tables = {"tok.weight": "tok", "pos.weight": "pos"}
+    stream_writers = ("proj.weight", "proj.bias", "out.weight", "out.bias")
 
     def construct(self, cfg: ModelSection, index: int) -> nn.Module:  # noqa: D102
         return Embedding(cfg) if index == 0 else Head(cfg) if index == cfg.total_layers - 1 else Block(cfg)
@@ -110,6 +116,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelSection, seed: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(build_layer(cfg, i, seed) for i in range(cfg.total_layers))
+        self.fixed = family_of(cfg).fixed_embedding(cfg)
 
     @classmethod
     def from_state(cls, cfg: ModelSection, state: dict[str, torch.Tensor]) -> GPT:
@@ -121,9 +128,10 @@ class GPT(nn.Module):
         return model
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        x = idx
-        for layer in self.layers:
-            x = layer(x)
+        rest = None if self.fixed is None else self.fixed(idx)
+        x = self.layers[0](idx)
+        for layer in self.layers[1:]:
+            x = call_layer(layer, x, rest)
         return x
 
 

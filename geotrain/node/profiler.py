@@ -31,7 +31,8 @@ import torch
 from geotrain.config import RunConfig
 from geotrain.node.dataplane import DataPlane, ProbeTarget
 from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, synchronize
-from geotrain.node.model import VOCAB, build_layer, loss_fn
+from geotrain.node.family import call_layer
+from geotrain.node.model import VOCAB, build_layer, family_of, loss_fn
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.probe import COORDINATOR_PEER
@@ -94,7 +95,10 @@ def profile_layers(
     b, t, last = cfg.train.microbatch_size, m.seq_len, m.total_layers - 1
     gen = torch.Generator().manual_seed(cfg.run.seed)
     tokens = torch.randint(0, VOCAB, (b, t), generator=gen).to(dev)
-    hidden = torch.randn(b, t, m.d_model, generator=gen).to(dev, boundary_dtype)
+    family = family_of(m)
+    hidden = torch.randn(family.boundary_shape(m, b), generator=gen).to(dev, boundary_dtype)
+    fixed = family.fixed_embedding(m)
+    rest = None if fixed is None else fixed.to(dev)(tokens)  # model.boundary_rank's fixed coordinates
     profile = LayerProfile([], [], [], [], [])
     for index in range(m.total_layers):
         layer = build_layer(m, index, cfg.run.seed).to(dev)
@@ -103,7 +107,7 @@ def profile_layers(
         def run_layer() -> torch.Tensor:
             # As StageRuntime runs it: autocast, and the output rounded to the boundary dtype (logits in float32).
             with autocast(dev, precision):
-                y = layer(x)
+                y = call_layer(layer, x, None if index == 0 else rest)
             return y.float() if index == last else y.to(boundary_dtype)
 
         out = run_layer().detach()

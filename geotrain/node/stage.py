@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import RunConfig
 from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
-from geotrain.node.model import build_layer, loss_fn
+from geotrain.node.family import call_layer
+from geotrain.node.model import build_layer, family_of, loss_fn
 
 MicrobatchKey = tuple[int, int]  # (step, microbatch id)
 
@@ -75,6 +76,8 @@ class StageRuntime:
         self.layers = nn.ModuleDict(
             {str(i): build_layer(cfg.model, i, cfg.run.seed) for i in range(start, end)}
         ).to(self.device)
+        fixed = family_of(cfg.model).fixed_embedding(cfg.model)
+        self.fixed = None if fixed is None else fixed.to(self.device)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             self.layers.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
@@ -91,31 +94,56 @@ class StageRuntime:
         x = self.copies.to_device(x)
         return x.float() if self.precision == "fp32" and x.is_floating_point() else x
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether forward needs the microbatch's token ids besides its activations (model.boundary_rank, on a stage
+        other than the first, which reads them anyway)."""
+        return self.fixed is not None and not self.is_first
+
+    def _fixed_coordinates(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """The fixed coordinates of the microbatch's stream (None without model.boundary_rank); x is the tokens on
+        the first stage."""
+        if self.fixed is None:
+            return None
+        if self.is_first:
+            tokens = x
+        elif tokens is None:
+            raise ValueError("model.boundary_rank: this stage needs the microbatch's token ids")
+        expected = (x.shape[0], x.shape[1])
+        if tuple(tokens.shape) != expected:
+            raise ValueError(f"token ids of shape {tuple(tokens.shape)} for activations of {tuple(x.shape)}")
+        return self.fixed(self.copies.to_device(tokens))
+
+    def _run(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         x = self._input(x)
+        rest = self._fixed_coordinates(x, tokens)
         recompute = self.cfg.train.recompute and torch.is_grad_enabled()
         last = self.cfg.model.total_layers - 1
         with autocast(self.device, self.precision):
             for i in range(self.start, self.end):
-                layer = self.layers[str(i)]
-                x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+                layer, layer_rest = self.layers[str(i)], None if i == 0 else rest
+                if recompute:
+                    x = checkpoint(call_layer, layer, x, layer_rest, use_reentrant=False)
+                else:
+                    x = call_layer(layer, x, layer_rest)
                 if self.precision != "fp32":
                     # Every boundary in the compute dtype (see the module's note); the logits in float32 for the loss.
                     x = x.float() if i == last else x.to(self.compute_dtype)
         return x
 
-    def forward(self, key: MicrobatchKey, x: torch.Tensor) -> torch.Tensor:
-        """Run the stage and keep what backward needs; x is bytes on the first stage, activations elsewhere. The
-        outputs stay on the stage's device."""
+    def forward(self, key: MicrobatchKey, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the stage and keep what backward needs; x is bytes on the first stage, activations elsewhere, where
+        a model.boundary_rank model also needs the microbatch's tokens (`needs_tokens`). The outputs stay on the
+        stage's device."""
         inputs = x if self.is_first else self._input(x).detach().requires_grad_(True)
-        outputs = self._run(inputs)
+        outputs = self._run(inputs, tokens)
         self._pending[key] = _Pending(inputs, outputs)
         return outputs.detach()
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Forward without keeping anything."""
-        return self._run(x)
+        return self._run(x, tokens)
 
     def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage)."""

@@ -20,7 +20,7 @@ from geotrain.node.device import COMPUTE_DTYPES
 from geotrain.node.failures import StageFailure
 from geotrain.node.link import RPC_DEADLINE_S
 from geotrain.node.lowrank import LowRankAveraging
-from geotrain.node.model import loss_fn
+from geotrain.node.model import family_of, loss_fn
 from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.node.stage import StageRuntime
 from geotrain.node.worker import BACKWARD, FORWARD
@@ -194,7 +194,7 @@ class StepFlow:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this node sent step {ref.step} microbatch {ref.microbatch} to no {sender}, or has its gradient",
             )
-        shape = [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]
+        shape = list(family_of(cfg.model).boundary_shape(cfg.model, cfg.train.microbatch_size))
         check_activation_header(
             header, shape, WIRE_DTYPES[cfg.train.precision], self._policies[kind].accepted_ids,
             self.options.max_tensor_bytes,
@@ -220,21 +220,24 @@ class StepFlow:
         assert runtime is not None
         key = (ref.step, ref.microbatch)
         path = [*ref.path, self.node_id]
+        # Under model.boundary_rank the stage rebuilds the stream from the tokens, which it gets as the last stage
+        # gets its targets.
+        tokens = self._batch(ref.step, ref.microbatch, ref.eval)[0] if runtime.needs_tokens else None
         if ref.eval:
-            outputs = runtime.evaluate(x)
+            outputs = runtime.evaluate(x, tokens)
             if runtime.is_last:
                 self._eval_done(ref.step, ref.microbatch, outputs)
             else:
                 self._forward_to_next(self._ref(ref.step, ref.microbatch, path, eval=True), outputs)
             return
         if runtime.is_last:
-            runtime.forward(key, x)
+            runtime.forward(key, x, tokens)
             _, y = self._batch(ref.step, ref.microbatch)
             loss, grad = runtime.loss_backward(key, y)
             self.throughput.tick()
             self._backward_to_previous(self._ref(ref.step, ref.microbatch, path, loss=loss), grad)
         else:
-            self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x))
+            self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x, tokens))
 
     def _on_backward(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         runtime = self.runtime

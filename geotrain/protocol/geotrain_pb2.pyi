@@ -122,7 +122,7 @@ class RunSettings(_message.Message):
     def __init__(self, seed: _Optional[int] = ..., steps: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_microbatches: _Optional[int] = ...) -> None: ...
 
 class ModelSettings(_message.Message):
-    __slots__ = ("n_layers", "d_model", "n_heads", "seq_len", "dropout", "family", "n_kv_heads", "mlp_width", "vocab_size", "rope_base", "norm_eps", "tie_embeddings", "init_from")
+    __slots__ = ("n_layers", "d_model", "n_heads", "seq_len", "dropout", "family", "n_kv_heads", "mlp_width", "vocab_size", "rope_base", "norm_eps", "tie_embeddings", "init_from", "boundary_rank")
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
     N_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class ModelSettings(_message.Message):
     NORM_EPS_FIELD_NUMBER: _ClassVar[int]
     TIE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_RANK_FIELD_NUMBER: _ClassVar[int]
     n_layers: int
     d_model: int
     n_heads: int
@@ -149,7 +150,8 @@ class ModelSettings(_message.Message):
     norm_eps: float
     tie_embeddings: bool
     init_from: str
-    def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., dropout: _Optional[float] = ..., family: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., mlp_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rope_base: _Optional[float] = ..., norm_eps: _Optional[float] = ..., tie_embeddings: _Optional[bool] = ..., init_from: _Optional[str] = ...) -> None: ...
+    boundary_rank: int
+    def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., dropout: _Optional[float] = ..., family: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., mlp_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rope_base: _Optional[float] = ..., norm_eps: _Optional[float] = ..., tie_embeddings: _Optional[bool] = ..., init_from: _Optional[str] = ..., boundary_rank: _Optional[int] = ...) -> None: ...
 
 class DataSettings(_message.Message):
     __slots__ = ("paths", "max_bytes", "val_fraction", "fingerprint", "prepared")

@@ -171,14 +171,19 @@ class ModelProfile:
         microbatch_size: int,
         bytes_per_value: int = 4,
         compute_bytes: int | None = None,
+        boundary_rank: int = 0,
     ) -> ModelProfile:
         """Analytic profile of a GPT: layers [embedding, block x n_layers, head (untied)]; activations in
-        compute_bytes per value (autocast's dtype; default: bytes_per_value)."""
+        compute_bytes per value (autocast's dtype; default: bytes_per_value); under boundary_rank (model.boundary_rank,
+        0 = off) a boundary carries that many values per token instead of d_model."""
         if min(n_layers, d_model, n_heads, seq_len, vocab, microbatch_size) <= 0:
             raise ValueError("GPT dimensions and microbatch_size must be > 0")
+        if not 0 <= boundary_rank <= d_model:
+            raise ValueError(f"boundary_rank must be in [0, d_model], got {boundary_rank}")
         b, s, d, v, bpv = microbatch_size, seq_len, d_model, vocab, bytes_per_value
         abv = compute_bytes or bpv
         hidden = b * s * d * abv
+        boundary = b * s * (boundary_rank or d) * abv
         # Block: attention (4d^2) + MLP (8d^2) weights, biases and two layer norms.
         block_params = 12 * d * d + 13 * d
         # Forward matmuls 24 b s d^2 + attention scores 4 b s^2 d; backward is twice the forward.
@@ -187,7 +192,7 @@ class ModelProfile:
         block_act = int(b * (17 * s * d + 2.5 * n_heads * s * s) * abv)
         return cls(
             layer_param_bytes=[(v * d + s * d) * bpv] + [block_params * bpv] * n_layers + [(v * d + 2 * d) * bpv],
-            boundary_bytes=[hidden] * (n_layers + 1) + [0],
+            boundary_bytes=[boundary] * (n_layers + 1) + [0],
             layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * abv],
             layer_flops=[3.0 * b * s * d] + [block_flops] * n_layers + [3.0 * 2 * b * s * d * v],
             bytes_per_value=bpv,

@@ -37,11 +37,11 @@ def run_plan(
     err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
-    vocab (and optionally bytes_per_value); inflight is the data heads' window (None: unbounded; "auto": the
-    plan's own); allreduce and replica_rank say how replicas average (scheduler.allreduce, PowerSGD's rank or None);
-    compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation (StepShape); returns 0,
-    or 2 after printing the error for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they
-    are at the call."""
+    vocab (and optionally bytes_per_value and boundary_rank); inflight is the data heads' window (None: unbounded;
+    "auto": the plan's own); allreduce and replica_rank say how replicas average (scheduler.allreduce, PowerSGD's
+    rank or None); compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation
+    (StepShape); returns 0, or 2 after printing the error for a bad cluster or model. out and err default to
+    sys.stdout and sys.stderr as they are at the call."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
