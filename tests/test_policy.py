@@ -32,14 +32,15 @@ def test_time_to_target_is_the_slower_of_link_and_compute_times_the_codecs_steps
     assert time_to_target(0.05, 0.1, 1.5) == pytest.approx(0.15)
 
 
-def test_choose_takes_the_fastest_to_target_where_the_bandwidths_agree():
-    assert choose([[0.4, 0.2, 0.1, 0.15], [0.3, 0.15, 0.1, 0.15]], current=0) == 2
+def test_choose_takes_the_fastest_under_the_estimate():
+    assert choose([[0.4, 0.2, 0.1, 0.15], [0.3, 0.15, 0.1, 0.15], [0.2, 0.1, 0.09, 0.15]], current=0) == 2
     assert choose([[0.1, 0.101, 0.105, 0.15]], current=2) == 0
 
 
-def test_choose_keeps_the_current_codec_where_the_bandwidths_disagree():
-    assert choose([[0.4, 0.2, 0.18], [0.3, 0.15, 0.16]], current=0) == 0
-    assert choose([[0.4, 0.2, 0.18], [0.3, 0.15, 0.16]], current=1) == 1
+def test_choose_keeps_the_current_codec_while_it_is_fastest_somewhere_in_the_band():
+    times = [[0.4, 0.2, 0.18], [0.3, 0.15, 0.16], [0.2, 0.1, 0.12]]
+    assert choose(times, current=2) == 2
+    assert choose(times, current=0) == 1
 
 
 def test_link_estimator_without_calls_knows_nothing():
@@ -48,15 +49,15 @@ def test_link_estimator_without_calls_knows_nothing():
 
 def _steady_link(
     policy: CodecPolicy | None, bytes_per_s: float, latency_s: float, compute_s: float, calls: int, seed: int = 0,
-    window: int = 8, probe: bool = False,
+    window: int = 8,
 ) -> tuple[list[float], list[str]]:
     """A steady link driven as a stage drives it: a microbatch's tensor every compute_s while at most `window` are in
     flight, first in first out on the wire at bytes_per_s, each call returning latency_s after its last byte left, with
-    jitter (the wire's time +-10%, the latency +-5 ms). The estimator's bandwidth after each call, and the codecs."""
+    jitter (the wire's time +-10%, the latency +-5 ms), after an empty probe (a node's profiler probes each new link).
+    The estimator's bandwidth after each call, and the codecs."""
     g = torch.Generator().manual_seed(seed)
     estimator = LinkEstimator()
-    if probe:
-        estimator.probed(2 * latency_s)
+    estimator.probed(2 * latency_s)
     bandwidths, codecs = [], []
     wire_free, returns = 0.0, []
     now = 0.0
@@ -139,9 +140,9 @@ def test_auto_compresses_a_slow_link_and_relaxes_on_a_fast_one():
     assert policy.codec("peer", SHAPE, torch.float32, None, None).name == "none"  # nothing measured yet
     # 20 Mbit/s: int8 (28 ms) fits in 40 ms, fp16 (52 ms) does not
     assert _drive(policy, 2.5e6, 0.04) == "int8:block=64"
-    # fp16 would be 4% faster to the target, not at 25% less bandwidth: int8 stays
-    assert _drive(policy, 2.5e6, 0.06) == "int8:block=64"
-    assert _drive(policy, 2.5e6, 0.08) == "fp16"  # 52 ms fits at 25% less bandwidth too
+    # fp16 would be 4% faster to the target, int8 at 15% less bandwidth: int8 stays
+    assert _drive(policy, 2.5e6, 0.055) == "int8:block=64"
+    assert _drive(policy, 2.5e6, 0.08) == "fp16"  # 52 ms fits at 15% less bandwidth too
     assert _drive(policy, 2.5e6, 0.3) == "none"  # compute-bound: no codec saves time
     assert _drive(policy, 1e9, 0.03) == "none"  # a fast link sends raw
     assert policy.accepted_ids == {get_codec(s).codec_id for s in ("none", "fp16", "int8", "topk:0.1")}

@@ -3,8 +3,8 @@ time to a target loss.
 
 `auto` predicts, for each codec of a ladder, the time to the target as (the link's pace per microbatch) x (the steps the
 codec's loss costs): a stage is paced by the slower of its compute per microbatch and its link's transfer of a
-microbatch's tensor, and a lossy codec needs more steps to the same loss. It takes the codec of the least predicted time
-under every link bandwidth within `margin` of the estimate, and keeps the current one where those disagree, so an
+microbatch's tensor, and a lossy codec needs more steps to the same loss. It takes the codec of the least predicted time,
+but keeps the current one while it would be the fastest at some bandwidth within `margin` of the estimate, so an
 estimate that wanders a little does not flip the choice. A compute-bound stage, or a link whose time is latency
 (microbatches in flight overlap it, and no codec shortens it), keeps none. The sender decides from what it measured
 itself (its link, its compute time); the receiver accepts any codec of the ladder, so the two need not agree.
@@ -55,11 +55,11 @@ def time_to_target(transfer_s: float, compute_s: float, steps_factor: float) -> 
 
 
 def choose(times_s: Sequence[Sequence[float]], current: int) -> int:
-    """Index into a ladder given each codec's predicted time to the target under each of a few link bandwidths
-    around the estimate: the codec fastest under all of them, or `current` where they disagree (hysteresis: a link
-    whose estimate wanders within that band does not flap)."""
-    fastest = {min(range(len(times)), key=lambda i: (times[i], i)) for times in times_s}
-    return fastest.pop() if len(fastest) == 1 else current
+    """Index into a ladder given each codec's predicted time to the target under a few link bandwidths, the estimate's
+    in the middle of a band around it: the codec fastest under the estimate, unless the current one is the fastest
+    under some bandwidth of the band (hysteresis: an estimate that wanders within the band does not flip it)."""
+    fastest = [min(range(len(times)), key=lambda i: (times[i], i)) for times in times_s]
+    return current if current in fastest else fastest[len(fastest) // 2]
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class LinkEstimator:
     call's occupancy is exact whether it waited behind others or found the link idle (the wait and the latency are
     not the link's bandwidth: counting them measured a steady 48 Mbit/s link at 15-247 Mbit/s), and the bandwidth is
     a window's bytes over its occupancy, a ratio of sums that one call's jitter moves little. The latency is the least
-    call time less its bytes / bandwidth (waiting only adds time), at least half the round trip of empty probes
-    (`probed`); the two are solved together by a few rounds of fixed point, and smoothed across calls. A link whose
+    call time less its bytes / bandwidth (waiting only adds time), at least half the least round trip of empty
+    probes (`probed`); the two are solved together by a few rounds of fixed point, and smoothed across calls. A link whose
     calls never overlap and all carry one size cannot tell its latency from its bandwidth without a probe: its
     latency counts as bandwidth, which errs towards compressing.
     """
@@ -91,8 +91,10 @@ class LinkEstimator:
         self._smoothed: LinkEstimate | None = None
 
     def probed(self, round_trip_s: float) -> None:
-        """Record an empty probe's round trip: half of it bounds a call's latency from below."""
-        self._latency_floor = round_trip_s / 2
+        """Record an empty probe's round trip: half the least one bounds a call's latency from below (a probe can
+        only be slowed, by messages queued ahead of it)."""
+        half = round_trip_s / 2
+        self._latency_floor = half if self._latency_floor == 0 else min(self._latency_floor, half)
 
     def observe(self, nbytes: int, sent: float, returned: float) -> None:
         """Record a call that carried nbytes, sent at `sent` (before any emulated delay) and answered at `returned`
@@ -153,7 +155,7 @@ class StageTimer:
 class CodecPolicy:
     """The codec for one kind of traffic, per link: fixed, or chosen by `auto` from each link's measurements."""
 
-    def __init__(self, kind: str, spec: str, margin: float = 0.25, dwell: int = 8) -> None:
+    def __init__(self, kind: str, spec: str, margin: float = 0.15, dwell: int = 8) -> None:
         check_spec(kind, spec)
         self.kind = kind
         self.auto = spec.strip() == AUTO
