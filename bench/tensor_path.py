@@ -12,6 +12,11 @@ cpu_ms_per_mib is the CPU time (user + system, every thread) of both processes t
 each process measuring its own with time.process_time; wall_ms_per_mib is the sender's time per message, one
 message at a time, from the tensor in memory to the receiver's answer. The receiver is a helper process driven line
 by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.py [--messages N]
+
+Measured on 2 shared cores, 200 messages: geotrain 12.0 ms of CPU per MiB before #18 (protobuf's copies, a bytes copy
+of the reassembled payload, torch's finiteness check), 6.3 after, against raw's 0.78 (8x; the issue's goal is 3x).
+What is left is mostly gRPC's own (a stream call with one 1 MiB message costs about 3 ms of CPU in one process)
+and crc32 on both ends (0.44 ms each).
 """
 
 from __future__ import annotations
