@@ -31,6 +31,35 @@ def test_round_trip_over_many_chunks(dtype):
     assert torch.equal(framing.raw_tensor(received.header, received.payload), tensor)
 
 
+def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_place():
+    tensor = torch.randn(7, 33, 5)
+    payload = framing.raw_payload(tensor)
+    header = framing.make_header("w", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+    ref = pb.MicrobatchRef(step=3, microbatch=1, path=["node-1"])
+    wire = list(framing.wire_chunks(header, payload, ref, 1000))
+    assert [pb.TensorChunk.FromString(w) for w in wire] == list(framing.chunk_tensor(header, payload, ref, 1000))
+    parsed = [framing.parse_chunk(w) for w in wire]
+    assert isinstance(parsed[0].data, memoryview) and parsed[0].data.obj is wire[0]  # a view, not a copy
+    assert parsed[0].HasField("header") and not parsed[1].HasField("header") and parsed[0].ref == ref
+    (received,) = list(framing.read_tensors(parsed))
+    assert torch.equal(framing.raw_tensor(received.header, received.payload), tensor)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"\x1a\x05abc",  # data longer than the message
+        b"\x1a\x01a\x1a\x01b",  # data twice
+        b"\x08\x01",  # a varint field: no TensorChunk field is one
+        b"\x1a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # a length of more than 64 bits
+        b"\x12\x03\xff\xff\xff",  # a header that protobuf cannot parse
+    ],
+)
+def test_malformed_wire_chunks_are_refused(message):
+    with pytest.raises(ValueError):
+        framing.parse_chunk(message)
+
+
 def test_several_tensors_in_one_stream():
     a, b = torch.randn(100), torch.arange(10)
     received = list(framing.read_tensors(_frames(a, 64) + _frames(b, 64)))

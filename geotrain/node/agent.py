@@ -29,7 +29,7 @@ from geotrain.node.link import CoordinatorLink, NodeError
 from geotrain.node.profiler import NodeProfiler
 from geotrain.node.reverse import ReverseReceiver
 from geotrain.node.routing import ReplicaRouter
-from geotrain.node.servicer import StageServicer
+from geotrain.node.servicer import StageServicer, add_stage_service
 from geotrain.node.stepflow import StepFlow
 from geotrain.node.worker import CONTROL, Worker
 from geotrain.protocol import framing
@@ -169,7 +169,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         servicer = StageServicer(
             self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
         )
-        rpc.add_StageServicer_to_server(servicer, self._server)
+        add_stage_service(servicer, self._server)
         self.reverse_links = ReverseReceiver(
             options.token, lambda: self.node_id, options.tls, self.key, servicer.receive, self._keepalive_s
         )

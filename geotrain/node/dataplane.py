@@ -135,6 +135,8 @@ class DataPlane:
         self._key = key  # signs every stream at its open: the receiver accepts tensors only from the plan's sender
         self._lock = threading.Lock()
         self._stubs: dict[str, rpc.StageStub] = {}
+        # address -> direction -> its call, which sends framing.wire_chunks as they are (no protobuf copies)
+        self._tensor_calls: dict[str, dict[str, grpc.StreamUnaryMultiCallable]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         # (peer, address, direction) -> (codec name, its state): a new codec on a link starts afresh. Each link's
         # state is read and written only under that link's lock in _codec_locks.
@@ -157,6 +159,13 @@ class DataPlane:
                 channel = make_channel(address, self._token, self._node_id, self._tls, self._key)
                 self._channels[address] = channel
                 self._stubs[address] = rpc.StageStub(channel)
+                self._tensor_calls[address] = {
+                    direction: channel.stream_unary(
+                        f"/geotrain.v1.Stage/{method}", request_serializer=None,
+                        response_deserializer=pb.Ack.FromString,
+                    )
+                    for direction, method in (("forward", "Forward"), ("backward", "Backward"))
+                }
             return self._stubs[address]
 
     def encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> Encoded:
@@ -180,7 +189,8 @@ class DataPlane:
         header, payload = encoded.header, encoded.payload
         with self._lock:
             reversed_link = peer in self._reversed
-        # The link estimate counts the emulated delay: it stands for the time the bytes spend on the wire.
+        # The link estimate counts the emulated delay from before its queue, as a real call's time counts waiting behind
+        # earlier messages: the estimator tells the wait and the latency from the wire's time.
         began = time.monotonic()
         if self.emulator is not None:
             self.emulator.delay(peer, len(payload))
@@ -193,14 +203,14 @@ class DataPlane:
             assert self.reverse is not None
             call = lambda: self.reverse.send(peer, direction, ref, header, payload, deadline)  # noqa: E731
         else:
-            stub = self.stub(address)
-            method = stub.Forward if direction == "forward" else stub.Backward
-            call = lambda: method(framing.chunk_tensor(header, payload, ref), timeout=deadline)  # noqa: E731
+            self.stub(address)
+            method = self._tensor_calls[address][direction]
+            call = lambda: method(framing.wire_chunks(header, payload, ref), timeout=deadline)  # noqa: E731
         call_with_retry(call, on_unavailable=suspect)
         done = time.monotonic()
         self.deadlines.observe(peer, done - started)
         with self._lock:
-            self._links[peer].observe(encoded.codec, len(payload), done - began)
+            self._links[peer].observe(len(payload), began, done)
             stats = self.sent[peer]
             stats.raw_bytes += encoded.raw_bytes
             stats.wire_bytes += len(payload)
@@ -221,7 +231,11 @@ class DataPlane:
         target.Probe(probe_chunks(nbytes), timeout=timeout_s)
         if self.emulator is not None:
             self.emulator.reply(peer)
-        return time.monotonic() - started
+        seconds = time.monotonic() - started
+        if nbytes == 0:
+            with self._lock:
+                self._links[peer].probed(seconds)
+        return seconds
 
     def count_received(self, peer: str, raw_bytes: int, wire_bytes: int) -> None:
         """Record an incoming tensor's sizes."""
@@ -263,4 +277,5 @@ class DataPlane:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+            self._tensor_calls.clear()
 

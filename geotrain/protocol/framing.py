@@ -4,6 +4,11 @@ The first chunk of a tensor carries its header (dtype, shape, codec, payload siz
 to CHUNK_BYTES of payload, so no gRPC message-size limit matters however large the tensor. The reader checks the
 header against what the receiver expects before it reads (or allocates) the payload, and checks the size and the
 checksum at the end. Nothing from the wire is unpickled.
+
+Activations and gradients (the Forward and Backward calls) skip protobuf's copies of a chunk's data: `wire_chunks`
+serializes a chunk with one copy of the data, from the encoded tensor into the message, and `parse_chunk` leaves the
+data a view of the received message, its other fields parsed by protobuf. Protobuf would copy the data into its
+message and out again on each side, and the tensor path's CPU was mostly such copies (bench/tensor_path.py).
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from geotrain.protocol import geotrain_pb2 as pb
+
+Buffer = bytes | bytearray | memoryview
 
 CHUNK_BYTES = 1 << 20
 # Default cap on one tensor's encoded size; servers may lower it.
@@ -43,29 +51,124 @@ class FrameError(Exception):
         self.code = code
 
 
-def make_header(name: str, tensor_dtype: torch.dtype, shape: tuple[int, ...], codec: int, payload: bytes) -> pb.TensorHeader:
+def make_header(name: str, tensor_dtype: torch.dtype, shape: tuple[int, ...], codec: int, payload: Buffer) -> pb.TensorHeader:
     """The header describing one encoded tensor."""
     return pb.TensorHeader(
         name=name,
         dtype=TORCH_TO_WIRE[tensor_dtype],
         shape=list(shape),
         codec=codec,
-        payload_bytes=len(payload),
+        payload_bytes=memoryview(payload).nbytes,
         crc32=zlib.crc32(payload),
     )
 
 
-def chunk_tensor(
-    header: pb.TensorHeader, payload: bytes, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[pb.TensorChunk]:
-    """Split one encoded tensor into chunks; the first carries ref and header."""
-    view = memoryview(payload)
-    first = pb.TensorChunk(header=header, data=bytes(view[:chunk_bytes]))
+def _split(
+    header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None, chunk_bytes: int
+) -> Iterator[tuple[pb.TensorChunk, memoryview]]:
+    """One encoded tensor's chunks without their data (the first carries ref and header), each with its data's view."""
+    view = memoryview(payload).cast("B")
+    first = pb.TensorChunk(header=header)
     if ref is not None:
         first.ref.CopyFrom(ref)
-    yield first
-    for offset in range(chunk_bytes, len(payload), chunk_bytes):
-        yield pb.TensorChunk(data=bytes(view[offset : offset + chunk_bytes]))
+    yield first, view[:chunk_bytes]
+    for offset in range(chunk_bytes, len(view), chunk_bytes):
+        yield pb.TensorChunk(), view[offset : offset + chunk_bytes]
+
+
+def chunk_tensor(
+    header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.TensorChunk]:
+    """Split one encoded tensor into chunks; the first carries ref and header."""
+    for chunk, data in _split(header, payload, ref, chunk_bytes):
+        chunk.data = bytes(data)
+        yield chunk
+
+
+_DATA_TAG = (3 << 3) | 2  # TensorChunk.data: field 3, length-delimited
+_LENGTH_DELIMITED = 2
+
+
+def _varint(value: int) -> bytes:
+    """`value` as a protobuf varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; ValueError if it is cut off or longer than 64 bits."""
+    value = 0
+    for shift in range(0, 64, 7):
+        if pos >= len(view):
+            raise ValueError("truncated varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+    raise ValueError("varint longer than 64 bits")
+
+
+def wire_chunks(
+    header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """chunk_tensor's chunks as the serialized TensorChunk messages, each data copied once (a request_serializer of
+    None sends them as they are)."""
+    for chunk, data in _split(header, payload, ref, chunk_bytes):
+        yield b"".join((chunk.SerializeToString(), bytes([_DATA_TAG]), _varint(len(data)), data))
+
+
+@dataclass(frozen=True)
+class WireChunk:
+    """A TensorChunk from the wire whose data is a view of the received message (its other fields parsed)."""
+
+    fields: pb.TensorChunk
+    data: memoryview
+
+    @property
+    def ref(self) -> pb.MicrobatchRef:  # noqa: D102
+        return self.fields.ref
+
+    @property
+    def header(self) -> pb.TensorHeader:  # noqa: D102
+        return self.fields.header
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - a TensorChunk's name, which read_tensors calls
+        """Whether the chunk carries field `name`, as TensorChunk.HasField."""
+        return self.fields.HasField(name)
+
+
+def parse_chunk(message: bytes) -> WireChunk:
+    """A serialized TensorChunk read with its data left in place (a request_deserializer); ValueError when it is
+    malformed. Fields are length-delimited (ref, header, data): any other wire type, or data twice, is refused."""
+    view = memoryview(message)
+    others: list[memoryview] = []
+    data = None
+    pos = 0
+    while pos < len(view):
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        if tag & 7 != _LENGTH_DELIMITED:
+            raise ValueError(f"TensorChunk field {tag >> 3} of wire type {tag & 7}")
+        length, pos = _read_varint(view, pos)
+        if length > len(view) - pos:
+            raise ValueError("TensorChunk field longer than its message")
+        if tag == _DATA_TAG:
+            if data is not None:
+                raise ValueError("TensorChunk carries data twice")
+            data = view[pos : pos + length]
+        else:
+            others.append(view[start : pos + length])
+        pos += length
+    try:
+        fields = pb.TensorChunk.FromString(b"".join(others))  # ref and header: small
+    except DecodeError as e:
+        raise ValueError(f"malformed TensorChunk: {e}") from None
+    return WireChunk(fields, data if data is not None else view[:0])
 
 
 def check_header(header: pb.TensorHeader, max_bytes: int) -> None:
@@ -92,11 +195,11 @@ class ReceivedTensor:
 
     ref: pb.MicrobatchRef
     header: pb.TensorHeader
-    payload: bytes
+    payload: Buffer
 
 
 def read_tensors(
-    chunks: Iterable[pb.TensorChunk],
+    chunks: Iterable[pb.TensorChunk | WireChunk],
     max_bytes: int = MAX_TENSOR_BYTES,
     on_header: Callable[[pb.MicrobatchRef, pb.TensorHeader], None] | None = None,
 ) -> Iterator[ReceivedTensor]:
@@ -112,17 +215,16 @@ def read_tensors(
         check_header(header, max_bytes)
         if on_header is not None:
             on_header(ref, header)
-        buf = bytearray(header.payload_bytes)
-        filled = 0
+        # A tensor of one chunk (most activations) is decoded from that chunk's data as received.
+        parts, filled = [], 0
         while True:
-            n = len(chunk.data)
-            if filled + n > header.payload_bytes:
+            filled += len(chunk.data)
+            if filled > header.payload_bytes:
                 raise FrameError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"tensor stream carries more than the {header.payload_bytes} bytes its header declares",
                 )
-            buf[filled : filled + n] = chunk.data
-            filled += n
+            parts.append(chunk.data)
             chunk = next(it, None)
             if chunk is None or chunk.HasField("header"):
                 break
@@ -131,14 +233,14 @@ def read_tensors(
                 grpc.StatusCode.DATA_LOSS,
                 f"truncated tensor stream: got {filled} of {header.payload_bytes} payload bytes",
             )
-        payload = bytes(buf)
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
         if zlib.crc32(payload) != header.crc32:
             raise FrameError(grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
         yield ReceivedTensor(ref=ref, header=header, payload=payload)
 
 
 def read_one_tensor(
-    chunks: Iterable[pb.TensorChunk],
+    chunks: Iterable[pb.TensorChunk | WireChunk],
     max_bytes: int = MAX_TENSOR_BYTES,
     on_header: Callable[[pb.MicrobatchRef, pb.TensorHeader], None] | None = None,
 ) -> ReceivedTensor:
@@ -155,7 +257,7 @@ def raw_payload(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def raw_tensor(header: pb.TensorHeader, payload: bytes) -> torch.Tensor:
+def raw_tensor(header: pb.TensorHeader, payload: Buffer) -> torch.Tensor:
     """Decode an uncompressed (CODEC_NONE) payload; raises FrameError if its size does not match the header."""
     dtype = WIRE_TO_TORCH.get(header.dtype)
     if dtype is None or header.codec != pb.CODEC_NONE:

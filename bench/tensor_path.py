@@ -1,0 +1,206 @@
+"""The tensor path's cost: CPU and wall time to move a 1 MiB float32 activation between two processes on loopback.
+
+Two paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages):
+- "geotrain": a node's DataPlane (codec none, encode and send: framing, the run token's proof, the key's signature,
+  deadline) to a receiving process's Stage server with the real StageServicer (auth and limits interceptors, the
+  header checked against the plan's shape, dtype, codec and the sender's key before the payload is read, size and
+  checksum, decoded to a tensor and the finiteness check), answered by its Ack;
+- "raw": the physical reference, a plain TCP socket: the sender writes an 8-byte length and the tensor's bytes from
+  its own memory, the receiver reads them into a buffer it reuses and views them as a tensor, and answers one byte.
+
+cpu_ms_per_mib is the CPU time (user + system, every thread) of both processes together over the timed messages,
+each process measuring its own with time.process_time; wall_ms_per_mib is the sender's time per message, one
+message at a time, from the tensor in memory to the receiver's answer. The receiver is a helper process driven line
+by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.py [--messages N]
+
+Measured on 2 shared cores, 200 messages: geotrain 12.0 ms of CPU per MiB before #18 (protobuf's copies, a bytes copy
+of the reassembled payload, torch's finiteness check), 6.3 after, against raw's 0.78 (8x; the issue's goal is 3x).
+What is left is mostly gRPC's own (a stream call with one 1 MiB message costs about 3 ms of CPU in one process)
+and crc32 on both ends (0.44 ms each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from geotrain.compression import get_codec
+from geotrain.node.dataplane import DataPlane
+from geotrain.node.reverse import ReverseSender
+from geotrain.node.servicer import StageServicer, add_stage_service, check_activation_header
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.auth import RefusalLog, new_token
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.transport import make_server
+
+from control_plane import HelperProcess  # a sibling: run as bench/tensor_path.py
+
+SHAPE = (8, 128, 256)  # 1 MiB of float32: a microbatch of 8 x 128 tokens at width 256
+MIB = 1 << 20
+SENDER, RECEIVER = "node-1", "node-2"
+_LENGTH = struct.Struct("<Q")
+
+
+class _Receiver:
+    """The receiving node's side of the Stage service: tensors from SENDER, signed by its key, of SHAPE in float32
+    and codec none, checked as a node checks them (servicer.check_activation_header)."""
+
+    def __init__(self, sender_key: bytes) -> None:
+        self.sender_key = sender_key
+        self.received = 0
+
+    def check_incoming(self, direction, ref, header, signer) -> None:  # noqa: ANN001, D102
+        if signer != self.sender_key or list(ref.path) != [SENDER]:
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED, "not signed by the sender's key")
+        check_activation_header(header, list(SHAPE), pb.DTYPE_FLOAT32, {pb.CODEC_NONE}, 64 * MIB)
+
+    def accept(self, direction, ref, tensor, wire_bytes) -> None:  # noqa: ANN001, D102
+        if tuple(tensor.shape) != SHAPE:
+            raise RuntimeError(f"decoded shape {tuple(tensor.shape)}")
+        self.received += 1
+
+    def may_overflow(self, direction) -> bool:  # noqa: ANN001, D102
+        return False
+
+
+def _serve_geotrain(token: str, sender_key_hex: str) -> tuple[str, Callable[[], int]]:
+    """A Stage server with the real servicer; its address and a count of tensors taken."""
+    receiver = _Receiver(bytes.fromhex(sender_key_hex))
+    server, port = make_server(token, "127.0.0.1:0")
+    reverse = ReverseSender(NodeKey.generate(), lambda: RECEIVER)
+    servicer = StageServicer(receiver, 64 * MIB, True, RefusalLog(), reverse)
+    add_stage_service(servicer, server)
+    server.start()
+    # The count's closure holds the server: a grpc.Server stops when it is collected.
+    return f"127.0.0.1:{port}", lambda: server and receiver.received
+
+
+def _serve_raw() -> tuple[str, Callable[[], int]]:
+    """A TCP server that takes length-prefixed tensors into one reused buffer and acks each with one byte."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = [0]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(MIB)
+        view = memoryview(buf)
+        length = bytearray(_LENGTH.size)
+        while conn.recv_into(length, _LENGTH.size, socket.MSG_WAITALL) == _LENGTH.size:
+            (n,) = _LENGTH.unpack(length)
+            if n != MIB:
+                raise RuntimeError(f"message of {n} bytes")
+            filled = 0
+            while filled < n:
+                filled += conn.recv_into(view[filled:n])
+            tensor = torch.frombuffer(buf, dtype=torch.float32).view(SHAPE)
+            if tensor.shape != SHAPE:
+                raise RuntimeError("bad shape")
+            received[0] += 1
+            conn.sendall(b"\x01")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return "127.0.0.1:%d" % listener.getsockname()[1], lambda: received[0]
+
+
+def receiver_main(path: str, token: str, sender_key_hex: str) -> None:
+    """The receiving process: prints its address, then answers "cpu" with its CPU seconds and the tensors taken."""
+    address, received = _serve_geotrain(token, sender_key_hex) if path == "geotrain" else _serve_raw()
+    print(json.dumps({"address": address}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "cpu":
+            print(json.dumps({"cpu_s": time.process_time(), "received": received()}), flush=True)
+
+
+def _geotrain_sender(
+    address: str, token: str, key: NodeKey
+) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """Send one tensor as a node sends an activation: encoded for the link, then DataPlane.send."""
+    plane = DataPlane(token, lambda: SENDER, key=key)
+    codec = get_codec("none")
+    ref = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=0, path=[SENDER])
+
+    def send(tensor: torch.Tensor) -> None:
+        plane.send(RECEIVER, address, "forward", ref, plane.encode(RECEIVER, address, "forward", codec, tensor))
+
+    return send, plane.close
+
+
+def _raw_sender(address: str) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """Send one tensor's bytes from its own memory over a TCP socket and wait for the one-byte answer."""
+    host, port = address.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(1)
+
+    def send(tensor: torch.Tensor) -> None:
+        data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        conn.sendall(_LENGTH.pack(len(data)))
+        conn.sendall(data)
+        if conn.recv_into(ack, 1, socket.MSG_WAITALL) != 1:
+            raise RuntimeError("the receiver closed the connection")
+
+    return send, conn.close
+
+
+def measure(path: str, messages: int, warmup: int) -> dict[str, object]:
+    """Send `messages` 1 MiB activations over `path` after `warmup` untimed ones; its JSON line."""
+    token, key = new_token(), NodeKey.generate()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    receiver = HelperProcess([sys.executable, __file__, "--receive", path, token, key.public.hex()], env)
+    try:
+        assert receiver.proc.stdout is not None
+        address = json.loads(receiver.proc.stdout.readline())["address"]
+        send, close = _geotrain_sender(address, token, key) if path == "geotrain" else _raw_sender(address)
+        tensor = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+        for _ in range(warmup):
+            send(tensor)
+        before = receiver.ask("cpu")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for _ in range(messages):
+            send(tensor)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        after = receiver.ask("cpu")
+        close()
+        if after["received"] - before["received"] != messages:
+            raise RuntimeError(f"{path}: the receiver took {after['received'] - before['received']} of {messages}")
+    finally:
+        receiver.close()
+    mib = messages * tensor.numel() * tensor.element_size() / MIB
+    cpu_s = (cpu1 - cpu0) + (after["cpu_s"] - before["cpu_s"])
+    return {
+        "path": path,
+        "cpu_ms_per_mib": round(cpu_s * 1e3 / mib, 3),
+        "wall_ms_per_mib": round((wall1 - wall0) * 1e3 / mib, 3),
+        "messages": messages,
+    }
+
+
+def main() -> None:
+    """Print one JSON line per path."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=200, help="timed messages per path (default 200)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed messages first (default 20)")
+    parser.add_argument("--receive", nargs=3, metavar=("PATH", "TOKEN", "SENDER_KEY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.receive:
+        receiver_main(*args.receive)
+        return
+    for path in ("geotrain", "raw"):
+        print(json.dumps(measure(path, args.messages, args.warmup)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
