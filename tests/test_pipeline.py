@@ -64,7 +64,8 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {
-        "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages"
+        "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages",
+        "estimated_step_s", "relayed_bytes",
     }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
     # A byte model starts near ln(256) = 5.5; within the default steps it must clearly learn the corpus.

@@ -70,6 +70,8 @@ class RunSummary:
     wall_s: float
     nodes: int
     stages: int
+    estimated_step_s: float | None  # the cost model's step time for the last plan (None: no profiles to price it)
+    relayed_bytes: int  # payload bytes the nodes forwarded as relays for links whose two ends nobody can dial
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
@@ -380,6 +382,8 @@ class Coordinator:
             wall_s=time.monotonic() - started,
             nodes=len(self.membership.alive()),
             stages=len(self.plan.stages) if self.plan else 0,
+            estimated_step_s=self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
+            relayed_bytes=sum(m.relayed_bytes for m in self.membership.members.values()),
         )
 
     def _note_failure(self, why: str) -> None:
