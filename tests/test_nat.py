@@ -347,7 +347,7 @@ def test_a_replica_in_hivemind_client_mode_averages_exactly_without_being_dialle
     # groupmate, which reduces every part and answers over those streams. Both end with the same exact mean.
     from hivemind import DHT
 
-    from geotrain.node.averaging import ReplicaAverager
+    from geotrain.node.averaging import ReplicaAverager, group_id, replica_all_reduce
 
     dhts, averagers = [], []
     try:
@@ -359,13 +359,15 @@ def test_a_replica_in_hivemind_client_mode_averages_exactly_without_being_dialle
         for a in averagers:
             a.clients = frozenset(peers[1:])
         g = torch.Generator().manual_seed(5)
-        tensors = [[torch.randn(3000, generator=g)] for _ in averagers]
+        tensors = [[torch.randn(3000, generator=g, dtype=torch.float64)] for _ in averagers]
         expected = (tensors[0][0] + 3 * tensors[1][0]) / 4
         errors: list[BaseException] = []
 
         def average(averager, mine, weight) -> None:
+            all_reduce = replica_all_reduce(averager, peers, ["eu", "eu"], weight,
+                                            lambda r, part: group_id("client-mode", 0, 0, 1, r, part), False)
             try:
-                averager.average(b"client-mode", peers, mine, weight)
+                all_reduce(0, mine)
             except BaseException as e:  # handed to the test below
                 errors.append(e)
 
@@ -377,7 +379,7 @@ def test_a_replica_in_hivemind_client_mode_averages_exactly_without_being_dialle
             t.join(40)
         assert not errors and not any(t.is_alive() for t in threads)
         assert torch.equal(tensors[0][0], tensors[1][0])
-        assert torch.allclose(tensors[0][0], expected, atol=1e-6)
+        assert torch.allclose(tensors[0][0], expected, rtol=1e-6, atol=1e-6)
         # A group where nobody can be dialled cannot average: refused at once rather than waited out.
         for a in averagers:
             a.clients = frozenset(peers)
