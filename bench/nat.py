@@ -1,11 +1,13 @@
 """A node behind NAT: tokens/s of a 3-stage run over 50 Mbit/s namespace links, all nodes reachable, then with the
 middle stage's node in a home network (nftables drops what comes in), so that its neighbours send to it over the
-connections it opens (reversed links).
+connections it opens (reversed links), then with the last two stages' nodes behind NAT, so that the link between
+them goes through the first stage's node (relayed).
 
 Three regions of deploy/wan/netwan.py, one node each, 50 Mbit/s and --latency-ms one way between regions; the nodes
 join one by one, so stage k runs in region k. One JSON line per topology: topology, tokens_per_s (the run's mean),
-relayed_bytes (0: nothing is relayed; two neighbouring nodes behind NAT would need a relay, which geotrain lacks, so
-that topology is not run), ratio_to_direct (tokens/s over the all-reachable run's). Needs root and nftables.
+relayed_bytes (payload the relays forwarded, as their last heartbeats said), ratio_to_direct (tokens/s over the
+all-reachable run's) and predicted_ratio (the cost model's step time for the all-reachable plan over this one's, each
+as its coordinator estimated it from the nodes' measurements). Needs root and nftables.
 Run: sudo python bench/nat.py [--steps N] [--latency-ms MS]
 
 Measured on a shared 2-core machine, 10 steps, 20 ms: direct 3,566 tokens/s, reversed 3,597 (ratio 1.009): a link over
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOPOLOGIES = {"direct": (), "reversed": (1,)}  # topology -> regions behind NAT
+TOPOLOGIES = {"direct": (), "reversed": (1,), "relayed": (1, 2)}  # topology -> regions behind NAT
 LINK_MBPS = 50.0
 
 
@@ -36,8 +38,8 @@ def _netwan():
     return module
 
 
-def run(netwan, behind_nat: tuple[int, ...], steps: int, latency_ms: float) -> float:
-    """tokens/s of one run across a fresh WAN."""
+def run(netwan, behind_nat: tuple[int, ...], steps: int, latency_ms: float) -> dict:
+    """The --json summary of one run across a fresh WAN."""
     settings = ["scheduler.placement=uniform", "run.eval_every=0", "train.microbatches=8", "train.inflight=8",
                 f"run.steps={steps}"]
     spec = netwan.WanSpec(regions=3, link_mbps=LINK_MBPS, latency_ms=latency_ms, behind_nat=behind_nat)
@@ -48,8 +50,7 @@ def run(netwan, behind_nat: tuple[int, ...], steps: int, latency_ms: float) -> f
         log = wan.log_dir / "coordinator.log"
         if coordinator.wait(600) != 0:
             raise RuntimeError(f"the run failed:\n{log.read_text()[-3000:]}")
-        summary = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
-        return summary["tokens_per_s"]
+        return json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
 
 
 def main() -> None:
@@ -63,10 +64,14 @@ def main() -> None:
     netwan.check_nftables()
     direct = None
     for topology, behind_nat in TOPOLOGIES.items():
-        tokens_per_s = run(netwan, behind_nat, args.steps, args.latency_ms)
-        direct = direct or tokens_per_s
-        print(json.dumps({"topology": topology, "tokens_per_s": round(tokens_per_s, 1), "relayed_bytes": 0,
-                          "ratio_to_direct": round(tokens_per_s / direct, 3)}), flush=True)
+        summary = run(netwan, behind_nat, args.steps, args.latency_ms)
+        direct = direct or summary
+        predicted = (direct["estimated_step_s"] / summary["estimated_step_s"]
+                     if direct["estimated_step_s"] and summary["estimated_step_s"] else None)
+        print(json.dumps({"topology": topology, "tokens_per_s": round(summary["tokens_per_s"], 1),
+                          "relayed_bytes": summary["relayed_bytes"],
+                          "ratio_to_direct": round(summary["tokens_per_s"] / direct["tokens_per_s"], 3),
+                          "predicted_ratio": round(predicted, 3) if predicted else None}), flush=True)
 
 
 if __name__ == "__main__":

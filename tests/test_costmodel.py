@@ -254,3 +254,15 @@ def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
     assert model_for(nodes).plan(stages, {}).inflight is None
     with pytest.raises(ValueError, match="inflight"):
         shape4(inflight="some")
+
+
+def test_a_link_between_two_nodes_nobody_can_dial_is_priced_through_a_relay():
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    a, b = node("a", [0.5, 2.0]), node("b", [2.0, 0.5])
+    behind = [NodeProfile(node_id=n.node_id, region=n.region, layer_seconds=n.layer_seconds,
+                          memory_bytes=n.memory_bytes, unreachable=True) for n in (a, b)]
+    # One end behind NAT runs over a reversed link, as fast as a direct one: 7 s as by hand above.
+    assert model_for([behind[0], b]).step_seconds(stages) == pytest.approx(7.0)
+    # Both: the relay receives and sends every byte, so the link is busy 2 s each way per microbatch and its latency
+    # is paid once per hop: T = (M-1) * 2 + (0.5 + 0.5) + 2 * (2 + 2 * 0.5) = 13.
+    assert model_for(behind).step_seconds(stages) == pytest.approx(13.0)

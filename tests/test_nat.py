@@ -4,6 +4,7 @@ unreachable node opens (node/reverse.py), equal to train-local."""
 from __future__ import annotations
 
 import socket
+import zlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.node.reverse import ReverseError, ReverseReceiver, ReverseSender
+from geotrain.node.reverse import ReverseError, ReverseReceiver, ReverseSender, relay_chunks
 from geotrain.node.servicer import StageServicer
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -23,9 +24,9 @@ from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel, make_server
 from geotrain.scheduler.membership import Member
-from geotrain.scheduler.placement import state_sources
+from geotrain.scheduler.placement import relay_routes, state_sources
 from geotrain.scheduler.reachability import DIRECT, UNREACHABLE, candidates
-from tests.conftest import expect_status, local_cluster, max_diff, train_local_state
+from tests.conftest import expect_status, local_cluster, max_diff, small_run, train_local_state, wait_until
 
 
 @contextmanager
@@ -137,6 +138,36 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
         assert "reverse link to node-2 open" in joins[n]
 
 
+@pytest.mark.cluster
+@pytest.mark.timeout(150)
+def test_two_neighbouring_stages_nobody_can_dial_link_through_a_relay(tmp_path):
+    # node-1 and node-2 advertise ports that refuse every connection: their link runs through node-3, the one node
+    # that can be dialled, and the run must still equal train-local.
+    settings = ["run.steps=3", "train.microbatches=4", "train.inflight=2", "run.eval_every=0",
+                "scheduler.placement=uniform"]
+    cfg = load_config(None, settings)
+    with dead_port() as dead_1, dead_port() as dead_2:
+        node_args = {"node-1": ["--advertise", f"127.0.0.1:{dead_1}"], "node-2": ["--advertise", f"127.0.0.1:{dead_2}"]}
+        with local_cluster(cfg, 3, tmp_path, node_args=node_args, in_order=True) as cluster:
+            summary = cluster.wait(120)
+            plan = cluster.coordinator.plan
+            status = cluster.coordinator.status()
+            state = cluster.coordinator.model_state(summary.steps)
+    assert summary.steps == cfg.run.steps
+    assert [list(s.node_ids) for s in plan.stages] == [["node-1"], ["node-2"], ["node-3"]]
+    assert [(r.a, r.b, r.relay_id) for r in plan.relays] == [("node-1", "node-2", "node-3")]
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
+    assert {(link.src, link.dst): link.transport for link in status.links if link.transport} == {
+        ("node-1", "node-2"): "relayed via node-3", ("node-2", "node-1"): "relayed via node-3",
+        ("node-3", "node-2"): "reversed", ("node-2", "node-3"): "direct",
+    }
+    relayed = {n.node_id: n.relayed_bytes for n in status.nodes}
+    assert relayed["node-3"] > 0 and relayed["node-1"] == relayed["node-2"] == 0
+    joins = {n: (tmp_path / f"{n}.log").read_text() for n in ("node-1", "node-2")}
+    assert "not reachable from outside: links with node-2 go through relay node-3" in joins["node-1"]
+    assert "not reachable from outside: links with node-1 go through relay node-3" in joins["node-2"]
+
+
 class _Sender:
     """What the Stage service needs of a node for Reverse streams: it sends to `receiver`, whose key is `key`."""
 
@@ -161,8 +192,10 @@ def reverse_pair(token: str, proven_key: bytes | None = None) -> Iterator[tuple[
     taken: list = []
     refuse: dict = {}
 
-    def deliver(direction: str, chunks: Iterator[pb.TensorChunk], key: bytes, address: str) -> None:
+    def deliver(direction: str, chunks: Iterator[pb.TensorChunk], key: bytes, address: str, check) -> None:
         received = framing.read_one_tensor(chunks)
+        if check is not None:
+            check(received)
         if "why" in refuse:
             raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, refuse.pop("why"))
         taken.append((direction, received.ref.microbatch, received.payload, key))
@@ -207,3 +240,182 @@ def test_a_receiver_refuses_a_sender_that_cannot_prove_the_plan_key():
             _send(reverse, 1, timeout_s=2.0)
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert not taken
+
+
+def test_a_link_between_two_nodes_nobody_can_dial_goes_through_a_node_that_can_be_dialled():
+    def member(node_id: str, reachability: str) -> Member:
+        return Member(node_id, f"{node_id}:1", "eu", 0.0, 0.0, public_key=node_id.encode(), reachability=reachability)
+
+    a, b, c, d = (member(n, UNREACHABLE) for n in "abcd")
+    open_1, open_2 = member("o1", DIRECT), member("o2", DIRECT)
+    routes, stranded = relay_routes([[a, open_1], [b, c], [open_2, d]])
+    # Every pair of neighbours both behind NAT gets a relay among the layout's nodes that can be dialled, the least
+    # loaded first; o1 and o2's own links need none.
+    assert [(r.a, r.b, r.relay_id, r.relay_address, r.relay_key) for r in routes] == [
+        ("a", "b", "o1", "o1:1", b"o1"), ("a", "c", "o2", "o2:1", b"o2"),
+        ("b", "d", "o1", "o1:1", b"o1"), ("c", "d", "o2", "o2:1", b"o2"),
+    ]
+    assert not stranded
+    assert relay_routes([[a], [b]]) == ([], ["a-b"])
+
+
+class _Relay:
+    """What the Stage service needs of a node for relaying: it relays between `ends` (node id -> key)."""
+
+    def __init__(self, ends: dict[str, bytes]) -> None:
+        self.ends = ends
+
+    def reverse_receiver(self, signer: bytes | None) -> str | None:
+        return next((n for n, k in self.ends.items() if k == signer), None)
+
+    def relay_sender(self, signer: bytes | None, receiver: str) -> str | None:
+        sender = self.reverse_receiver(signer)
+        return sender if sender is not None and receiver in self.ends and receiver != sender else None
+
+
+class _FlippingSender(ReverseSender):
+    """A relay that alters what it forwards: one payload byte flipped, the crc32 made to match."""
+
+    def send(self, peer, direction, ref, header, payload, timeout_s, origin="", signature=b""):  # noqa: D102
+        altered = bytearray(payload)
+        altered[0] ^= 1
+        forged = pb.TensorHeader()
+        forged.CopyFrom(header)
+        forged.crc32 = zlib.crc32(altered)
+        super().send(peer, direction, ref, forged, altered, timeout_s, origin, signature)
+
+
+@contextmanager
+def relayed_pair(token: str, relay_class: type[ReverseSender] = ReverseSender) -> Iterator[tuple[callable, list]]:
+    """A relay's Stage server on loopback, a receiver following it, and a sender calling it (nobody dials either end).
+    Yields a function that sends one 2 MiB tensor through the relay as the sender, and what the receiver took."""
+    sender_key, receiver_key, relay_key = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    server, port = make_server(token, "127.0.0.1:0")
+    ends = {"sender": sender_key.public, "receiver": receiver_key.public}
+    servicer = StageServicer(_Relay(ends), 4 << 20, True, RefusalLog(), relay_class(relay_key, lambda: "relay"))
+    rpc.add_StageServicer_to_server(servicer, server)
+    server.start()
+    taken: list = []
+
+    def deliver(direction: str, chunks: Iterator[pb.TensorChunk], key: bytes, address: str, check) -> None:
+        received = framing.read_one_tensor(chunks)
+        check(received)  # every delivery here is relayed: a relay's own would come without a check
+        taken.append((direction, received.ref.microbatch, received.payload, key))
+
+    receiver = ReverseReceiver(token, lambda: "receiver", None, receiver_key, deliver, lambda: 0.2)
+    receiver.follow({"relay": (f"127.0.0.1:{port}", relay_key.public)}, {"relay": {"sender": sender_key.public}})
+    stub = rpc.StageStub(make_channel(f"127.0.0.1:{port}", token, lambda: "sender", key=sender_key))
+
+    def send(microbatch: int, key: NodeKey = sender_key) -> bytes:
+        payload = bytes(range(256)) * 8192
+        header = framing.make_header("", torch.float32, (len(payload) // 4,), pb.CODEC_NONE, payload)
+        ref = pb.MicrobatchRef(microbatch=microbatch, path=["sender"])
+        stub.Relay(relay_chunks(key, "sender", "receiver", "forward", ref, header, payload), timeout=10)
+        return payload
+
+    try:
+        yield send, taken
+    finally:
+        receiver.close()
+        server.stop(grace=0.5).wait(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_forwards_a_signed_tensor_as_its_sender_s():
+    with relayed_pair(new_token()) as (send, taken):
+        payload = send(7)  # waits for the receiver's stream to the relay, then for its ack through the relay
+        [(direction, microbatch, got, key)] = taken
+        # The receiver takes it as the sender's, whose key its plan checks, not the relay's.
+        assert (direction, microbatch, got) == ("forward", 7, payload)
+        # A tensor signed by another key than the sender's is refused by the receiver: the relay passes it on.
+        expect_status(grpc.StatusCode.PERMISSION_DENIED, "does not carry sender's signature",
+                      lambda: send(8, key=NodeKey.generate()))
+        assert len(taken) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_that_alters_a_tensor_is_refused_by_the_receiver():
+    with relayed_pair(new_token(), _FlippingSender) as (send, taken):
+        expect_status(grpc.StatusCode.PERMISSION_DENIED, "does not carry sender's signature", lambda: send(1))
+        assert not taken
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_replica_in_hivemind_client_mode_averages_exactly_without_being_dialled():
+    # The replica behind NAT runs its DHT in client mode and reduces no part: it only opens streams to its
+    # groupmate, which reduces every part and answers over those streams. Both end with the same exact mean.
+    from hivemind import DHT
+
+    from geotrain.node.averaging import ReplicaAverager, group_id, replica_all_reduce
+
+    dhts, averagers = [], []
+    try:
+        dhts.append(DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
+        initial = [str(a) for a in dhts[0].get_visible_maddrs()]
+        dhts.append(DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, client_mode=True))
+        averagers = [ReplicaAverager(dht, timeout_s=10.0) for dht in dhts]
+        peers = [a.peer_id for a in averagers]
+        for a in averagers:
+            a.clients = frozenset(peers[1:])
+        g = torch.Generator().manual_seed(5)
+        tensors = [[torch.randn(3000, generator=g, dtype=torch.float64)] for _ in averagers]
+        expected = (tensors[0][0] + 3 * tensors[1][0]) / 4
+        errors: list[BaseException] = []
+
+        def average(averager, mine, weight) -> None:
+            all_reduce = replica_all_reduce(averager, peers, ["eu", "eu"], weight,
+                                            lambda r, part: group_id("client-mode", 0, 0, 1, r, part), False)
+            try:
+                all_reduce(0, mine)
+            except BaseException as e:  # handed to the test below
+                errors.append(e)
+
+        threads = [threading.Thread(target=average, args=(a, t, w), daemon=True)
+                   for a, t, w in zip(averagers, tensors, (1.0, 3.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert torch.equal(tensors[0][0], tensors[1][0])
+        assert torch.allclose(tensors[0][0], expected, rtol=1e-6, atol=1e-6)
+        # A group where nobody can be dialled cannot average: refused at once rather than waited out.
+        for a in averagers:
+            a.clients = frozenset(peers)
+        with pytest.raises(Exception, match="none can reduce a part"):
+            averagers[1].average(b"all-clients", peers, [torch.zeros(3)], 1.0)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_replica_nobody_can_dial_averages_and_rejoins_after_sigkill(tmp_path):
+    # 2x2, node-4 behind NAT: it averages with its stage's other replica from hivemind's client mode. It is killed
+    # after step 2 and started again; it rejoins as a node with an open port would, and the run equals train-local.
+    cfg = small_run("run.steps=6", "scheduler.stages=2", "scheduler.step_timeout_s=60", "scheduler.placement=uniform")
+    victim = "node-4"
+    with dead_port() as dead:
+        with local_cluster(cfg, 4, tmp_path, node_args={victim: ["--advertise", f"127.0.0.1:{dead}"]},
+                           in_order=True) as cluster:
+            coordinator = cluster.coordinator
+            wait_until(lambda: coordinator.step >= 2, 120, "step 2 committed", interval=0.02)
+            stage = next(s for s in coordinator.plan.stages if victim in s.node_ids)
+            assert len(stage.node_ids) == 2 and list(stage.unreachable) == [n == victim for n in stage.node_ids]
+            cluster.nodes.kill(victim)
+            wait_until(lambda: not coordinator.members[victim].alive, 30, "the victim's death noticed")
+            cluster.nodes.start(victim)
+            wait_until(lambda: coordinator.members[victim].alive, 60, "the victim registered again")
+            summary = cluster.wait(150)
+            plan = coordinator.plan
+            state = coordinator.model_state(summary.steps)
+            member = coordinator.members[victim]
+    assert summary.steps == cfg.run.steps
+    assert member.unreachable and victim in {n for s in plan.stages for n in s.node_ids}
+    assert max_diff(state, train_local_state(cfg)) <= 1e-4
+    log_text = (tmp_path / f"{victim}.log").read_text()
+    assert log_text.count("not reachable from outside: neighbours will use connections this node opens") == 2

@@ -238,21 +238,19 @@ def _skip_unless_nat() -> None:
 NAT_RUN = ["run.steps=4", "run.eval_every=0", "train.microbatches=4", "scheduler.placement=uniform"]
 
 
-@pytest.mark.cluster
-@pytest.mark.netns
-@pytest.mark.timeout(240)
-def test_a_node_behind_nat_serves_the_middle_stage_exactly(tmp_path):
-    # Region 1 drops every incoming connection, as a home router does; its node joins with no --advertise.
+def _run_behind_nat(tmp_path, behind_nat: tuple[int, ...]) -> tuple[netwan.Wan, list[str]]:
+    """A 3-region run whose regions `behind_nat` drop every incoming connection, as a home router does (their nodes
+    join with no --advertise), checked equal to train-local; the WAN (closed) and each node's join output."""
     _skip_unless_nat()
-    wan = netwan.Wan(netwan.WanSpec(regions=3, link_mbps=50, latency_ms=LATENCY_MS, behind_nat=(1,)),
+    wan = netwan.Wan(netwan.WanSpec(regions=3, link_mbps=50, latency_ms=LATENCY_MS, behind_nat=behind_nat),
                      log_dir=tmp_path)
     final = tmp_path / "final.safetensors"
     log = tmp_path / "coordinator.log"
     try:
         wan.build()
         coordinator = wan.start_coordinator([*as_set_flags(NAT_RUN), "--save-final", str(final)])
-        wan.join_in_order(coordinator)  # stage r on r{r}n0: region 1's node serves the middle stage
-        # Each node's reachability is known once the coordinator's dial-back ends (r1n0's waits out its 3 s
+        wan.join_in_order(coordinator)  # stage r on r{r}n0
+        # Each node's reachability is known once the coordinator's dial-back ends (a NATed node's waits out its 3 s
         # deadline), while the nodes still profile themselves: before any plan.
         def reachability() -> dict[str, str] | None:
             status = _status(wan)
@@ -260,18 +258,36 @@ def test_a_node_behind_nat_serves_the_middle_stage_exactly(tmp_path):
             return found if len(found) == 3 and all(found.values()) else None
 
         assert wait_until(reachability, 30, "every node's reachability") == {
-            "r0n0": "direct", "r1n0": "unreachable", "r2n0": "direct"
+            f"r{r}n0": "unreachable" if r in behind_nat else "direct" for r in range(3)
         }
         assert coordinator.wait(180) == 0, log.read_text()[-3000:]
     finally:
         wan.close()
         _assert_gone(wan)
-    joins = [(tmp_path / f"r{r}n0.log").read_text() for r in range(3)]
+    assert max_diff(load_file(str(final)), train_local_state(load_config(None, NAT_RUN))) <= 1e-4
+    return wan, [(tmp_path / f"r{r}n0.log").read_text() for r in range(3)]
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_a_node_behind_nat_serves_the_middle_stage_exactly(tmp_path):
+    wan, joins = _run_behind_nat(tmp_path, (1,))
     assert "not reachable from outside: neighbours will use connections this node opens" in joins[1]
     for r in (0, 2):
         assert f"reachable at {wan.node_address(r, 0)}" in joins[r] and "not reachable" not in joins[r]
         assert "reverse link to r1n0 open" in joins[r], joins[r][-3000:]
-    assert max_diff(load_file(str(final)), train_local_state(load_config(None, NAT_RUN))) <= 1e-4
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_two_neighbouring_nodes_behind_nat_link_through_a_relay_exactly(tmp_path):
+    # r1n0 and r2n0 serve neighbouring stages from home networks: their link goes through r0n0.
+    wan, joins = _run_behind_nat(tmp_path, (1, 2))
+    assert "not reachable from outside: links with r2n0 go through relay r0n0" in joins[1], joins[1][-3000:]
+    assert "not reachable from outside: links with r1n0 go through relay r0n0" in joins[2], joins[2][-3000:]
+    assert f"reachable at {wan.node_address(0, 0)}" in joins[0]
 
 
 @pytest.mark.cluster

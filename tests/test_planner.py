@@ -196,3 +196,15 @@ def test_auto_window_is_larger_over_a_slow_link():
         assert len(planned.stages) == 2
         windows[name] = planned.inflight
     assert windows["slow"] > windows["fast"] >= 1
+
+
+def test_two_nodes_nobody_can_dial_are_kept_apart_where_a_relay_would_slow_the_step():
+    # Three equal nodes in one region over a slow link, a and b behind NAT: with a reachable node between them no
+    # link of the pipeline needs a relay, which would halve its bandwidth.
+    slow = Network(intra_region=Link(bandwidth_bps=2e8, latency_s=0.01))
+    seconds = [f / 4e12 for f in MODEL.layer_flops]
+    nodes = [NodeProfile(node_id=name, region="east", layer_seconds=seconds, memory_bytes=8 * 10**9,
+                         unreachable=name != "c") for name in ("a", "b", "c")]
+    result = plan(nodes=nodes, model=MODEL, network=slow, shape=StepShape(microbatches=8, microbatch_size=2),
+                  config=PlannerConfig(stages=3))
+    assert [list(st.node_ids) for st in result.stages][1] == ["c"]

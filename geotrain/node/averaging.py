@@ -215,6 +215,9 @@ class ReplicaAverager(ServicerBase):
         self._clipped: set[str] = set()  # peers whose parts CenteredClip clipped here since take_clipped()
         self._clipped_lock = threading.Lock()
         self._refusals = RefusalLog()  # parts from peers outside their group: one line per peer and interval
+        # Peers (base58) nobody can dial, from the plan: in hivemind's client mode they send their parts and reduce
+        # none, so that nobody opens a stream to them.
+        self.clients: frozenset[str] = frozenset()
         self._p2p = self._call(self.dht.replicate_p2p())
         self._call(self.add_p2p_handlers(self._p2p, namespace=_NAMESPACE))
         self.peer_id = self._p2p.peer_id.to_base58()
@@ -277,6 +280,9 @@ class ReplicaAverager(ServicerBase):
                 kind = functools.partial(_PresummedRunner, presummed == "mean")
             else:
                 kind = AllReduceRunner
+            reducers = [float(p.to_base58() not in self.clients) for p in peers]
+            if not any(reducers):
+                raise AllreduceException("nobody can dial any replica of the group: none can reduce a part")
             runner = kind(
                 p2p=self._p2p,
                 servicer_type=type(self),
@@ -285,7 +291,7 @@ class ReplicaAverager(ServicerBase):
                 tensors=tensors,
                 weight=weight,
                 ordered_peer_ids=peers,
-                peer_fractions=tuple(1.0 / len(peers) for _ in peers),
+                peer_fractions=tuple(r / sum(reducers) for r in reducers),
                 sender_timeout=self.timeout_s / 2,
                 reducer_timeout=self.timeout_s,
             )

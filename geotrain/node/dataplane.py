@@ -27,7 +27,7 @@ import torch
 
 from geotrain.compression import Codec, FeedbackState
 from geotrain.compression.policy import LinkEstimate, LinkEstimator
-from geotrain.node.reverse import ReverseSender
+from geotrain.node.reverse import ReverseSender, relay_chunks
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -150,6 +150,7 @@ class DataPlane:
         # Links to peers nobody can dial run over streams those peers open to this node (node.reverse).
         self.reverse = ReverseSender(key, node_id) if key is not None else None
         self._reversed: set[str] = set()
+        self._relays: dict[str, str] = {}  # peer -> the address of the relay that links to it run through
         self._on_peer_unavailable = on_peer_unavailable  # (peer, detail): suspicion, reported at the first failure
 
     def stub(self, address: str) -> rpc.StageStub:
@@ -189,6 +190,7 @@ class DataPlane:
         header, payload = encoded.header, encoded.payload
         with self._lock:
             reversed_link = peer in self._reversed
+            relay = self._relays.get(peer)
         # The link estimate counts the emulated delay from before its queue, as a real call's time counts waiting behind
         # earlier messages: the estimator tells the wait and the latency from the wire's time.
         began = time.monotonic()
@@ -202,6 +204,10 @@ class DataPlane:
         if reversed_link:
             assert self.reverse is not None
             call = lambda: self.reverse.send(peer, direction, ref, header, payload, deadline)  # noqa: E731
+        elif relay is not None:
+            assert self._key is not None
+            chunks = lambda: relay_chunks(self._key, self._node_id(), peer, direction, ref, header, payload)  # noqa: E731
+            call = lambda: self.stub(relay).Relay(chunks(), timeout=deadline)  # noqa: E731
         else:
             self.stub(address)
             method = self._tensor_calls[address][direction]
@@ -245,12 +251,14 @@ class DataPlane:
             stats.wire_bytes += wire_bytes
             stats.messages += 1
 
-    def set_reversed(self, peers: set[str]) -> None:
-        """Send to these peers over the reverse streams they open (nobody can dial them), to others by calling."""
-        if peers and self.reverse is None:
-            raise ValueError("reverse links need the node's key: the sender proves it to the receiver")
+    def set_reversed(self, peers: set[str], relays: dict[str, str] | None = None) -> None:
+        """Send to `peers` over the reverse streams they open (nobody can dial them), to those of `relays` (peer ->
+        relay address) through their relay (nobody can dial either end), to others by calling."""
+        if (peers or relays) and self.reverse is None:
+            raise ValueError("reverse links and relays need the node's key: the sender proves it to the receiver")
         with self._lock:
             self._reversed = set(peers)
+            self._relays = dict(relays or {})
 
     def reset_links(self, keep: set[str]) -> None:
         """Drop codec state (powersgd's warm start) of links to peers no longer in `keep`."""

@@ -36,6 +36,16 @@ def _unreachable(stage: pb.StageAssignment, position: int) -> bool:
     return position < len(stage.unreachable) and stage.unreachable[position]
 
 
+def _keys(plan: pb.Plan) -> dict[str, bytes]:
+    """Each plan node's public key, by node id."""
+    return {n: k for s in plan.stages for n, k in zip(s.node_ids, s.public_keys)}
+
+
+def _relayed_neighbours(plan: pb.Plan, node_id: str) -> dict[str, pb.RelayRoute]:
+    """The route of each link of node_id's that runs through a relay, by the node at its other end."""
+    return {r.b if r.a == node_id else r.a: r for r in plan.relays if node_id in (r.a, r.b)}
+
+
 class StageHolder:
     """The Agent's plan, stage and state (a part of Agent)."""
 
@@ -50,6 +60,7 @@ class StageHolder:
     _state_lock: threading.Lock  # parameters change only under it (apply, load) and are read under it
     _peer_regions: dict[str, str]  # from plans and probe orders: what the link emulator shapes by
     reverse_links: ReverseReceiver  # the streams this node opens to its senders when nobody can dial it
+    _relay_line: str = ""  # what the owner was last told of this node's relays
 
     def _apply_plan(self, plan: pb.Plan) -> None:
         assert self.cfg is not None
@@ -102,29 +113,54 @@ class StageHolder:
         """Links of the plan whose receiver nobody can dial run over a stream the receiver opens: this node sends to
         such neighbours over the streams they open, and if it is such a node, it opens one to each neighbour."""
         neighbours = self._neighbours(plan, index)
-        self.dataplane.set_reversed({s.node_ids[i] for s, i in neighbours if _unreachable(s, i)})
+        routes = _relayed_neighbours(plan, self.node_id)
+        self.dataplane.set_reversed(
+            {s.node_ids[i] for s, i in neighbours if _unreachable(s, i) and s.node_ids[i] not in routes},
+            {peer: route.relay_address for peer, route in routes.items()},
+        )
         stage = plan.stages[index] if index >= 0 else None
         if stage is None or not _unreachable(stage, list(stage.node_ids).index(self.node_id)):
             self.reverse_links.follow({})
             return
-        stranded = [s.node_ids[i] for s, i in neighbours if _unreachable(s, i)]
+        stranded = [s.node_ids[i] for s, i in neighbours if _unreachable(s, i) and s.node_ids[i] not in routes]
         if stranded:
-            log.error(
-                "neither this node nor %s can be dialled: their links would need a relay, which this version lacks",
-                ", ".join(stranded),
-            )
-        self.reverse_links.follow(
-            {s.node_ids[i]: (s.addresses[i], s.public_keys[i]) for s, i in neighbours if not _unreachable(s, i)}
-        )
+            log.error("neither this node nor %s can be dialled, and the plan names no relay for them",
+                      ", ".join(stranded))
+        senders = {s.node_ids[i]: (s.addresses[i], s.public_keys[i]) for s, i in neighbours if not _unreachable(s, i)}
+        keys = _keys(plan)
+        relayed: dict[str, dict[str, bytes]] = {}
+        for peer, route in routes.items():
+            senders[route.relay_id] = (route.relay_address, route.relay_key)
+            relayed.setdefault(route.relay_id, {})[peer] = keys.get(peer, b"")
+        self.reverse_links.follow(senders, relayed)
+        line = "; ".join(f"links with {peer} go through relay {route.relay_id}" for peer, route in sorted(routes.items()))
+        if line and line != self._relay_line:
+            self.on_reachability(f"not reachable from outside: {line}")
+        self._relay_line = line
 
     def reverse_receiver(self, signer: bytes | None) -> str | None:
         """The node id of the neighbour nobody can dial, whose key is `signer`, that this node's plan sends to."""
         plan = self.plan
         if plan is None or not signer:
             return None
+        relayed_to = {n for r in plan.relays if r.relay_id == self.node_id for n in (r.a, r.b)}
         return next(
-            (s.node_ids[i] for s, i in self._neighbours(plan, self.stage_index)
-             if _unreachable(s, i) and i < len(s.public_keys) and s.public_keys[i] == signer),
+            (s.node_ids[i] for s in plan.stages for i in range(len(s.node_ids))
+             if (s.node_ids[i] in relayed_to or (abs(s.index - self.stage_index) == 1 and self.stage_index >= 0))
+             and _unreachable(s, i) and i < len(s.public_keys) and s.public_keys[i] == signer),
+            None,
+        )
+
+    def relay_sender(self, signer: bytes | None, receiver: str) -> str | None:
+        """The node id of the sender, signed by key `signer`, whose tensors the current plan has this node relay to
+        node `receiver`; None when it has none."""
+        plan = self.plan
+        if plan is None or not signer:
+            return None
+        keys = _keys(plan)
+        return next(
+            (sender for r in plan.relays if r.relay_id == self.node_id and receiver in (r.a, r.b)
+             for sender in ((r.b,) if receiver == r.a else (r.a,)) if keys.get(sender) == signer),
             None,
         )
 

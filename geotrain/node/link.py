@@ -51,6 +51,7 @@ class CoordinatorLink:
     _must_register: threading.Event
     limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
     on_reachability: Callable[[str], None]  # hears that outcome as one line for the node's owner
+    behind_nat: bool = False  # the coordinator's dial-back reached this node nowhere
 
     def _register(self) -> None:
         """Register (again, after a coordinator restart, with the stage this node holds)."""
@@ -89,6 +90,7 @@ class CoordinatorLink:
         self._must_register.clear()
         self._sender.submit(self.profiler.report)  # a restarted coordinator has lost it (before timing: no-op)
         log.info("registered as %s, serving on %s", self.node_id, self.address)
+        self.behind_nat = reply.reachability == pb.REACHABILITY_UNREACHABLE
         if reply.reachability != pb.REACHABILITY_UNSPECIFIED:
             self.on_reachability(
                 f"reachable at {reply.reachable_at}" if reply.reachability == pb.REACHABILITY_DIRECT
@@ -199,6 +201,7 @@ class CoordinatorLink:
             dht_peer_id=self.averager.peer_id if self.averager is not None else "",
             state_epoch=self.state_epoch,
             peak_memory_bytes=peak_memory_bytes(self.device),
+            relayed_bytes=self.dataplane.reverse.relayed_bytes if self.dataplane.reverse is not None else 0,
         )
         try:
             reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))

@@ -9,10 +9,18 @@ The contract is a direct link's: the same chunks, size limits and checks against
 plan key by signing the receiver's nonce, so each tensor is bound to its sender as a signed call binds it), the same
 codecs, and the sender's deadlines, retries on UNAVAILABLE and failure reports, which see `ReverseError` as they see a
 failed call.
+
+Relays: when neither end of a link can be dialled, both dial a relay the plan names (a node that can be dialled). The
+sender calls Stage.Relay there (`relay_chunks`), the relay forwards the tensor over the Reverse stream the receiver
+opened to it (`ReverseSender.send` with the sender as its origin) and answers with the receiver's status. The relay
+proves its own key on that stream, and every tensor it forwards carries its sender's signature over the tensor
+(`relayed_message`), which the receiver checks against the plan's key for that sender: a relay cannot forge or alter
+what it forwards unnoticed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -28,7 +36,7 @@ import grpc
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.framing import FrameError
+from geotrain.protocol.framing import FrameError, ReceivedTensor
 from geotrain.protocol.identity import NodeKey, verify
 from geotrain.protocol.transport import TlsFiles, make_channel
 
@@ -40,14 +48,39 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _NONCE_BYTES = 32
 _RECONNECT_MAX_S = 2.0
 
-Deliver = Callable[[str, Iterator[pb.TensorChunk], bytes, str], None]
-"""(direction, one tensor's chunks, the sender's key, its address) -> None: read, check and take the tensor as the
-Stage service would (StageServicer.receive); FrameError when it is refused."""
+Deliver = Callable[[str, Iterator[pb.TensorChunk], bytes, str, Callable[[ReceivedTensor], None] | None], None]
+"""(direction, one tensor's chunks, the sender's key, its address, a check of the whole tensor before it is decoded
+or None) -> None: read, check and take the tensor as the Stage service would (StageServicer.receive); FrameError when
+it is refused."""
 
 
 def proof_message(nonce: bytes, receiver: str, sender: str) -> bytes:
     """What a sender signs to open a reverse stream: the receiver's nonce and both ends' ids."""
     return b"geotrain reverse link\n" + nonce + f"\n{receiver}\n{sender}".encode()
+
+
+def relayed_message(
+    origin: str, receiver: str, direction: int, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: bytes,
+) -> bytes:
+    """What the sender of a relayed tensor signs: both ends' ids, the direction and digests of the tensor (its crc32
+    is no defence against a relay that alters it on purpose)."""
+    digests = b"".join(
+        hashlib.sha256(part).digest()
+        for part in (ref.SerializeToString(deterministic=True), header.SerializeToString(deterministic=True), payload)
+    )
+    return b"geotrain relayed tensor\n" + f"{origin}\n{receiver}\n{direction}\n".encode() + digests
+
+
+def relay_chunks(
+    key: NodeKey, sender: str, receiver: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
+    payload: bytes | bytearray,
+) -> Iterator[pb.RelayChunk]:
+    """A Stage.Relay call's stream: one tensor for `receiver`, signed by `sender`'s key."""
+    wire = DIRECTIONS[direction]
+    signature = key.sign(relayed_message(sender, receiver, wire, ref, header, bytes(payload)))
+    for i, chunk in enumerate(framing.chunk_tensor(header, payload, ref)):
+        yield pb.RelayChunk(receiver=receiver, direction=wire, signature=signature, chunk=chunk) if i == 0 else (
+            pb.RelayChunk(chunk=chunk))
 
 
 class ReverseError(grpc.RpcError):
@@ -69,6 +102,8 @@ class _Delivery:
     seq: int
     direction: int
     chunks: list[pb.TensorChunk]
+    origin: str = ""  # the node a relayed tensor comes from, and its signature of the tensor
+    signature: bytes = b""
     done: futures.Future = field(default_factory=futures.Future)  # (status code, detail) from the receiver's ack
 
 
@@ -123,6 +158,7 @@ class ReverseSender:
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._seq = itertools.count(1)
+        self.relayed_bytes = 0  # payload bytes this node forwarded as a relay
 
     def serve(self, peer: str, requests: Iterator[pb.ReverseUp]) -> Iterator[pb.ReverseDown]:
         """This node's side of a Reverse stream that node `peer` opened (the caller checked its key): prove this
@@ -146,7 +182,10 @@ class ReverseSender:
             while (delivery := stream.outbox.get()) is not None:
                 last = len(delivery.chunks) - 1
                 for i, chunk in enumerate(delivery.chunks):
-                    yield pb.ReverseDown(seq=delivery.seq, direction=delivery.direction, chunk=chunk, last=i == last)
+                    down = pb.ReverseDown(seq=delivery.seq, direction=delivery.direction, chunk=chunk, last=i == last)
+                    if i == 0 and delivery.origin:
+                        down.origin, down.signature = delivery.origin, delivery.signature
+                    yield down
         finally:
             with self._cond:
                 if self._streams.get(peer) is stream:
@@ -167,17 +206,19 @@ class ReverseSender:
 
     def send(
         self, peer: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: bytes | bytearray,
-        timeout_s: float,
+        timeout_s: float, origin: str = "", signature: bytes = b"",
     ) -> None:
-        """Deliver one tensor to `peer` over its reverse stream within timeout_s, as a Forward or Backward call would;
-        ReverseError with the status such a call would have had (UNAVAILABLE: no stream, or it broke)."""
+        """Deliver one tensor to `peer` over its reverse stream within timeout_s, as a Forward or Backward call would
+        (as a relay: one that node `origin` signed); ReverseError with the status such a call would have had
+        (UNAVAILABLE: no stream, or it broke)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             # A receiver (re)connecting is given as long as the call itself.
             if not self._cond.wait_for(lambda: peer in self._streams, timeout_s):
                 raise ReverseError(grpc.StatusCode.UNAVAILABLE, f"{peer} has no reverse stream open to this node")
             stream = self._streams[peer]
-        delivery = _Delivery(next(self._seq), DIRECTIONS[direction], list(framing.chunk_tensor(header, payload, ref)))
+        chunks = list(framing.chunk_tensor(header, payload, ref))
+        delivery = _Delivery(next(self._seq), DIRECTIONS[direction], chunks, origin, signature)
         if not stream.put(delivery):
             raise ReverseError(grpc.StatusCode.UNAVAILABLE, f"the reverse stream from {peer} ended")
         try:
@@ -187,6 +228,9 @@ class ReverseSender:
             raise ReverseError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         if code != grpc.StatusCode.OK:
             raise ReverseError(code, detail)
+        if origin:
+            with self._cond:
+                self.relayed_bytes += len(payload)
 
 
 class _Deliveries:
@@ -196,10 +240,10 @@ class _Deliveries:
     def __init__(self, downs: Iterator[pb.ReverseDown]) -> None:
         self._downs = downs
 
-    def __iter__(self) -> Iterator[tuple[int, int, Iterator[pb.TensorChunk]]]:
+    def __iter__(self) -> Iterator[tuple[pb.ReverseDown, Iterator[pb.TensorChunk]]]:
         for first in self._downs:
             chunks = self._chunks(first)
-            yield first.seq, first.direction, chunks
+            yield first, chunks
             for _ in chunks:  # what the receiver did not read
                 pass
 
@@ -218,8 +262,11 @@ class _Deliveries:
 class _Link:
     """One reverse stream this node keeps open to a sender while the plan has that sender send to it."""
 
-    def __init__(self, receiver: ReverseReceiver, peer: str, address: str, public_key: bytes) -> None:
+    def __init__(
+        self, receiver: ReverseReceiver, peer: str, address: str, public_key: bytes, origins: dict[str, bytes]
+    ) -> None:
         self.peer, self.address, self.public_key = peer, address, public_key
+        self.origins = origins  # nodes whose tensors this sender relays (id -> public key), replaced as plans change
         self._receiver = receiver
         self._stopped = threading.Event()
         self._call: grpc.Future | None = None
@@ -279,8 +326,8 @@ class _Link:
                             self.address)
                 return False
             log.info("reverse link from %s at %s open", self.peer, self.address)
-            for seq, direction, chunks in _Deliveries(downs):
-                acks.put(pb.ReverseUp(ack=self._take(direction, chunks, seq)))
+            for first, chunks in _Deliveries(downs):
+                acks.put(pb.ReverseUp(ack=self._take(first, chunks)))
             return True
         finally:
             acks.put(None)
@@ -288,16 +335,38 @@ class _Link:
                 self._call.cancel()
             channel.close()
 
-    def _take(self, direction: int, chunks: Iterator[pb.TensorChunk], seq: int) -> pb.ReverseAck:
-        """Take one delivery as the Stage service takes a call; the ack says what its status would have been."""
-        name = _NAMES.get(direction)
+    def _take(self, first: pb.ReverseDown, chunks: Iterator[pb.TensorChunk]) -> pb.ReverseAck:
+        """Take one delivery as the Stage service takes a call (a relayed one as its origin's, once its signature
+        holds); the ack says what its status would have been."""
+        seq, name = first.seq, _NAMES.get(first.direction)
         if name is None:
             return pb.ReverseAck(seq=seq, code=grpc.StatusCode.INVALID_ARGUMENT.value[0], detail="unknown direction")
+        key, check = self.public_key, None
         try:
-            self._receiver.deliver(name, chunks, self.public_key, self.address)
+            if first.origin:
+                key, check = self._relayed_from(first)
+            self._receiver.deliver(name, chunks, key, self.address, check)
         except FrameError as e:
             return pb.ReverseAck(seq=seq, code=e.code.value[0], detail=str(e))
         return pb.ReverseAck(seq=seq)
+
+    def _relayed_from(self, first: pb.ReverseDown) -> tuple[bytes, Callable[[ReceivedTensor], None]]:
+        """The key of a relayed delivery's origin and the check of its signature over the whole tensor; FrameError
+        when the plan relays nothing from that origin through this sender."""
+        origin, signature = first.origin, first.signature
+        key = self.origins.get(origin)
+        if key is None:
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
+                             f"this node's plan relays nothing from {origin[:100]!r} through {self.peer}")
+        receiver = self._receiver.node_id()
+
+        def check(received: ReceivedTensor) -> None:
+            message = relayed_message(origin, receiver, first.direction, received.ref, received.header, received.payload)
+            if not verify(key, signature, message):
+                raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
+                                 f"a tensor relayed by {self.peer} does not carry {origin}'s signature: refused")
+
+        return key, check
 
 
 class ReverseReceiver:
@@ -313,8 +382,9 @@ class ReverseReceiver:
         self._lock = threading.Lock()
         self._links: dict[str, _Link] = {}
 
-    def follow(self, senders: dict[str, tuple[str, bytes]]) -> None:
-        """Keep a stream open to each of `senders` (node id -> (address, public key)), and none to others."""
+    def follow(self, senders: dict[str, tuple[str, bytes]], relayed: dict[str, dict[str, bytes]] | None = None) -> None:
+        """Keep a stream open to each of `senders` (node id -> (address, public key)), and none to others; a sender
+        that is a relay forwards tensors of the nodes `relayed` names for it (relay id -> {node id: public key})."""
         with self._lock:
             for peer in list(self._links):
                 link = self._links[peer]
@@ -322,8 +392,11 @@ class ReverseReceiver:
                     link.stop()
                     del self._links[peer]
             for peer, (address, public_key) in senders.items():
-                if peer not in self._links:
-                    self._links[peer] = _Link(self, peer, address, public_key)
+                origins = dict((relayed or {}).get(peer, {}))
+                if peer in self._links:
+                    self._links[peer].origins = origins
+                else:
+                    self._links[peer] = _Link(self, peer, address, public_key, origins)
 
     def close(self) -> None:
         """Close every stream."""

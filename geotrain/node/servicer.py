@@ -7,8 +7,9 @@ this module imports nothing of the agent's.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
 import grpc
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from geotrain.compression import CodecError, codec_from_payload
-from geotrain.node.reverse import ReverseSender
+from geotrain.node.reverse import DIRECTIONS, ReverseError, ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -75,6 +76,10 @@ class StageHandler(Protocol):
     def may_read_state(self, signer: bytes | None) -> bool:
         """Whether the key that signed a FetchState (None: unsigned) may download this node's state."""
 
+    def relay_sender(self, signer: bytes | None, receiver: str) -> str | None:
+        """The node id of the sender, signed by key `signer`, whose tensors the current plan has this node relay to
+        node `receiver`; None when it has none."""
+
 
 class StageServicer(rpc.StageServicer):
     """Receives activations and gradients for a node's stage, and serves its state."""
@@ -90,15 +95,19 @@ class StageServicer(rpc.StageServicer):
         self.reverse = reverse  # the streams unreachable neighbours open to receive over
 
     def receive(
-        self, direction: str, chunks: Iterator[pb.TensorChunk | framing.WireChunk], key: bytes | None, peer: str
+        self, direction: str, chunks: Iterator[pb.TensorChunk | framing.WireChunk], key: bytes | None, peer: str,
+        check: Callable[[framing.ReceivedTensor], None] | None = None,
     ) -> None:
         """Read, check and decode one tensor signed by `key` and hand it to the node, from a call or a reverse
-        stream; FrameError (logged for `peer`, rate-limited) when it is refused, with nothing changed."""
+        stream (`check`: a relayed tensor's signature, checked before it is decoded); FrameError (logged for `peer`,
+        rate-limited) when it is refused, with nothing changed."""
         handler = self.handler
         try:
             received = framing.read_one_tensor(
                 chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h, key)
             )
+            if check is not None:
+                check(received)
             tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
         except FrameError as e:
             self.refusals.refused(peer, direction, "", str(e))
@@ -149,6 +158,33 @@ class StageServicer(rpc.StageServicer):
             self.refusals.refused(context.peer(), "Reverse", peer, str(e))
             context.abort(e.code, str(e))
 
+    def Relay(self, request_iterator, context):  # noqa: D102, N802
+        first = next(request_iterator, None)
+        direction = next((name for name, wire in DIRECTIONS.items() if first is not None and first.direction == wire),
+                         None)
+        if direction is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Relay stream opens with its receiver and direction")
+        origin = self.handler.relay_sender(signer(context), first.receiver)
+        if origin is None:
+            why = f"this node's plan relays nothing to {first.receiver[:100]!r} from the key that signed this call"
+            self.refusals.refused(context.peer(), "Relay", "", why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        chunks = itertools.chain([first.chunk], (m.chunk for m in request_iterator))
+        try:
+            # Framing and size are checked here, the plan's shapes and the signature by the receiver.
+            received = framing.read_one_tensor(chunks, self.max_tensor_bytes)
+            remaining = context.time_remaining()
+            self.reverse.send(first.receiver, direction, received.ref, received.header, received.payload,
+                              remaining if remaining is not None else _RELAY_DEADLINE_S, origin, first.signature)
+        except FrameError as e:
+            self.refusals.refused(context.peer(), "Relay", origin, str(e))
+            context.abort(e.code, str(e))
+        except ReverseError as e:
+            context.abort(e.code(), e.details())
+        return pb.Ack()
+
+
+_RELAY_DEADLINE_S = 60.0  # a Relay call without a deadline waits this long for the receiver's ack
 
 class _Handlers:
     """Stands in for a server to collect the generated code's method handlers of a service."""

@@ -300,6 +300,7 @@ class StepFlow:
         from geotrain.node.averaging import group_id, replica_all_reduce
 
         assert self.averager is not None
+        self.averager.clients = frozenset(p for p, behind in zip(stage.peer_ids, stage.unreachable) if behind)
         all_reduce = replica_all_reduce(
             self.averager,
             list(stage.peer_ids),
@@ -349,7 +350,9 @@ class StepFlow:
         host = self.address.rsplit(":", 1)[0]
         tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed node
         try:
-            self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+            # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
+            self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+                            client_mode=self.behind_nat)
             self.averager = ReplicaAverager(self._dht)
         except Exception:
             log.exception("cannot start hivemind: this node cannot serve as a stage replica")

@@ -328,7 +328,7 @@ class LinkCounter(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes")
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes", "relayed_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class HeartbeatRequest(_message.Message):
     DHT_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     bytes_sent: int
@@ -349,7 +350,8 @@ class HeartbeatRequest(_message.Message):
     dht_peer_id: str
     state_epoch: int
     peak_memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
+    relayed_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "next_heartbeat_s")
@@ -390,7 +392,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ..., unreachable: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key", "inflight")
+    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key", "inflight", "relays")
     class ExcludedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +408,7 @@ class Plan(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_KEY_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     total_layers: int
@@ -414,7 +417,22 @@ class Plan(_message.Message):
     excluded: _containers.ScalarMap[str, str]
     coordinator_key: bytes
     inflight: int
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ..., inflight: _Optional[int] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RelayRoute]
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ..., inflight: _Optional[int] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ...) -> None: ...
+
+class RelayRoute(_message.Message):
+    __slots__ = ("a", "b", "relay_id", "relay_address", "relay_key")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_KEY_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    relay_id: str
+    relay_address: str
+    relay_key: bytes
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., relay_id: _Optional[str] = ..., relay_address: _Optional[str] = ..., relay_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadState(_message.Message):
     __slots__ = ("plan_epoch", "steps_done", "source_address", "expected_checksum")
@@ -697,7 +715,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability", "relayed_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -718,6 +736,7 @@ class NodeStatus(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -738,7 +757,8 @@ class NodeStatus(_message.Message):
     precision: str
     peak_memory_bytes: int
     reachability: str
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
+    relayed_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")
@@ -927,18 +947,34 @@ class ReverseAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReverseDown(_message.Message):
-    __slots__ = ("proof", "seq", "direction", "chunk", "last")
+    __slots__ = ("proof", "seq", "direction", "chunk", "last", "origin", "signature")
     PROOF_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     proof: bytes
     seq: int
     direction: Direction
     chunk: TensorChunk
     last: bool
-    def __init__(self, proof: _Optional[bytes] = ..., seq: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+    origin: str
+    signature: bytes
+    def __init__(self, proof: _Optional[bytes] = ..., seq: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., last: _Optional[bool] = ..., origin: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class RelayChunk(_message.Message):
+    __slots__ = ("receiver", "direction", "signature", "chunk")
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    receiver: str
+    direction: Direction
+    signature: bytes
+    chunk: TensorChunk
+    def __init__(self, receiver: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., signature: _Optional[bytes] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("steps_done", "layer_start", "layer_end")

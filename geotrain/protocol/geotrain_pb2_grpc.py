@@ -694,6 +694,11 @@ class StageStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_unary(
+                '/geotrain.v1.Stage/Relay',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -734,6 +739,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """A tensor for a node that, like the caller, nobody can dial: the relay the plan names for the pair forwards it
+        over the Reverse stream the receiver opened to it, and answers with the receiver's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -761,6 +774,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Reverse,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.SerializeToString,
+            ),
+            'Relay': grpc.stream_unary_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -898,6 +916,33 @@ class Stage:
             '/geotrain.v1.Stage/Reverse',
             geotrain_dot_protocol_dot_geotrain__pb2.ReverseUp.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.ReverseDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geotrain.v1.Stage/Relay',
+            geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

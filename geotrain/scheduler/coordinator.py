@@ -77,6 +77,8 @@ class RunSummary:
     """Activation and gradient bytes the nodes sent their neighbours on the wire (their last heartbeats' counters)."""
     raw_bytes: int
     """The same tensors' bytes before compression."""
+    estimated_step_s: float | None  # the cost model's step time for the last plan (None: no profiles to price it)
+    relayed_bytes: int  # payload bytes the nodes forwarded as relays for links whose two ends nobody can dial
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
@@ -393,6 +395,8 @@ class Coordinator:
             validation=[(r.step + 1, r.val_loss, s) for r, s in zip(history, trained_s) if r.val_loss is not None],
             wire_bytes=sum(link.wire_bytes for link in links),
             raw_bytes=sum(link.raw_bytes for link in links),
+            estimated_step_s=self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
+            relayed_bytes=sum(m.relayed_bytes for m in self.membership.members.values()),
         )
 
     def _note_failure(self, why: str) -> None:

@@ -41,6 +41,9 @@ copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes 
 + activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound) while
 plans are searched; a plan's window W puts min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the
 W |R_0| microbatches the data heads keep in flight, and the plan reports that.
+A link between two nodes nobody can dial goes through a relay, which receives every byte and sends it again: its
+bandwidth counts twice and its latency once per hop, so such a pair's link is priced at half its bandwidth and twice
+its latency (the pair's own link stands for both of the relay's; which node relays is chosen after planning).
 Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and that
 the live all-reduce sends float64 copies of fp32 gradients (node.averaging: replicas end bit-identical), twice the
 bytes P_s counts.
@@ -78,6 +81,8 @@ class NodeProfile:
     """Seconds of forward + backward per layer for ONE microbatch on this node."""
     memory_bytes: int
     """Accelerator (or host) memory the node can give to its stage."""
+    unreachable: bool = False
+    """Nobody can dial it (behind NAT): its links with another such node go through a relay."""
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -485,7 +490,9 @@ class CostModel:
                      if a in self.index and b in self.index}
         measured = {i for pair in overrides for i in pair}
         # A node with a measured pair gets a class of its own, so a class pair never mixes measured and default links.
-        keys = [("node", i) if i in measured else ("region", int(r_of[i]), float(caps[i])) for i in range(len(self.nodes))]
+        behind = [n.unreachable for n in self.nodes]
+        keys = [("node", i) if i in measured else ("region", int(r_of[i]), float(caps[i]), behind[i])
+                for i in range(len(self.nodes))]
         first: dict[tuple, int] = {}
         self.link_class = np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
         self.n_link_classes = len(first)
@@ -498,6 +505,9 @@ class CostModel:
             ci, cj = self.link_class[i], self.link_class[j]
             bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
             lat[ci, cj] = lat[cj, ci] = link.latency_s
+        behind_class = np.array(behind, dtype=bool)[reps]
+        relayed = np.logical_and.outer(behind_class, behind_class)
+        bw, lat = np.where(relayed, bw / 2, bw), np.where(relayed, 2 * lat, lat)
         self.class_bw = bw
         self.class_lat = lat
         self.class_seconds_per_bit = r_ratio[np.ix_(rc, rc)] / bw

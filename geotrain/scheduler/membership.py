@@ -104,6 +104,7 @@ class Member:
     links: list[pb.LinkCounter] = field(default_factory=list)
     microbatches_per_s: float = 0.0
     peak_memory_bytes: int = 0
+    relayed_bytes: int = 0  # payload bytes it forwarded as a relay
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
     beat_every: float = 0.0  # the heartbeat interval it was last told (0: the run's, from registration)
     failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
@@ -202,7 +203,7 @@ class Membership:
                       else f"not reachable at {request.address} from outside")
             log.info("%s is %s", node_id, detail)
             self.store.event("reachability", node_id, detail)
-        self.store.upsert_member(node_id, request.address, member.region, "alive", key)
+        self.store.upsert_member(node_id, member.address, member.region, "alive", key)  # the address that answered
         self.store.event(kind, node_id, request.address)
         self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
         return member
@@ -274,6 +275,7 @@ class Membership:
             member.state_epoch = request.state_epoch
             member.peer_id = request.dht_peer_id
             member.bytes_sent, member.bytes_received = request.bytes_sent, request.bytes_received
+            member.relayed_bytes = request.relayed_bytes
             member.links = list(request.links)
             member.microbatches_per_s = request.microbatches_per_s
             member.peak_memory_bytes = request.peak_memory_bytes

@@ -172,3 +172,22 @@ def state_sources(
             if m not in have:
                 from_peers[m.node_id] = (source, checksum)
     return StateSources(from_peers, reshaped)
+
+
+def relay_routes(groups: Groups) -> tuple[list[pb.RelayRoute], list[str]]:
+    """A relay for each link between neighbouring stages whose two ends nobody can dial: a node of the layout that
+    can be dialled (so the plan's take-up waits for it and its death re-plans), each time the one relaying the fewest
+    links so far; and the pairs no node can relay."""
+    relays = sorted((m for g in groups for m in g if not m.unreachable), key=lambda m: m.node_id)
+    load = Counter[str]()
+    routes, stranded = [], []
+    for before, after in zip(groups, groups[1:]):
+        for a, b in ((a, b) for a in before for b in after if a.unreachable and b.unreachable):
+            if not relays:
+                stranded.append(f"{a.node_id}-{b.node_id}")
+                continue
+            relay = min(relays, key=lambda m: load[m.node_id])  # the first of the least loaded
+            load[relay.node_id] += 1
+            routes.append(pb.RelayRoute(a=a.node_id, b=b.node_id, relay_id=relay.node_id,
+                                        relay_address=relay.address, relay_key=relay.public_key))
+    return routes, stranded

@@ -548,7 +548,7 @@ class Planner:
         best, best_cost = stages, cm.step_seconds(stages)
         for _ in range(self.config.max_refine_passes):
             improved = False
-            moves = (self._boundary_moves(best), self._node_moves(best))
+            moves = (self._boundary_moves(best), self._node_moves(best), self._swap_moves(best))
             for trial in itertools.chain(*(moves[::-1] if nodes_first else moves)):
                 cost = cm.step_seconds(trial)
                 if cost < best_cost * (1 - 1e-9):
@@ -584,6 +584,16 @@ class Planner:
                     a, b, nodes = trial[dst]
                     trial[dst] = (a, b, tuple(sorted(nodes + (i,))))
                 yield tuple(trial)
+
+    def _swap_moves(self, stages: tuple[Stage, ...]):
+        """Swap the nodes of two stages, keeping the layer ranges: the order of the stages' node groups sets which
+        links the pipeline uses (two nodes nobody can dial are better not neighbours: their link needs a relay)."""
+        if len(self.cm.usable) * len(stages) > self.config.node_move_limit:
+            return
+        for s, t in itertools.combinations(range(len(stages)), 2):
+            trial = list(stages)
+            trial[s], trial[t] = (*stages[s][:2], stages[t][2]), (*stages[t][:2], stages[s][2])
+            yield tuple(trial)
 
     # --- re-planning -----------------------------------------------------------------------------------
 

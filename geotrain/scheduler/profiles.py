@@ -35,6 +35,10 @@ class Profiled(Protocol):
     region: str
     profile: pb.NodeProfileReport | None
 
+    @property
+    def unreachable(self) -> bool:
+        """Nobody can dial it (the coordinator's dial-back at registration)."""
+
 
 _DEVICE = re.compile(r"cpu|mps|cuda:\d{1,4}")
 _MAX_NAME = 200
@@ -183,6 +187,7 @@ def planner_inputs(
             region=m.region,
             layer_seconds=list(m.profile.layer_seconds),
             memory_bytes=m.profile.memory_bytes,
+            unreachable=m.unreachable,
         )
         for m in profiled
     ]

@@ -36,18 +36,16 @@ _DRIFT_REPLAN = 0.25
 
 
 
-def _beyond_reach(groups: list[list[Member]]) -> list[str]:
-    """What a layout asks of nodes nobody can dial that this version cannot do: a link with both ends behind NAT
-    (it needs a relay), and replica averaging from behind NAT."""
+def _beyond_reach(groups: list[list[Member]], stranded: list[str]) -> list[str]:
+    """What a layout asks of nodes nobody can dial that this version cannot do: links with both ends behind NAT
+    and no node to relay them (`stranded`), and replicas averaging where none of them can be dialled."""
     found = []
-    for before, after in zip(groups, groups[1:]):
-        pairs = [f"{a.node_id}-{b.node_id}" for a in before for b in after if a.unreachable and b.unreachable]
-        if pairs:
-            found.append(f"nobody can dial either end of {', '.join(pairs)}: a relay is needed")
+    if stranded:
+        found.append(f"nobody can dial either end of {', '.join(stranded)}, nor any node to relay them")
     for group in groups:
         behind = [m.node_id for m in group if m.unreachable]
-        if behind and len(group) > 1:
-            found.append(f"{', '.join(behind)} would average with replicas from behind NAT")
+        if len(group) > 1 and len(behind) == len(group):
+            found.append(f"replicas {', '.join(behind)} would average with no replica anyone can dial")
     return found
 
 class Planning:
@@ -280,6 +278,8 @@ class Planning:
             coordinator_key=self.coordinator_key,
             inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
         )
+        routes, stranded = placement.relay_routes(groups)
+        plan.relays.extend(routes)
         for i, ((start, end), group) in enumerate(zip(ranges, groups)):
             plan.stages.add(
                 index=i,
@@ -293,7 +293,10 @@ class Planning:
                 unreachable=[m.unreachable for m in group],
                 hierarchical_allreduce=placement.hierarchical_allreduce(mode, self.estimate, i, group),
             )
-        for why in _beyond_reach(groups):
+        for route in routes:
+            log.info("plan epoch %d: %s and %s cannot be dialled: their link goes through relay %s", epoch, route.a,
+                     route.b, route.relay_id)
+        for why in _beyond_reach(groups, stranded):
             log.warning("plan epoch %d: %s, which this version does not support", epoch, why)
             self.store.event("unreachable", detail=why)
         self.plan = plan

@@ -53,8 +53,14 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
     plan = snap.plan
     stage_of = {n: st for st in plan.stages for n in st.node_ids} if plan else {}
     unreachable = {m.node_id for m in snap.members if m.unreachable}
+    relays = {frozenset((r.a, r.b)): r.relay_id for r in plan.relays} if plan else {}
+
+    def transport(src: str, dst: str) -> str:
+        relay = relays.get(frozenset((src, dst)))
+        return f"relayed via {relay}" if relay else "reversed" if dst in unreachable else "direct"
+
     for m in snap.members:
-        _add_node(reply, m, stage_of.get(m.node_id), snap.now, unreachable)
+        _add_node(reply, m, stage_of.get(m.node_id), snap.now, transport)
     estimate = snap.estimate
     if estimate is not None:
         reply.estimated_step_s, reply.bottleneck = estimate.step_seconds, estimate.bottleneck
@@ -74,10 +80,10 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
 
 
 def _add_node(
-    reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, now: float, unreachable: set[str]
+    reply: pb.StatusReply, m: Member, st: pb.StageAssignment | None, now: float, transport: Callable[[str, str], str]
 ) -> None:
-    """A member's row, and the rows of the links it sends on (over a stream the receiver opened when the receiver is
-    one of `unreachable`) or measured."""
+    """A member's row, and the rows of the links it sends on (each with its `transport`: direct, reversed or
+    relayed via a node) or measured."""
     sent_raw = sum(link.raw_bytes for link in m.links)
     sent_wire = sum(link.wire_bytes for link in m.links)
     probes = {p.peer: p for p in m.profile.links} if m.profile else {}
@@ -102,6 +108,7 @@ def _add_node(
         precision=m.profile.precision if m.profile else "",
         peak_memory_bytes=m.peak_memory_bytes,
         reachability=m.reachability,
+        relayed_bytes=m.relayed_bytes,
     )
     for link in m.links:
         reply.links.add(
@@ -111,7 +118,7 @@ def _add_node(
             compression_ratio=link.raw_bytes / link.wire_bytes if link.wire_bytes else 1.0,
             raw_bytes=link.raw_bytes,
             wire_bytes=link.wire_bytes,
-            transport="reversed" if link.peer in unreachable else "direct",
+            transport=transport(m.node_id, link.peer),
             **measured_link(probes.pop(link.peer, None)),
         )
     for probe in probes.values():  # measured, no training traffic yet (or never: the coordinator's link)

@@ -57,7 +57,8 @@ function nodeColour(node, fastest) {
 function linkLabel(links, arrow) {
   return links.map((l) => {
     const bw = l.bandwidth_mbps ? `${l.bandwidth_mbps.toFixed(1)} Mbit/s` : "bandwidth n/a";
-    const reversed = l.transport === "reversed" ? " (reversed: over the receiver's connection)" : "";
+    const reversed = l.transport === "reversed" ? " (reversed: over the receiver's connection)"
+      : l.transport.startsWith("relayed") ? ` (${l.transport})` : "";
     return `${arrow} ${l.src}→${l.dst}${reversed}: ${l.codec || "?"} ${l.compression_ratio.toFixed(2)}×, ${bw}`;
   });
 }
