@@ -199,6 +199,7 @@ class CoordinatorLink:
             dht_peer_id=self.averager.peer_id if self.averager is not None else "",
             state_epoch=self.state_epoch,
             peak_memory_bytes=peak_memory_bytes(self.device),
+            averaging_bytes_sent=self.averager.bytes_sent if self.averager is not None else 0,
         )
         try:
             reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))

@@ -2,7 +2,9 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
+# 9: RunConfig.compression.replica_sync (a node that ignored "diloco" would wait in gradient all-reduces its peers
+#    never start), HeartbeatRequest.averaging_bytes_sent
 # 8: Plan.inflight: the plan's in-flight window (a node that ignored it would keep train.inflight's, 0 under auto)
 # 7: Plan.coordinator_key: a node serves its state only to the plan's nodes and the coordinator, by their signatures
 # 6: reachability: RegisterReply.reachability, StageAssignment.unreachable, Stage.Reverse streams, UploadState

@@ -345,6 +345,8 @@ class Coordinator:
         log.info("waiting for %d node(s)", need)
         self.membership.wait(lambda: len(self.membership.alive()) >= need, f"{need} nodes to join", float("inf"))
         self._set_state("training")
+        if self.cfg.compression.inexact_replicas:
+            log.warning("%s", self.cfg.compression.inexact_replicas)
         if self.plan is not None:
             self.step = self.driver.finish_decided(self.plan) or self.step
         first_step = self.step
@@ -461,6 +463,7 @@ class Coordinator:
             events=tuple(self.store.events()),
             now=time.monotonic(),
             bits_per_byte=self.bits_per_byte,
+            exactness=self.cfg.compression.inexact_replicas,
         )
 
     def status(self) -> pb.StatusReply:
