@@ -61,12 +61,10 @@ class OuterSync:
         return [(a.detach().double() - p.detach().double()).cpu() for a, p in zip(self.anchor, params, strict=True)]
 
     def stage(self, step: int, averaged: list[torch.Tensor] | None) -> None:
-        """Keep the replicas' mean pseudo-gradient (None: this replica was alone) for step `step`'s apply."""
+        """Keep the replicas' mean pseudo-gradient (None: this replica was alone) for step `step`'s apply. It
+        outlives a new plan epoch: a step redone commits, and so stages, again; a decided step that a restarted
+        coordinator completes is applied without another commit, with this sync."""
         self._pending = (step, averaged)
-
-    def drop_pending(self) -> None:
-        """Forget a sync not yet applied: its plan epoch was abandoned, and the step is redone from scratch."""
-        self._pending = None
 
     @torch.no_grad()
     def apply_pending(self, step: int, params: Sequence[torch.Tensor]) -> bool:

@@ -162,8 +162,6 @@ class StageRuntime:
         self.optimizer.zero_grad(set_to_none=True)
         self.grads = None
         self._pending.clear()
-        if self.sync is not None:
-            self.sync.drop_pending()
 
     def _start_step(self, step: int) -> None:
         if step <= self.applied_step:
