@@ -257,7 +257,7 @@ def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
 
 
 def test_a_sync_every_h_steps_is_priced_once_per_h_steps():
-    cms = {h: CostModel(nodes=[node("a", [0.5, 0.5], region="r1"), node("b", [0.5, 0.5], region="r2")], model=TINY,
+    cms = {h: CostModel(nodes=[node("a", [0.5, 0.5]), node("b", [0.5, 0.5])], model=TINY,
                         network=SLOW_NET, shape=shape4(replica_sync_every=h)) for h in (1, 32)}
     seconds = {h: cm.sync_seconds(np.arange(2), 0, 2) for h, cm in cms.items()}
     assert seconds[1] > 0 and seconds[32] == pytest.approx(seconds[1] / 32)
