@@ -759,6 +759,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         stages=cfg.scheduler.stages or None, inflight=cfg.train.inflight or "auto", allreduce=cfg.scheduler.allreduce,
         replica_rank=cfg.compression.replica_rank, compute_bytes=4 if cfg.train.precision == "fp32" else 2,
         recompute=cfg.train.recompute,
+        replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
     )
 
 

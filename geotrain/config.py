@@ -337,6 +337,7 @@ class SchedulerSection:
 
 
 _NO_CODEC = "none"
+REPLICA_SYNC_MODES = ("every_step", "diloco")
 _CODEC_KEYS = ("activations", "activation_grads", "replica_grads")
 # protocol.probe.MAX_PROBE_BYTES (a test checks they agree): importing it loads torch through protocol.framing,
 # which `geotrain --help`, `plan` and `status` must not pay for.
@@ -368,11 +369,28 @@ class CompressionSection:
     replica_clip_rms: float = _bounded(
         0.1, 1e-12, 1e6, "CenteredClip's radius, as a root mean square per gradient value (a part of n values: x sqrt(n))"
     )
+    replica_sync: str = field(
+        default="every_step",
+        metadata={
+            "doc": "every_step: replicas average their gradients every step (exact); diloco: each replica applies its "
+            "own gradients and every replica_sync_every steps they average their parameters' change since the last "
+            "sync and take an outer Nesterov step (DiLoCo; far fewer bytes, not exact)"
+        },
+    )
+    replica_sync_every: int = _bounded(32, 1, 10**6, "diloco: inner steps between two syncs (H)")
+    replica_sync_lr: float = _bounded(0.7, 1e-6, 10.0, "diloco: the outer step's learning rate")
+    replica_sync_momentum: float = _bounded(0.9, 0.0, 0.999, "diloco: the outer step's Nesterov momentum")
 
     def __post_init__(self) -> None:
         _check_bounds(self, "compression")
         if self.replica_robust not in ("none", "centered_clip"):
             raise ConfigError(f"compression.replica_robust must be none or centered_clip, got {self.replica_robust!r}")
+        if self.replica_sync not in REPLICA_SYNC_MODES:
+            raise ConfigError(f"compression.replica_sync must be every_step or diloco, got {self.replica_sync!r}")
+        if self.diloco and (self.replica_robust != "none" or self.replica_grads.strip() != _NO_CODEC):
+            # Both act on each step's gradient all-reduce, which diloco replaces by its periodic parameter sync.
+            raise ConfigError("compression.replica_sync = 'diloco' averages no gradients: leave "
+                              "compression.replica_grads and compression.replica_robust at 'none' with it")
         codecs = [f.name for f in dataclasses.fields(self) if f.name in _CODEC_KEYS]
         for name in codecs:
             if not getattr(self, name):
@@ -400,6 +418,18 @@ class CompressionSection:
         if self.replica_robust != "none" and self.replica_rank is not None:
             raise ConfigError("compression.replica_robust clips gradients, not PowerSGD's factors: "
                               "set compression.replica_grads = 'none' with it")
+
+    @property
+    def diloco(self) -> bool:
+        """Whether replicas train apart and sync their parameters every replica_sync_every steps (not exact)."""
+        return self.replica_sync == "diloco"
+
+    @property
+    def inexact_replicas(self) -> str:
+        """What the run says of its replicas' exactness: '' when they average every step."""
+        if not self.diloco:
+            return ""
+        return f"replicas sync every {self.replica_sync_every} steps (DiLoCo): not exact"
 
     @property
     def replica_clip(self) -> float:

@@ -266,3 +266,12 @@ def test_a_link_between_two_nodes_nobody_can_dial_is_priced_through_a_relay():
     # Both: the relay receives and sends every byte, so the link is busy 2 s each way per microbatch and its latency
     # is paid once per hop: T = (M-1) * 2 + (0.5 + 0.5) + 2 * (2 + 2 * 0.5) = 13.
     assert model_for(behind).step_seconds(stages) == pytest.approx(13.0)
+
+
+def test_a_sync_every_h_steps_is_priced_once_per_h_steps():
+    cms = {h: CostModel(nodes=[node("a", [0.5, 0.5]), node("b", [0.5, 0.5])], model=TINY,
+                        network=SLOW_NET, shape=shape4(replica_sync_every=h)) for h in (1, 32)}
+    seconds = {h: cm.sync_seconds(np.arange(2), 0, 2) for h, cm in cms.items()}
+    assert seconds[1] > 0 and seconds[32] == pytest.approx(seconds[1] / 32)
+    with pytest.raises(ValueError, match="replica_sync_every"):
+        shape4(replica_sync_every=0)

@@ -5,6 +5,7 @@ mean over all replicas, and a live run of four replicas in two regions equals tr
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from geotrain.compression import get_codec
 from geotrain.config import ConfigError, load_config
 from geotrain.node.local import train_local
 from geotrain.node.lowrank import LowRankAveraging, orthonormal_columns
+from geotrain.node.stage import StageRuntime
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.placement import hierarchical_allreduce
@@ -492,3 +494,42 @@ def test_an_outsider_cannot_join_a_stages_averaging(averagers, request):
     for t in members:
         assert torch.equal(t[0].float().double(), expected)
     assert "error" in outcome, "the outsider's all-reduce completed"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(90)
+def test_a_sync_every_32_steps_averages_over_30x_fewer_bytes_per_step_than_every_step(averagers):
+    # The same stage on two real hivemind peers, averaged as node.stepflow does: a step's float64 gradient sums
+    # (every_step), then a sync's pseudo-gradients (diloco), each counted by the averagers' own byte counters.
+    from geotrain.node.averaging import group_id, replica_all_reduce
+
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
+                             "compression.replica_sync=diloco", "compression.replica_sync_every=32"])
+    pair = averagers[:2]
+    runtimes = [StageRuntime(cfg, 0, cfg.model.total_layers) for _ in pair]
+    for i, runtime in enumerate(runtimes):
+        x = torch.randint(0, 256, (cfg.train.microbatch_size, cfg.model.seq_len), generator=torch.Generator().manual_seed(i))
+        runtime.forward((0, i), x)
+        runtime.loss_backward((0, i), x)
+        with torch.no_grad():
+            runtime.parameters()[0].add_(0.01 * (i + 1))  # apart from the anchor, as after inner steps
+
+    def all_reduces(name: str):
+        peers = [a.peer_id for a in pair]
+        return [replica_all_reduce(a, peers, ["r", "r"], 1.0, lambda r, part: group_id(name, 0, 0, 1, r, part),
+                                   hierarchical=False, presummed=True) for a in pair]
+
+    def sent(calls) -> int:
+        before = sum(a.bytes_sent for a in pair)
+        _together(calls)
+        return sum(a.bytes_sent for a in pair) - before
+
+    step = sent([lambda r=r, f=f: r.mean_gradients(0, lambda sums: f(0, sums))
+                 for r, f in zip(runtimes, all_reduces("every-step"))])
+    pseudo = [r.sync.pseudo_gradient(r.parameters()) for r in runtimes]
+    sync = sent([lambda p=p, f=f: f(0, p) for p, f in zip(pseudo, all_reduces("diloco"))])
+    assert torch.equal(pseudo[0][0], pseudo[1][0])  # the all-reduce ran: both hold the mean
+    h = cfg.compression.replica_sync_every
+    print(json.dumps({"every_step_averaging_bytes_per_step": step, "diloco_averaging_bytes_per_step": sync / h,
+                      "replica_sync_every": h, "ratio": step / (sync / h)}))
+    assert step > 0 and sync > 0 and step / (sync / h) >= 30

@@ -43,12 +43,14 @@ def test_from_config_maps_every_field():
         "train.recompute=true",
     ])
     expected = dict(microbatches=6, microbatch_size=3, codec_ratio=CodecRatio(), inflight=2, allreduce="hierarchical",
-                    replica_rank=8, compute_bytes=2, recompute=True)
+                    replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1)
     # A field added to StepShape must be added here, and to from_config.
     assert {f.name for f in dataclasses.fields(StepShape)} == set(expected)
     assert StepShape.from_config(cfg, param_shapes_known=True) == StepShape(**expected)
     # Without the parameter shapes PowerSGD's factors cannot be sized: replicas are priced averaging raw gradients.
     assert StepShape.from_config(cfg, param_shapes_known=False) == StepShape(**{**expected, "replica_rank": None})
+    diloco = load_config(None, ["compression.replica_sync=diloco", "compression.replica_sync_every=16"])
+    assert StepShape.from_config(diloco, param_shapes_known=True).replica_sync_every == 16
 
 
 def nodes(seed, n=9):

@@ -218,6 +218,7 @@ class ReplicaAverager(ServicerBase):
         # Peers (base58) nobody can dial, from the plan: in hivemind's client mode they send their parts and reduce
         # none, so that nobody opens a stream to them.
         self.clients: frozenset[str] = frozenset()
+        self.bytes_sent = 0  # averaging messages this peer sent (its parts and, as a reducer, the averaged parts)
         self._p2p = self._call(self.dht.replicate_p2p())
         self._call(self.add_p2p_handlers(self._p2p, namespace=_NAMESPACE))
         self.peer_id = self._p2p.peer_id.to_base58()
@@ -295,7 +296,7 @@ class ReplicaAverager(ServicerBase):
                 sender_timeout=self.timeout_s / 2,
                 reducer_timeout=self.timeout_s,
             )
-            _close_streams_after_last_part(runner)
+            _close_streams_after_last_part(runner, self._count_sent)
             future.set_result(runner)
             async for index, delta in aenumerate(runner):
                 tensors[index].add_(delta)
@@ -330,8 +331,13 @@ class ReplicaAverager(ServicerBase):
                 yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
             async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+                self._count_sent(message)
                 yield message
         await asyncio.sleep(self.timeout_s)  # hivemind's p2p layer cancels this wait when the groupmate closes
+
+    def _count_sent(self, message: averaging_pb2.AveragingData) -> None:
+        # Only the event loop's thread counts: no lock; readers (heartbeats) take a possibly older total.
+        self.bytes_sent += message.ByteSize()
 
     def shutdown(self) -> None:
         """Close this averager's connection to the p2p daemon and stop the event loop thread (the DHT is the
@@ -352,8 +358,11 @@ class ReplicaAverager(ServicerBase):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _close_streams_after_last_part(runner: AllReduceRunner) -> None:
-    """Make `runner` close its stream to each groupmate once it holds every averaged part it expects from it.
+def _close_streams_after_last_part(
+    runner: AllReduceRunner, count_sent: Callable[[averaging_pb2.AveragingData], None]
+) -> None:
+    """Make `runner` close its stream to each groupmate once it holds every averaged part it expects from it, and
+    count what it sends them.
 
     hivemind's reducer closes the stream after sending its last part, and its p2p daemon can then reset the stream
     while those last parts are still on their way: the sender counts fewer parts than it expects ("peer sent 11
@@ -365,22 +374,32 @@ def _close_streams_after_last_part(runner: AllReduceRunner) -> None:
 
     def closing_stub(peer: PeerID) -> _ClosingStub:
         expected = runner.tensor_part_container.num_parts_by_peer[runner.ordered_peer_ids.index(peer)]
-        return _ClosingStub(stub_for(peer), expected)
+        return _ClosingStub(stub_for(peer), expected, count_sent)
 
     runner._get_peer_stub = closing_stub  # the only way AllReduceRunner reaches a groupmate's reducer
 
 
 class _ClosingStub:
-    """A groupmate's averaging stub whose rpc_aggregate_part stream ends, and closes, after `expected` replies."""
+    """A groupmate's averaging stub whose rpc_aggregate_part stream ends, and closes, after `expected` replies; each
+    request it sends is counted."""
 
-    def __init__(self, stub: StubBase, expected: int) -> None:
-        self._stub, self._expected = stub, expected
+    def __init__(
+        self, stub: StubBase, expected: int, count_sent: Callable[[averaging_pb2.AveragingData], None]
+    ) -> None:
+        self._stub, self._expected, self._count_sent = stub, expected, count_sent
 
     async def rpc_aggregate_part(
         self, requests: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Send `requests`; the replies, up to the expected number, after which the stream is closed."""
-        return _take_then_close(await self._stub.rpc_aggregate_part(requests), self._expected)
+        return _take_then_close(await self._stub.rpc_aggregate_part(self._counted(requests)), self._expected)
+
+    async def _counted(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for request in requests:
+            self._count_sent(request)
+            yield request
 
 
 async def _take_then_close(

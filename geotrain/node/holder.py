@@ -102,6 +102,8 @@ class StageHolder:
             log.warning("the planner leaves this node out: %s", plan.excluded[self.node_id][:500])
         if stage is not None and stage.hierarchical_allreduce:
             where += ", replicas averaging region by region"
+        if stage is not None and len(stage.node_ids) > 1 and self.cfg.compression.diloco:
+            where += f", {self.cfg.compression.inexact_replicas}"
         log.info("plan epoch %d: %s", plan.epoch, where)
         self._heartbeat()  # tells the coordinator this epoch is in place
 

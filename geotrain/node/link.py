@@ -202,6 +202,7 @@ class CoordinatorLink:
             state_epoch=self.state_epoch,
             peak_memory_bytes=peak_memory_bytes(self.device),
             relayed_bytes=self.dataplane.reverse.relayed_bytes if self.dataplane.reverse is not None else 0,
+            averaging_bytes_sent=self.averager.bytes_sent if self.averager is not None else 0,
         )
         try:
             reply = self.coordinator.Heartbeat(request, timeout=max(1.0, 2 * self.heartbeat_interval_s))

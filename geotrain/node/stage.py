@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import RunConfig
 from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
+from geotrain.node.diloco import OuterSync
 from geotrain.node.family import call_layer
 from geotrain.node.model import build_layer, family_of, loss_fn
 
@@ -82,6 +83,10 @@ class StageRuntime:
         self.optimizer = torch.optim.AdamW(
             self.layers.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
         )
+        c = cfg.compression
+        # compression.replica_sync = "diloco": the anchor and outer step of node.diloco (None: exact averaging).
+        self.sync = OuterSync(self.parameters(), c.replica_sync_every, c.replica_sync_lr, c.replica_sync_momentum) \
+            if c.diloco else None
         self.applied_step = -1  # last optimizer step applied
         self.grads: StepGradients | None = None
         self._pending: dict[MicrobatchKey, _Pending] = {}
@@ -240,10 +245,12 @@ class StageRuntime:
 
     def apply(self, step: int, clip_coef: float, lr: float, skip: bool = False, loss_scale: float = 0.0) -> None:
         """Scale gradients by clip_coef and take the optimizer step (none when `skip`: an fp16 overflow); the steps
-        after it scale their loss by loss_scale."""
+        after it scale their loss by loss_scale. Under diloco a replica sync staged for this step comes first."""
         if step != self.applied_step + 1:
             raise ValueError(f"apply step {step} after step {self.applied_step}")
         self.set_loss_scale(loss_scale)
+        if self.sync is not None:
+            self.sync.apply_pending(step, self.parameters())
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             self.applied_step = step
@@ -272,9 +279,12 @@ class StageRuntime:
         self.loss_scale = scale
 
     def checksum(self) -> str:
-        """sha256 of the parameters' bytes: replicas that applied the same steps agree bit for bit."""
+        """sha256 of the parameters' bytes: replicas that applied the same steps agree bit for bit. Under diloco,
+        of the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
         h = hashlib.sha256()
-        for name, p in self.named_state():
+        names = [name for name, _ in self.named_state()]
+        tensors = self.sync.anchor if self.sync is not None else self.parameters()
+        for name, p in zip(names, tensors):
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
@@ -284,11 +294,14 @@ class StageRuntime:
         return [(f"layers.{name}", p) for name, p in self.layers.named_parameters()]
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters and AdamW state (`optim.<param name>.<slot>`): what a new replica needs to continue."""
+        """Parameters and AdamW state (`optim.<param name>.<slot>`), and under diloco the anchor and outer momentum
+        (`sync.<slot>.<param name>`): what a new replica needs to continue."""
         items = list(self.named_state())
         for name, p in self.named_state():
             for slot, value in sorted(self.optimizer.state.get(p, {}).items()):
                 items.append((f"optim.{name}.{slot}", value))
+        if self.sync is not None:
+            items += self.sync.named_state([name for name, _ in self.named_state()])
         return items
 
     def load_full_state(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
@@ -305,5 +318,7 @@ class StageRuntime:
                     if k.startswith(f"optim.{name}.")
                 }
                 self.optimizer.state[p] = slots
+            if self.sync is not None:
+                self.sync.load([name for name, _ in self.named_state()], state)
         self.reset_step()
         self.applied_step = steps_done - 1

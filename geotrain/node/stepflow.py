@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -276,22 +277,54 @@ class StepFlow:
         if order.plan_epoch != plan.epoch:
             return
         stage = plan.stages[self.stage_index]
-        if len(stage.node_ids) == 1:
+        if runtime.sync is not None:
+            runtime.mean_gradients(order.step)  # this replica's own: under diloco replicas average no gradients
+            if runtime.sync.due(order.step):
+                self._sync_replicas(runtime, plan, stage, order.step)
+        elif len(stage.node_ids) == 1:
             runtime.mean_gradients(order.step)
         else:
-            if not self._averaging_ready.wait(RPC_DEADLINE_S) or self.averager is None:
-                raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
-            try:
-                self._average_with_replicas(runtime, plan, stage, order.step)
-            except Exception as e:
-                why = f"averaging with the stage's replicas failed: {e!r}"
-                raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
+            self._with_replicas(lambda: self._average_with_replicas(runtime, plan, stage, order.step))
         parts = runtime.grad_sq_norm_parts()
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
         )
         self._report(self.coordinator.GradNorm, request)
+
+    def _with_replicas(self, average: Callable[[], None]) -> None:
+        """Run `average` once this node can average with its stage's replicas; StageFailure if it cannot or fails
+        (the plan epoch is abandoned, and the survivors redo the step)."""
+        if not self._averaging_ready.wait(RPC_DEADLINE_S) or self.averager is None:
+            raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
+        try:
+            average()
+        except Exception as e:
+            why = f"averaging with the stage's replicas failed: {e!r}"
+            raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
+
+    def _sync_replicas(self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int) -> None:
+        """diloco: average the replicas' pseudo-gradients and keep the mean for this step's apply (node.diloco); a
+        stage with one replica averages nothing."""
+        assert runtime.sync is not None
+        if len(stage.node_ids) == 1:
+            runtime.sync.stage(step, None)
+            return
+        pseudo = runtime.sync.pseudo_gradient(runtime.parameters())
+
+        def average() -> None:
+            from geotrain.node.averaging import group_id, replica_all_reduce
+
+            all_reduce = replica_all_reduce(
+                self.averager, list(stage.peer_ids), list(stage.regions), 1.0,
+                lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
+                hierarchical=stage.hierarchical_allreduce, presummed=True,
+            )
+            all_reduce(0, pseudo)  # every replica counts once, as DiLoCo's mean over workers
+
+        self._with_replicas(average)
+        runtime.sync.stage(step, pseudo)
+        log.info("step %d: replicas of stage %d synced (%s)", step, stage.index, self.cfg.compression.inexact_replicas)
 
     def _average_with_replicas(
         self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int

@@ -202,18 +202,26 @@ class TrainSettings(_message.Message):
     def __init__(self, microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., inflight: _Optional[int] = ..., precision: _Optional[str] = ..., precision_fallback: _Optional[str] = ..., recompute: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ...) -> None: ...
 
 class CompressionSettings(_message.Message):
-    __slots__ = ("activations", "activation_grads", "replica_grads", "replica_robust", "replica_clip_rms")
+    __slots__ = ("activations", "activation_grads", "replica_grads", "replica_robust", "replica_clip_rms", "replica_sync", "replica_sync_every", "replica_sync_lr", "replica_sync_momentum")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_GRADS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GRADS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ROBUST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_CLIP_RMS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_LR_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     activations: str
     activation_grads: str
     replica_grads: str
     replica_robust: str
     replica_clip_rms: float
-    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ..., replica_robust: _Optional[str] = ..., replica_clip_rms: _Optional[float] = ...) -> None: ...
+    replica_sync: str
+    replica_sync_every: int
+    replica_sync_lr: float
+    replica_sync_momentum: float
+    def __init__(self, activations: _Optional[str] = ..., activation_grads: _Optional[str] = ..., replica_grads: _Optional[str] = ..., replica_robust: _Optional[str] = ..., replica_clip_rms: _Optional[float] = ..., replica_sync: _Optional[str] = ..., replica_sync_every: _Optional[int] = ..., replica_sync_lr: _Optional[float] = ..., replica_sync_momentum: _Optional[float] = ...) -> None: ...
 
 class EmulationSettings(_message.Message):
     __slots__ = ("links",)
@@ -328,7 +336,7 @@ class LinkCounter(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes", "relayed_bytes")
+    __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes", "relayed_bytes", "averaging_bytes_sent")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +348,7 @@ class HeartbeatRequest(_message.Message):
     STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     bytes_sent: int
@@ -351,7 +360,8 @@ class HeartbeatRequest(_message.Message):
     state_epoch: int
     peak_memory_bytes: int
     relayed_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
+    averaging_bytes_sent: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounter, _Mapping]]] = ..., microbatches_per_s: _Optional[float] = ..., applied_step: _Optional[int] = ..., dht_peer_id: _Optional[str] = ..., state_epoch: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "next_heartbeat_s")
@@ -715,7 +725,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability", "relayed_bytes")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability", "relayed_bytes", "averaging_bytes_sent")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -737,6 +747,7 @@ class NodeStatus(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -758,7 +769,8 @@ class NodeStatus(_message.Message):
     peak_memory_bytes: int
     reachability: str
     relayed_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
+    averaging_bytes_sent: int
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")
@@ -831,7 +843,7 @@ class RunEvent(_message.Message):
     def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase", "val_bits_per_byte")
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase", "val_bits_per_byte", "exactness")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -851,6 +863,7 @@ class StatusReply(_message.Message):
     ESTIMATED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     VAL_BITS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    EXACTNESS_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     steps: int
@@ -870,7 +883,8 @@ class StatusReply(_message.Message):
     estimated_step_s: float
     phase: str
     val_bits_per_byte: float
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ..., val_bits_per_byte: _Optional[float] = ...) -> None: ...
+    exactness: str
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ..., val_bits_per_byte: _Optional[float] = ..., exactness: _Optional[str] = ...) -> None: ...
 
 class WindowsRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "validation")

@@ -2,7 +2,9 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
+# 11: RunConfig.compression.replica_sync (a node that ignored "diloco" would wait in gradient all-reduces its peers
+#    never start), HeartbeatRequest.averaging_bytes_sent
 # 10: relays: Plan.relays, Stage.Relay, ReverseDown.origin and signature (a node that ignored them would stall)
 # 9: ModelSettings.boundary_rank (a node that ignored it would build another model than its neighbours)
 # 8: Plan.inflight: the plan's in-flight window (a node that ignored it would keep train.inflight's, 0 under auto)

@@ -51,9 +51,9 @@ class Manifest:
 
 
 def layer_of(name: str) -> int:
-    """The layer index of a state name (`layers.<i>.…` or `optim.layers.<i>.…`)."""
+    """The layer index of a state name (`layers.<i>.…`, `optim.layers.<i>.…` or `sync.<slot>.layers.<i>.…`)."""
     parts = name.split(".")
-    return int(parts[2] if parts[0] == "optim" else parts[1])
+    return int(parts[parts.index("layers") + 1])
 
 
 class CheckpointStore:

@@ -79,6 +79,7 @@ class RunSummary:
     """The same tensors' bytes before compression."""
     estimated_step_s: float | None  # the cost model's step time for the last plan (None: no profiles to price it)
     relayed_bytes: int  # payload bytes the nodes forwarded as relays for links whose two ends nobody can dial
+    averaging_bytes: int  # replica-averaging bytes the nodes sent (their last heartbeats' counters)
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
@@ -354,6 +355,8 @@ class Coordinator:
         log.info("waiting for %d node(s)", need)
         self.membership.wait(lambda: len(self.membership.alive()) >= need, f"{need} nodes to join", float("inf"))
         self._set_state("training")
+        if self.cfg.compression.inexact_replicas:
+            log.warning("%s", self.cfg.compression.inexact_replicas)
         if self.plan is not None:
             self.step = self.driver.finish_decided(self.plan) or self.step
         first_step = self.step
@@ -397,6 +400,7 @@ class Coordinator:
             raw_bytes=sum(link.raw_bytes for link in links),
             estimated_step_s=self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
             relayed_bytes=sum(m.relayed_bytes for m in self.membership.members.values()),
+            averaging_bytes=sum(m.averaging_bytes_sent for m in self.membership.members.values()),
         )
 
     def _note_failure(self, why: str) -> None:
@@ -478,6 +482,7 @@ class Coordinator:
             events=tuple(self.store.events()),
             now=time.monotonic(),
             bits_per_byte=self.bits_per_byte,
+            exactness=self.cfg.compression.inexact_replicas,
         )
 
     def status(self) -> pb.StatusReply:

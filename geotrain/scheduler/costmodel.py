@@ -299,6 +299,9 @@ class StepShape:
     """How replicas average (scheduler.allreduce): one of ALLREDUCE_MODES."""
     replica_rank: int | None = None
     """PowerSGD's rank when replicas average low-rank factors (compression.replica_grads); None: raw gradients."""
+    replica_sync_every: int = 1
+    """Steps between two replica averagings: 1 averages gradients every step; H under compression.replica_sync =
+    "diloco", whose sync moves as many bytes as a step's gradient averaging once every H steps."""
     compute_bytes: int = 4
     """Bytes per value the stages compute in (train.precision): 2 under bf16/fp16 autocast, which keeps a 16-bit
     copy of every weight next to the fp32 master weights."""
@@ -317,6 +320,8 @@ class StepShape:
             raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}")
         if self.inflight not in (None, "auto") and not (isinstance(self.inflight, int) and self.inflight > 0):
             raise ValueError(f"inflight must be > 0, None or 'auto', got {self.inflight!r}")
+        if not (isinstance(self.replica_sync_every, int) and self.replica_sync_every >= 1):
+            raise ValueError(f"replica_sync_every must be an integer >= 1, got {self.replica_sync_every!r}")
         if self.compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
 
@@ -331,6 +336,7 @@ class StepShape:
             inflight="auto" if cfg.train.inflight == AUTO_INFLIGHT else cfg.train.inflight,
             allreduce=cfg.scheduler.allreduce,
             replica_rank=cfg.compression.replica_rank if param_shapes_known else None,
+            replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
             compute_bytes=4 if cfg.train.precision == "fp32" else 2,
             recompute=cfg.train.recompute,
         )
@@ -623,12 +629,14 @@ class CostModel:
         return flat, 2 * region_rounds + shard_per_bit * bits + shard_s
 
     def _sync_both(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> tuple:
-        """Seconds of the replicas idx averaging the gradients of layers [start, end) (numbers or arrays), every
-        round flat and every round hierarchical: a stage averages one way throughout."""
+        """Seconds per step of the replicas idx averaging layers [start, end) (numbers or arrays), every round flat
+        and every round hierarchical: a stage averages one way throughout. A sync every H steps costs its whole
+        time once in H steps (StepShape.replica_sync_every)."""
         if len(idx) < 2:
             return 0.0, math.inf
         both = [self._allreduce_both(idx, p[end] - p[start]) for p in self.sync_prefix]
-        return sum(flat for flat, _ in both), sum(hierarchical for _, hierarchical in both)
+        every = self.shape.replica_sync_every
+        return sum(flat for flat, _ in both) / every, sum(hierarchical for _, hierarchical in both) / every
 
     def sync_seconds(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
         """Replica averaging of layers [start, end) (numbers or arrays of bounds) among the replicas idx, the

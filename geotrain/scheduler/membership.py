@@ -105,6 +105,7 @@ class Member:
     microbatches_per_s: float = 0.0
     peak_memory_bytes: int = 0
     relayed_bytes: int = 0  # payload bytes it forwarded as a relay
+    averaging_bytes_sent: int = 0  # replica averaging messages it sent, as its last heartbeat said
     profile: pb.NodeProfileReport | None = None  # the latest the node measured (scheduler.profiles reads it)
     beat_every: float = 0.0  # the heartbeat interval it was last told (0: the run's, from registration)
     failed_epoch: int = 0  # the plan epoch the node reported it cannot take part in (0: none)
@@ -279,6 +280,7 @@ class Membership:
             member.links = list(request.links)
             member.microbatches_per_s = request.microbatches_per_s
             member.peak_memory_bytes = request.peak_memory_bytes
+            member.averaging_bytes_sent = request.averaging_bytes_sent
             if changed:
                 self.cond.notify_all()
             return member.beat_every

@@ -34,14 +34,15 @@ def run_plan(
     replica_rank: int | None = None,
     compute_bytes: int = 4,
     recompute: bool = False,
+    replica_sync_every: int = 1,
     err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
     vocab (and optionally bytes_per_value and boundary_rank); inflight is the data heads' window (None: unbounded;
     "auto": the plan's own); allreduce and replica_rank say how replicas average (scheduler.allreduce, PowerSGD's
-    rank or None); compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation
-    (StepShape); returns 0, or 2 after printing the error for a bad cluster or model. out and err default to
-    sys.stdout and sys.stderr as they are at the call."""
+    rank or None); compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation,
+    replica_sync_every the steps between replica averagings (StepShape); returns 0, or 2 after printing the error
+    for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they are at the call."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
         profile = ModelProfile.gpt(**model, microbatch_size=microbatch_size, compute_bytes=compute_bytes)
@@ -55,6 +56,7 @@ def run_plan(
             replica_rank=replica_rank,
             compute_bytes=compute_bytes,
             recompute=recompute,
+            replica_sync_every=replica_sync_every,
         )
         result = plan(
             nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)

@@ -28,6 +28,7 @@ class StatusSnapshot:
     events: tuple[tuple[float, str, str, str], ...]
     now: float  # time.monotonic() when taken, for heartbeat ages
     bits_per_byte: Callable[[float], float]  # a validation loss as bits per byte of the run's validation text
+    exactness: str = ""  # why the run is not exact (config's inexact_replicas), "" when it is
 
 
 def render(snap: StatusSnapshot) -> pb.StatusReply:
@@ -35,7 +36,7 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
     history = snap.history
     reply = pb.StatusReply(
         state=snap.state, phase=snap.phase, step=len(history), steps=snap.steps, failures=snap.failures,
-        recovery_s=snap.recoveries,
+        recovery_s=snap.recoveries, exactness=snap.exactness,
     )
     if history:
         last = history[-1]
@@ -107,6 +108,7 @@ def _add_node(
         device=f"{m.profile.device} ({m.profile.device_name})" if m.profile else "",
         precision=m.profile.precision if m.profile else "",
         peak_memory_bytes=m.peak_memory_bytes,
+        averaging_bytes_sent=m.averaging_bytes_sent,
         reachability=m.reachability,
         relayed_bytes=m.relayed_bytes,
     )

@@ -73,6 +73,8 @@ def render_status(reply: pb.StatusReply) -> str:
         f"{reply.tokens_per_s:,.0f} tokens/s  time left {eta}  failures {reply.failures}",
         f"plan epoch {reply.plan_epoch}: {len(reply.stages)} stage(s), bottleneck {reply.bottleneck or 'n/a'}",
     ]
+    if reply.exactness:
+        lines.append(reply.exactness)
     for s in reply.stages:
         lines.append(f"  stage {s.index}: layers {s.layer_start}-{s.layer_end - 1} on {', '.join(s.node_ids)}")
     lines.append("")

@@ -243,14 +243,9 @@ class StepDriver:
         self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
         wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
         self._enter(StepPhase.NORMS_IN, step)
-        norms = self.progress.norms
-        for stage in plan.stages:
-            if len({norms[n] for n in stage.node_ids}) != 1:
-                raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
-        parts = self.progress.norm_parts
         clip, skip, scale = self.cfg.train.decide(
-            (p for s in plan.stages for p in parts[s.node_ids[0]]), current_loss_scale(self.cfg, self.store)
+            (p for s in plan.stages for p in self._stage_norm_parts(s)), current_loss_scale(self.cfg, self.store)
         )
         lr = self.cfg.train.lr_at(step, self.cfg.run.steps)
         losses = [loss for loss, _ in self.progress.done.values()]
@@ -283,6 +278,19 @@ class StepDriver:
         self.store.commit_step(record, self._stage_checksums(plan))
         self._enter(StepPhase.COMMITTED, step)
         return record
+
+    def _stage_norm_parts(self, stage: pb.StageAssignment) -> list[float]:
+        """The squared norm of each of a stage's gradient tensors. Replicas that average their gradients report the
+        same parts (StepFailed if not); under diloco each applies its own, and their mean part stands for the
+        stage's (every replica is clipped by the one factor the decision sends all)."""
+        reported = [self.progress.norm_parts[n] for n in stage.node_ids]
+        if not self.cfg.compression.diloco:
+            if len({self.progress.norms[n] for n in stage.node_ids}) != 1:
+                raise StepFailed(f"replicas of stage {stage.index} disagree on their averaged gradients")
+            return reported[0]
+        if len({len(parts) for parts in reported}) != 1:
+            raise StepFailed(f"replicas of stage {stage.index} report different numbers of gradient tensors")
+        return [math.fsum(column) / len(reported) for column in zip(*reported)]
 
     def finish_decided(self, plan: pb.Plan) -> int | None:
         """After a coordinator restart: complete a step whose decision was recorded but not its commit; returns
