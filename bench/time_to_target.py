@@ -172,7 +172,6 @@ def figures(name: str, config: Config, summary: dict, links: str, target: float)
     """The JSON line of one run."""
     steps_to_target, seconds_to_target = to_target(summary, target)
     tokens = summary["steps"] * tokens_per_step()
-    averaging = summary.get("averaging_bytes")
     return {
         "config": name,
         "links": links_label(links),
@@ -180,8 +179,7 @@ def figures(name: str, config: Config, summary: dict, links: str, target: float)
         "steps_to_target": steps_to_target,
         "seconds_to_target": None if seconds_to_target is None else round(seconds_to_target, 1),
         "boundary_bytes_per_token": round(summary["wire_bytes"] / tokens, 1),
-        "averaging_bytes_per_step": (0 if config.replicas == 1 else
-                                     None if averaging is None else round(averaging / summary["steps"])),
+        "averaging_bytes_per_step": round(summary["averaging_bytes"] / summary["steps"]),
         "val_loss_at_equal_tokens": round(summary["val_loss"], 4),
         "tokens": tokens,
         "tokens_per_s": round(summary["tokens_per_s"], 1),

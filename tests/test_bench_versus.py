@@ -57,7 +57,7 @@ def test_versus_systems_parse(capsys):
 
 def test_figures_come_from_the_summary():
     summary = {"steps": 30, "validation": [(10, 3.0, 5.0), (20, 2.4, 11.0), (30, 2.1, 16.5)], "val_loss": 2.1,
-               "wire_bytes": 6_000_000, "tokens_per_s": 500.0}
+               "wire_bytes": 6_000_000, "averaging_bytes": 0, "tokens_per_s": 500.0}
     assert ttt.to_target(summary, 2.5) == (20, 11.0)
     assert ttt.to_target(summary, 1.0) == (None, None)
     fig = ttt.figures("none", ttt.CONFIGS["none"], summary, "namespaces", 2.5)
@@ -65,16 +65,15 @@ def test_figures_come_from_the_summary():
     tokens = 30 * ttt.tokens_per_step()
     assert fig["tokens"] == tokens and fig["boundary_bytes_per_token"] == round(6_000_000 / tokens, 1)
     assert fig["averaging_bytes_per_step"] == 0 and "namespaces" in fig["links"]
-    # Two replicas per stage: the averaging bytes the run reports, or null when it reports none.
+    # Two replicas per stage: the averaging bytes the run reports, per step.
     replicas = ttt.CONFIGS["replicas_diloco"]
-    assert ttt.figures("d", replicas, summary, "emulator", 2.5)["averaging_bytes_per_step"] is None
     assert ttt.figures("d", replicas, {**summary, "averaging_bytes": 900}, "emulator", 2.5)[
         "averaging_bytes_per_step"] == 30
 
 
 def test_geotrain_line_is_its_run_judged_against_the_target(monkeypatch):
     summary = {"steps": 20, "validation": [(10, 2.6, 4.0), (20, 2.4, 8.5)], "val_loss": 2.4, "wire_bytes": 10,
-               "tokens_per_s": 800.0}
+               "averaging_bytes": 0, "tokens_per_s": 800.0}
     runs = []
     monkeypatch.setattr(ttt, "train", lambda config, steps, links: runs.append((config, steps, links)) or summary)
     line, fig = versus.geotrain_line("geotrain_best", "int8", 20, "emulator", 2.5)
