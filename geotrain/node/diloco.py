@@ -111,6 +111,8 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
 
 def drift_bound(lrs: Sequence[float], beta1: float, beta2: float, weight_decay: float, max_abs: float) -> float:
     """The most two replicas' values can differ after the inner steps with learning rates `lrs` from one anchor,
-    where no value exceeds max_abs in size."""
+    where no value exceeds max_abs in size. Adam's bound is reached on the first step after a sync (its update is
+    then lr exactly), so each float32 step may also round by up to one unit in the last place of max_abs."""
     per_lr = adam_step_bound(beta1, beta2) + weight_decay * max_abs
-    return 2 * math.fsum(lr * per_lr for lr in lrs)
+    rounding = math.ldexp(torch.finfo(torch.float32).eps, math.frexp(max_abs)[1] - 1)  # float32's ulp at max_abs
+    return 2 * math.fsum(lr * per_lr + rounding for lr in lrs)
