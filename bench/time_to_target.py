@@ -135,8 +135,8 @@ def train(config: Config, steps: int, links: str, timeout_s: float = 3600.0) -> 
     """One run of `config`; its --json summary."""
     flags = [arg for s in run_settings(config, steps) for arg in ("--set", s)]
     if links == "emulator":
-        cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * config.replicas), "--steps",
-               str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
+        cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * config.replicas), "--stages",
+               str(STAGES), "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
         if done.returncode != 0:
