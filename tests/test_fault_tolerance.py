@@ -138,10 +138,11 @@ def test_a_node_joins_the_planner_moves_layers_and_nothing_is_lost(tmp_path):
 
     before, after = ranges(plans[0]), ranges(plans[-1])
     assert set(before) == {"node-1", "node-2"} and "node-3" in after, (before, after)
-    # Layers moved between the nodes that served before. Which plan moves them (node-3 with most layers, node-3 alone
-    # on one stage and the slow nodes replicas of the other, or node-3 a replica of a widened stage) depends on
-    # profiles measured on a loaded machine; choosing among such plans is test_planner's, with fixed profiles.
-    assert any(after[n] != before[n] for n in before), (before, after)
+    # The nodes that served before serve other layers, or none. Which plan moves them (node-3 with most layers, node-3
+    # alone on one stage and the slow nodes replicas of the other, node-3 a replica of a widened stage, or a slow node
+    # left spare) depends on profiles measured on a loaded machine; choosing among such plans is test_planner's, with
+    # fixed profiles.
+    assert any(after.get(n) != before[n] for n in before), (before, after)
     assert "checkpoint" in kinds and "rollback" not in kinds and "failure" not in kinds
     assert steps == list(range(cfg.run.steps))
     assert max_diff(state, train_local_state(cfg)) <= 1e-4
