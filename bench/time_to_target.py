@@ -21,14 +21,16 @@ them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_t
 configuration trains the same tokens), tokens_per_s.
 
 Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
-averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The ranks and the
-replica sync are options other branches add: until they are merged, their runs fail on the unknown keys.
+averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). Replica averaging
+does not start across the namespaces yet (hivemind's DHT binds 127.0.0.1 there): run the replica configurations
+with --links emulator, which shapes geotrain's data plane but not hivemind's traffic.
 Run: sudo python bench/time_to_target.py [--configs none,int8,auto] [--steps N] [--links namespaces|emulator]
 
-Measured on a shared 2-core machine, namespaces, 150 steps (the ranks and replica sync not merged yet, not run):
-none 100 steps, 189.6 s to target, 3,679 B/token, 2.7557 at equal tokens, 1,586 tokens/s; int8 100 steps, 140.4 s
-(1.35x sooner), 973 B/token (3.8x fewer), 2.7538, 2,162 tokens/s; auto 150 steps, 237.4 s, 1,198 B/token, 2.8888
-(+4.8%: its top-k costs loss), 1,941 tokens/s.
+Measured on a 2-core machine, namespaces, 150 steps: none 100 steps, 171.1 s to target, 3,673 B/token, 2.7557 at
+equal tokens; rank8 40 steps, 32.5 s (5.3x sooner), 153 B/token (24x fewer), 2.4764; rank32 40 steps, 41.2 s, 611
+B/token, 2.4952. Earlier, loaded: int8 100 steps, 140.4 s, 973 B/token, 2.7538; auto 150 steps, 237.4 s, 1,198
+B/token, 2.8888 (its top-k costs loss). Emulator, 100 steps: replicas_every_step 154.9 s, 44.5 MB averaged a step,
+2.8405; replicas_diloco not at the target, 4.0 MB a step (11x fewer), 3.0114.
 """
 
 from __future__ import annotations
