@@ -29,6 +29,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 # What `geotrain join` imports up to its first optimizer step, and hivemind for the coordinator's DHT process; in a
@@ -114,6 +118,28 @@ def forkserver(preload: list[str] = NODE_PRELOAD) -> multiprocessing.context.Bas
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(preload)
     return context
+
+
+def child_with_pipe(target: Callable[..., None], args: tuple, name: str) -> tuple[BaseProcess, Connection]:
+    """A daemon process forked from the forkserver, running target(*args, its end of a pipe), and this end. The
+    child reads EOF on its end once this process closes it or dies, however it died."""
+    context = forkserver()
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=target, args=(*args, child_conn), name=name, daemon=True)
+    process.start()
+    child_conn.close()
+    return process, conn
+
+
+def ready_message(conn: Connection, timeout_s: float, what: str) -> Any:
+    """The first message a child_with_pipe process sends, which says it is ready; RuntimeError naming `what` when
+    none comes within timeout_s or the child ends first (its own error is then in the log above)."""
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"{what} did not start within {timeout_s:.0f} s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{what} ended before it was ready: its error is above") from None
 
 
 def start_forkserver(preload: list[str] = NODE_PRELOAD) -> None:

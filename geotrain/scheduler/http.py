@@ -38,7 +38,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from geotrain.lifetime import forkserver
+from geotrain.lifetime import child_with_pipe, ready_message
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.limits import TokenBuckets
@@ -295,20 +295,13 @@ class StatusPageProcess:
 
     def start(self) -> int:
         """Start the page's process and the pushes; returns the bound port."""
-        context = forkserver()
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_serve_page, args=(self._listen, self._viewer_token, child_conn),
-                                        name="geotrain-status-page", daemon=True)
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = child_with_pipe(
+            _serve_page, (self._listen, self._viewer_token), "geotrain-status-page"
+        )
         try:
             self._conn.send_bytes(self._status().SerializeToString())  # served from the first request on
-            if not self._conn.poll(_START_TIMEOUT_S * 3):  # the process imports aiohttp first
-                raise RuntimeError(f"the status page's process did not start within {_START_TIMEOUT_S * 3:.0f} s")
-            port, errno, strerror = self._conn.recv()
-        except EOFError:
-            self.stop()
-            raise RuntimeError("the status page's process ended before it was ready: its error is above") from None
+            # The process imports aiohttp first.
+            port, errno, strerror = ready_message(self._conn, _START_TIMEOUT_S * 3, "the status page's process")
         except BaseException:
             self.stop()
             raise

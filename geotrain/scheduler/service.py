@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from geotrain.config import RunConfig
-from geotrain.lifetime import forkserver, tie_children_to_this_process
+from geotrain.lifetime import child_with_pipe, ready_message, tie_children_to_this_process
 
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -334,19 +334,9 @@ class DhtProcess:
     or its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
 
     def __init__(self, host_maddr: str) -> None:
-        context = forkserver()
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_serve_dht, args=(host_maddr, child_conn), name="geotrain-dht",
-                                        daemon=True)
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = child_with_pipe(_serve_dht, (host_maddr,), "geotrain-dht")
         try:
-            if not self._conn.poll(_DHT_READY_S):
-                raise RuntimeError(f"the coordinator's DHT process did not start within {_DHT_READY_S:.0f} s")
-            self.maddrs: list[str] = self._conn.recv()
-        except EOFError:
-            self.close()
-            raise RuntimeError("the coordinator's DHT process ended before it was ready: its error is above") from None
+            self.maddrs: list[str] = ready_message(self._conn, _DHT_READY_S, "the coordinator's DHT process")
         except BaseException:
             self.close()
             raise
