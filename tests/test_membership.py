@@ -12,7 +12,7 @@ from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
-from geotrain.scheduler.errors import ReportRefused
+from geotrain.scheduler.errors import ReportRefused, StepFailed
 from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle
 from tests.conftest import wait_until
 
@@ -128,4 +128,25 @@ def test_spares_of_a_large_run_beat_less_often_and_are_given_as_many_of_their_in
     c.membership.check_liveness()
     assert not c.members[ids[1]].alive
     assert not c.heartbeat(pb.HeartbeatRequest(node_id=ids[1])).known
+    c.store.close()
+
+
+def test_a_replica_whose_hivemind_never_joins_is_left_out_after_two_plans():
+    # Three replicas of one stage; node-3's DHT never reports a peer id (a firewall, a broken install). Each plan that
+    # waits for it fails the step instead of ending the run, and after two the layout goes on without it.
+    c = Coordinator(load_config(None, ["scheduler.stages=1", "scheduler.placement=uniform", "scheduler.step_timeout_s=1"]))
+    ids = [_register(c, address=f"127.0.0.1:{7001 + i}").node_id for i in range(3)]
+    for node_id in ids[:2]:
+        c.heartbeat(pb.HeartbeatRequest(node_id=node_id, dht_peer_id=f"peer-of-{node_id}"))
+    for _ in range(2):
+        with pytest.raises(StepFailed, match=f"replicas {ids[2]} did not join the averaging"):
+            c.planning.replan(0)
+    with pytest.raises(StepFailed, match="nodes to take up the plan"):  # nobody runs these nodes: the plan is made
+        c.planning.replan(0)
+    assert list(c.plan.stages[0].node_ids) == ids[:2]
+    assert "averaging (hivemind)" in c.plan.excluded[ids[2]]
+    assert [(kind, node_id) for _, kind, node_id, _ in c.store.events() if kind == "excluded"] == [("excluded", ids[2])]
+    # Registering again (a fixed firewall, a restart) makes it a candidate once more.
+    _register(c, node_id=ids[2], address="127.0.0.1:7101")
+    assert ids[2] not in c.planning.left_out()
     c.store.close()

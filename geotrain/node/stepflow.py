@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # Bounds on the coordinator's JoinAveraging order (it names its own DHT's few listen addresses).
 _MAX_DHT_PEERS = 32
 _MAX_MULTIADDR_CHARS = 512
+_DHT_ATTEMPTS = 3
 
 
 def _sender(direction: str, ref: pb.MicrobatchRef, stage_index: int) -> tuple[str, int]:
@@ -72,6 +73,7 @@ class StepFlow:
     averager: object  # ReplicaAverager once the DHT is up
     _averaging_joined: bool
     _averaging_ready: threading.Event
+    stopped: threading.Event  # set when the node stops serving
 
     def _start_step(self, start: pb.StartStep) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -365,7 +367,8 @@ class StepFlow:
         self._report(self.coordinator.StepApplied, request)
 
     def _join_averaging(self, initial_peers: list[str]) -> None:
-        """Start joining the run's hivemind DHT, once, when the coordinator first makes this node a replica."""
+        """Start joining the run's hivemind DHT when the coordinator makes this node a replica: once, or again after
+        every attempt failed (the coordinator asks again with its next plan)."""
         if self._averaging_joined:
             return
         if not 0 < len(initial_peers) <= _MAX_DHT_PEERS or any(len(p) > _MAX_MULTIADDR_CHARS for p in initial_peers):
@@ -375,21 +378,30 @@ class StepFlow:
         threading.Thread(target=self._start_averaging, args=(initial_peers,), name="dht", daemon=True).start()
 
     def _start_averaging(self, initial_peers: list[str]) -> None:
-        """Join the run's hivemind DHT, through which replicas of a stage average their gradients."""
+        """Join the run's hivemind DHT, through which replicas of a stage average their gradients. A few attempts:
+        bootstrapping pings the coordinator's DHT with a 3 s deadline, which a loaded machine can miss."""
         from hivemind import DHT
 
         from geotrain.node.averaging import ReplicaAverager
 
         host = self.address.rsplit(":", 1)[0]
         tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed node
-        try:
-            # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
-            self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
-                            client_mode=self.behind_nat)
-            self.averager = ReplicaAverager(self._dht)
-        except Exception:
-            log.exception("cannot start hivemind: this node cannot serve as a stage replica")
+        for attempt in range(1, _DHT_ATTEMPTS + 1):
+            try:
+                # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
+                self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+                                client_mode=self.behind_nat)
+                break
+            except Exception as e:  # hivemind raises what its daemon or its bootstrap met: nothing narrower to catch
+                log.warning("cannot join the replicas' hivemind DHT (attempt %d of %d): %s", attempt, _DHT_ATTEMPTS, e)
+                if self.stopped.wait(attempt):
+                    return
+        else:
+            log.error("this node cannot serve as a stage replica: hivemind's DHT did not start; the coordinator "
+                      "will ask again with its next plan")
+            self._averaging_joined = False
             self._averaging_ready.set()  # settled: a commit that needs averaging fails at once, not after a wait
             return
+        self.averager = ReplicaAverager(self._dht)
         self._averaging_ready.set()
         self._heartbeat()

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 _REPLAN_TOLERANCE = 0.1
 # Re-measured links that make the current plan's estimate this much slower than when it was made start a re-plan.
 _DRIFT_REPLAN = 0.25
+# A replica whose hivemind misses this many plans in a row (one step timeout each) is left out of the layout.
+_JOIN_ROUNDS = 2
+_SHUT_OUT = f"did not join the replicas' averaging (hivemind) in {_JOIN_ROUNDS} plans: serves no stage until it registers again"
 
 
 
@@ -77,6 +80,7 @@ class Planning:
         self._planned_step_s: float | None = None  # its estimated step time when the plan was made
         self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
         self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
+        self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
 
     # -- is the plan still right? ---------------------------------------------------------------------------------
 
@@ -100,7 +104,7 @@ class Planning:
             and not placement.can_grow(
                 self.plan,
                 alive,
-                set(self.excluded),
+                set(self.left_out()),
                 self._replans_measured(),
                 self._replica_cap(len(self.membership.members)),
             )
@@ -153,8 +157,8 @@ class Planning:
     # -- making the next plan --------------------------------------------------------------------------------------
 
     def _assign(self, ranges: placement.Ranges) -> placement.Groups:
-        alive = self.membership.alive()
-        return placement.assign_groups(ranges, alive, self.plan, set(self.excluded), self._replica_cap(len(alive)))
+        alive = self._placeable()
+        return placement.assign_groups(ranges, alive, self.plan, set(self.left_out()), self._replica_cap(len(alive)))
 
     def _layout(self) -> tuple[placement.Ranges, placement.Groups]:
         """Layer ranges and their nodes: the planner's over measured profiles (see the module docstring), else the
@@ -178,7 +182,7 @@ class Planning:
         if self.plan is not None and self.estimate is not None:
             previous = replace(self.estimate, excluded={n: "left out before" for n in self.excluded})
         while True:
-            candidates = [m for m in self.membership.alive() if m.profile is not None]
+            candidates = [m for m in self._placeable() if m.profile is not None]
             try:
                 nodes, model, network = planner_inputs(candidates, self.cfg)
                 planned = plan_stages(
@@ -194,7 +198,7 @@ class Planning:
                 timeout = self.cfg.scheduler.rejoin_timeout_s
                 log.warning("no plan from %d node(s): %s; waiting up to %.0fs for others", len(candidates), e, timeout)
                 ids = {m.node_id for m in candidates}
-                profiled = lambda: {m.node_id for m in self.membership.alive() if m.profile is not None}  # noqa: E731
+                profiled = lambda: {m.node_id for m in self._placeable() if m.profile is not None}  # noqa: E731
                 self.membership.wait(lambda: profiled() != ids, "a node to plan with", timeout)
         for node_id, why in planned.excluded.items():
             if node_id not in self.excluded:
@@ -203,6 +207,46 @@ class Planning:
         self.excluded = dict(planned.excluded)
         members = self.membership.members
         return [(s.start, s.end) for s in planned.stages], [[members[n] for n in s.node_ids] for s in planned.stages]
+
+    def _await_averaging_peers(self, multi: list[str]) -> None:
+        """Wait until every live replica of the layout has joined the run's hivemind DHT. StepFailed on timeout,
+        and a replica that misses it _JOIN_ROUNDS times in one incarnation serves no stage until it registers again
+        (its hivemind cannot reach or be reached by the others: a firewall, a broken install)."""
+        members = self.membership.members
+        missing = lambda: [n for n in multi if members[n].alive and not members[n].peer_id]  # noqa: E731
+        timeout = self.cfg.scheduler.step_timeout_s
+        try:
+            self.membership.wait(lambda: not missing(), "replicas' averaging peers", timeout)
+            return
+        except RunAborted:
+            if self.membership.stop_requested.is_set():
+                raise
+        for node_id in missing():
+            incarnation, rounds = self._join_misses.get(node_id, (None, 0))
+            rounds = rounds + 1 if incarnation == members[node_id].joined_at else 1
+            self._join_misses[node_id] = (members[node_id].joined_at, rounds)
+            log.warning("%s did not join the replicas' averaging within %.0fs (%d of %d)", node_id, timeout, rounds,
+                        _JOIN_ROUNDS)
+            if rounds == _JOIN_ROUNDS:
+                self.store.event("excluded", node_id, _SHUT_OUT)
+        raise StepFailed(f"replicas {', '.join(missing())} did not join the averaging in {timeout:.0f}s")
+
+    def _shut_out(self) -> dict[str, str]:
+        """Live nodes left out of every stage because their hivemind never joined, and why."""
+        members = self.membership.members
+        return {
+            n: _SHUT_OUT for n, (incarnation, rounds) in self._join_misses.items()
+            if rounds >= _JOIN_ROUNDS and members[n].alive and members[n].joined_at == incarnation
+        }
+
+    def left_out(self) -> dict[str, str]:
+        """Live nodes that serve no stage and why: the planner's choice, or a hivemind that never joined."""
+        return self.excluded | self._shut_out()
+
+    def _placeable(self) -> list[Member]:
+        """Live nodes the layout may use."""
+        shut_out = self._shut_out()
+        return [m for m in self.membership.alive() if m.node_id not in shut_out]
 
     def _probe_regions(self) -> None:
         """Have one node of each region measure its link to one node of every other region, so the planner sees
@@ -261,11 +305,7 @@ class Planning:
         joining = [n for n in multi if not members[n].peer_id]
         if joining:
             self.orders.send(joining, pb.Order(join_averaging=pb.JoinAveraging(initial_peers=self.dht_peers)))
-        self.membership.wait(
-            lambda: all(members[n].peer_id or not members[n].alive for n in multi),
-            "replicas' averaging peers",
-            self.cfg.scheduler.step_timeout_s,
-        )
+        self._await_averaging_peers(multi)
         if any(not members[n].alive for n in multi):
             raise StepFailed("a node died while the plan was being made")
         mode = self.cfg.scheduler.allreduce
@@ -274,7 +314,7 @@ class Planning:
             total_layers=self.cfg.model.total_layers,
             steps_done=steps_done,
             loss_scale=current_loss_scale(self.cfg, self.store).scale,
-            excluded=self.excluded,
+            excluded=self.left_out(),
             coordinator_key=self.coordinator_key,
             inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
         )
