@@ -239,12 +239,18 @@ def test_bad_input_is_one_line_exit_2(bad_inputs, command, checkpoint, extra, te
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_interrupted_export_leaves_no_out_dir(saved_llama, tmp_path):
-    # Interrupted while the weights are written: after the temporary directory exists, before the rename.
+    # Interrupted while the weights are written: after the temporary directory exists, before the rename. By then
+    # the checkpoint was read and checked against the model's layers, built on the meta device without their
+    # initialisers, so torch's compiler (2 s of CPU) was never loaded.
+    compiler_loaded = tmp_path.parent / f"{tmp_path.name}-compiler"
     patch = (
         "import safetensors.torch as st\n"
-        "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+        "def interrupted(*args, **kwargs):\n"
+        f"    open({str(compiler_loaded)!r}, 'w').write(str('torch._dynamo' in sys.modules))\n"
+        "    raise KeyboardInterrupt\n"
         "st.save_file = interrupted"
     )
     result = python_cli(patch, "export", "--checkpoint", str(saved_llama), "--out", str(tmp_path / "hf"))
     one_line_error(result, EXIT_INTERRUPTED, "interrupted")
     assert list(tmp_path.iterdir()) == []  # neither --out nor the temporary directory beside it
+    assert compiler_loaded.read_text() == "False"

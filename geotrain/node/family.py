@@ -30,11 +30,14 @@ re-plan changes, and they are lossy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from geotrain.config import ModelSection
 
@@ -77,6 +80,27 @@ def call_layer(layer: nn.Module, x: torch.Tensor, rest: torch.Tensor | None) -> 
     """Run one layer: layers after the first take the fixed coordinates too under model.boundary_rank (rest, None
     for layer 0 and without the option)."""
     return layer(x) if rest is None else layer(x, rest)
+
+
+class _SkipMetaFills(TorchFunctionMode):
+    """Skips in-place ops on meta tensors, which have no data to change: a layer built on the meta device (for its
+    parameters' shapes, or to take a saved state) still runs its initialisers, and torch's meta kernels for random
+    fills import torch._dynamo: about 2 s of CPU in a process that never trains (`geotrain export`, `generate`,
+    `plan`, the coordinator)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target, name = args[0] if args else kwargs.get("tensor"), getattr(func, "__name__", "")  # init.* pass tensor=
+        if isinstance(target, torch.Tensor) and target.is_meta and name.endswith("_") and not name.startswith("_"):
+            return target  # normal_, uniform_, zero_, fill_, ...: in place, so the result is the tensor itself
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Construct modules on the meta device, their initialisers skipped."""
+    with _SkipMetaFills(), torch.device("meta"):
+        yield
 
 
 class ModelFamily(ABC):
@@ -145,7 +169,7 @@ class ModelFamily(ABC):
     def layer_params(self, cfg: ModelSection, index: int) -> list[tuple[str, tuple[int, ...]]]:
         """(name in the layer's state dict, shape) of each parameter of layer `index`, without allocating them."""
         check_index(cfg, index)
-        with torch.device("meta"):
+        with on_meta():
             layer = self.construct(cfg, index)
         return [(name, tuple(p.shape)) for name, p in layer.named_parameters()]
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from geotrain.config import ConfigError, ModelSection
-from geotrain.node.family import ModelFamily, check_index, widen
+from geotrain.node.family import check_index, ModelFamily, on_meta, widen
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Llama(ModelFamily):
         checkpoint = Checkpoint(cfg.init_from)
         checkpoint.check_config(cfg)
         names = hf_names(cfg, index)
-        with torch.device("meta"):
+        with on_meta():
             layer = self.construct(cfg, index)
         shapes = dict(self.layer_params(cfg, index))
         state = checkpoint.read({ours: (theirs, shapes[ours]) for ours, theirs in names.items()}, cfg)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from geotrain.config import ModelSection
-from geotrain.node.family import ModelFamily, call_layer, widen
+from geotrain.node.family import call_layer, ModelFamily, on_meta, widen
 from geotrain.node.llama import Llama
 
 VOCAB = 256
@@ -122,7 +122,7 @@ class GPT(nn.Module):
     def from_state(cls, cfg: ModelSection, state: dict[str, torch.Tensor]) -> GPT:
         """The model holding `state`'s tensors; its layers are built on the meta device, so none is initialised
         only to be overwritten."""
-        with torch.device("meta"):
+        with on_meta():
             model = cls(cfg, seed=0)
         model.load_state_dict(state, strict=True, assign=True)
         return model
