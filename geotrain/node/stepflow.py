@@ -173,6 +173,13 @@ class StepFlow:
             raise FrameError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"plan epoch {ref.plan_epoch}, this node runs epoch {plan.epoch}"
             )
+        # A step's tensors come after this node applied the step before (validation: after the step it scores), so
+        # an older one is a replay, by a relay for instance, of a tensor its sender signed once.
+        if ref.step < runtime.applied_step + (0 if ref.eval else 1):
+            raise FrameError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {ref.step}{' (validation)' if ref.eval else ''}, this node applied step {runtime.applied_step}",
+            )
         if direction == "forward":
             if runtime.is_first:
                 raise FrameError(grpc.StatusCode.FAILED_PRECONDITION, "the first stage takes no activations")
