@@ -111,7 +111,7 @@ class StepFlow:
             self.router.sent(peer, ref.step, ref.microbatch)
         encoded = self._encode("activations", peer, address, "forward", outputs)
         send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
-        self._send(send, f"forward to {peer}", peer)
+        self._send(send, f"forward to {peer}", peer, ref.plan_epoch)
 
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
@@ -119,7 +119,7 @@ class StepFlow:
         address = self._address_of(peer)
         encoded = self._encode("activation_grads", peer, address, "backward", grad)
         send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
-        self._send(send, f"backward to {peer}", peer)
+        self._send(send, f"backward to {peer}", peer, ref.plan_epoch)
 
     def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
         """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
