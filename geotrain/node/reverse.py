@@ -398,8 +398,8 @@ class ReverseReceiver:
         self._lock = threading.Lock()
         self._links: dict[str, _Link] = {}
         # The signatures of the relayed tensors taken, by their (plan epoch, step); only those of the newest epoch's
-        # last two steps are kept: the plan and step checks refuse anything older (validation scores a step while
-        # the next one trains).
+        # last two steps are kept: the plan and step checks refuse anything older (they let in the validation of step
+        # k while step k + 1 trains).
         self._taken: dict[bytes, tuple[int, int]] = {}
 
     def has_taken(self, signature: bytes) -> bool:
