@@ -10,8 +10,26 @@ all-reachable run's) and predicted_ratio (the cost model's step time for the all
 as its coordinator estimated it from the nodes' measurements). Needs root and nftables.
 Run: sudo python bench/nat.py [--steps N] [--latency-ms MS]
 
-Measured on a shared 2-core machine, 10 steps, 20 ms: direct 3,566 tokens/s, reversed 3,597 (ratio 1.009): a link over
-the receiver's own connection costs nothing measurable.
+Measured on a shared 2-core machine, 20 ms, --steps 30, three runs, the last after the relay's replay checks (the
+10-step runs before gave reversed 1.009x, then 0.868x: too few steps to tell anything from one sample):
+
+    {"topology": "direct", "tokens_per_s": 3600.6, "relayed_bytes": 0, "ratio_to_direct": 1.0, "predicted_ratio": 1.0}
+    {"topology": "reversed", "tokens_per_s": 3880.7, "relayed_bytes": 0, "ratio_to_direct": 1.078, "predicted_ratio": 1.009}
+    {"topology": "relayed", "tokens_per_s": 2871.0, "relayed_bytes": 125829120, "ratio_to_direct": 0.797, "predicted_ratio": 0.749}
+
+    {"topology": "direct", "tokens_per_s": 3493.6, "relayed_bytes": 0, "ratio_to_direct": 1.0, "predicted_ratio": 1.0}
+    {"topology": "reversed", "tokens_per_s": 3895.4, "relayed_bytes": 0, "ratio_to_direct": 1.115, "predicted_ratio": 1.022}
+    {"topology": "relayed", "tokens_per_s": 2838.4, "relayed_bytes": 125829120, "ratio_to_direct": 0.812, "predicted_ratio": 0.71}
+
+    {"topology": "direct", "tokens_per_s": 3389.1, "relayed_bytes": 0, "ratio_to_direct": 1.0, "predicted_ratio": 1.0}
+    {"topology": "reversed", "tokens_per_s": 3628.6, "relayed_bytes": 0, "ratio_to_direct": 1.071, "predicted_ratio": 0.738}
+    {"topology": "relayed", "tokens_per_s": 2704.5, "relayed_bytes": 125304832, "ratio_to_direct": 0.798, "predicted_ratio": 0.763}
+
+Reversed links are not slower than direct ones but 7-12% faster. The likely reason is the order tensors go in: a
+Reverse stream sends them one after another, while a direct link's concurrent Forward calls share the link and all
+finish late. With the direct calls made to write their chunks one call at a time per peer (an experiment, one run, not
+kept), direct gave 3,800.4 tokens/s and reversed 0.994x of it. Relayed runs are 5-14% faster than the cost model
+predicts. The predicted ratios move from run to run with the link measurements the nodes report (reversed: 0.738 once).
 """
 
 from __future__ import annotations

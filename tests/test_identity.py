@@ -383,6 +383,10 @@ def test_activations_and_gradients_with_another_nodes_path_are_refused(tmp_path,
         # The first stage's key cannot send gradients: it is not the next stage's node on the path.
         expect_status(denied, f"backward from {last} is not signed by {last}'s key",
                       lambda: a.stage(address, a.key_of(first), last).Backward(iter(chunks), timeout=10))
+        # The first stage's real key, replaying activations of step 0, which the second stage applied.
+        address, _, old = forged_tensors(a.plan, 0, shape)["Forward"]
+        expect_status(grpc.StatusCode.FAILED_PRECONDITION, "step 0, this node applied step 0",
+                      lambda: a.stage(address, a.key_of(first), first).Forward(iter(old), timeout=10))
 
     with attacked_run(tmp_path, reference, "microbatches_done", attack):
         pass

@@ -285,6 +285,23 @@ class _FlippingSender(ReverseSender):
         super().send(peer, direction, ref, forged, altered, timeout_s, origin, signature)
 
 
+class _RelabellingSender(ReverseSender):
+    """A relay that passes a signed tensor off as another step's, as a replay of an old one into a new step would."""
+
+    def send(self, peer, direction, ref, header, payload, timeout_s, origin="", signature=b""):  # noqa: D102
+        later = pb.MicrobatchRef()
+        later.CopyFrom(ref)
+        later.step += 1
+        super().send(peer, direction, later, header, payload, timeout_s, origin, signature)
+
+
+class _Backwards(ReverseSender):
+    """A relay that passes activations off as gradients."""
+
+    def send(self, peer, direction, ref, header, payload, timeout_s, origin="", signature=b""):  # noqa: D102
+        super().send(peer, "backward", ref, header, payload, timeout_s, origin, signature)
+
+
 @contextmanager
 def relayed_pair(token: str, relay_class: type[ReverseSender] = ReverseSender) -> Iterator[tuple[callable, list]]:
     """A relay's Stage server on loopback, a receiver following it, and a sender calling it (nobody dials either end).
@@ -327,6 +344,10 @@ def test_a_relay_forwards_a_signed_tensor_as_its_sender_s():
         [(direction, microbatch, got, key)] = taken
         # The receiver takes it as the sender's, whose key its plan checks, not the relay's.
         assert (direction, microbatch, got) == ("forward", 7, payload)
+        # The same signed tensor again (a relay replaying it, or the sender retrying after a lost answer) is
+        # answered as taken, and not taken twice.
+        send(7)
+        assert len(taken) == 1
         # A tensor signed by another key than the sender's is refused by the receiver: the relay passes it on.
         expect_status(grpc.StatusCode.PERMISSION_DENIED, "does not carry sender's signature",
                       lambda: send(8, key=NodeKey.generate()))
@@ -334,10 +355,26 @@ def test_a_relay_forwards_a_signed_tensor_as_its_sender_s():
 
 
 @pytest.mark.timeout(60)
-def test_a_relay_that_alters_a_tensor_is_refused_by_the_receiver():
-    with relayed_pair(new_token(), _FlippingSender) as (send, taken):
+@pytest.mark.parametrize("relay_class", [_FlippingSender, _RelabellingSender, _Backwards])
+def test_a_relay_that_alters_a_tensor_is_refused_by_the_receiver(relay_class):
+    with relayed_pair(new_token(), relay_class) as (send, taken):
         expect_status(grpc.StatusCode.PERMISSION_DENIED, "does not carry sender's signature", lambda: send(1))
         assert not taken
+
+
+def test_a_receiver_remembers_the_relayed_tensors_of_the_steps_its_checks_still_let_in():
+    receiver = ReverseReceiver(new_token(), lambda: "receiver", None, NodeKey.generate(), lambda *_: None, lambda: 1.0)
+
+    def take(signature: bytes, epoch: int, step: int) -> None:
+        receiver.taken(signature, pb.MicrobatchRef(plan_epoch=epoch, step=step))
+
+    take(b"a", 1, 3)
+    take(b"b", 1, 4)  # step 3's validation runs while step 4 trains
+    assert receiver.has_taken(b"a") and receiver.has_taken(b"b")
+    take(b"c", 1, 5)  # step 3 is behind the step check now
+    assert not receiver.has_taken(b"a") and receiver.has_taken(b"b") and receiver.has_taken(b"c")
+    take(b"d", 2, 5)  # a new plan epoch: the plan check refuses the old one's
+    assert [receiver.has_taken(s) for s in (b"b", b"c", b"d")] == [False, False, True]
 
 
 @pytest.mark.cluster

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import queue
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from geotrain.compression import FeedbackState
 from geotrain.config import load_config
 from geotrain.node.agent import Agent, NodeOptions
-from geotrain.node.dataplane import DataPlane
+from geotrain.node.dataplane import DataPlane, Encoded
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -208,6 +209,31 @@ def test_a_compute_error_is_reported_once_per_epoch_and_not_for_an_abandoned_epo
     agent._task_failed(RuntimeError("cancelled with its epoch"))
     agent._sender.shutdown(wait=True)
     assert coordinator.reports.empty()
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_a_relay_does_not_deliver_is_reported_against_the_relay_not_its_receiver(make_agent):
+    coordinator = _FakeCoordinator()
+    agent = make_agent("node-2", coordinator)
+    payload = bytes(16)
+    encoded = Encoded(framing.make_header("", torch.float32, (4,), pb.CODEC_NONE, payload), payload, 16, "none")
+    ref = pb.MicrobatchRef(plan_epoch=4, step=1, path=["node-2"])
+    with socket.socket() as dead:  # bound, never listening: the relay refuses every connection
+        dead.bind(("127.0.0.1", 0))
+        route = pb.RelayRoute(a="node-2", b="node-3", relay_id="node-1",
+                              relay_address=f"127.0.0.1:{dead.getsockname()[1]}")
+        agent.dataplane.set_reversed(set(), {"node-3": route})
+        send = lambda: agent.dataplane.send("node-3", "", "forward", ref, encoded)  # noqa: E731
+        agent._send(send, "forward to node-3", "node-3", ref.plan_epoch)
+        agent._sender.shutdown(wait=True)
+    reports = []
+    while not coordinator.reports.empty():
+        reports.append(coordinator.reports.get())
+    # Each refused attempt makes the relay a suspect; the call given up is the relay's failure to reach node-3.
+    assert reports and {(r.peer, r.relayed_to) for r in reports[:-1]} == {("node-1", "")}
+    last = reports[-1]
+    assert (last.node_id, last.peer, last.relayed_to, last.plan_epoch) == ("node-2", "node-1", "node-3", 4)
+    assert "forward to node-3 through relay node-1: UNAVAILABLE" in last.detail
 
 
 @pytest.mark.timeout(30)

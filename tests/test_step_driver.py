@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -20,6 +20,7 @@ from geotrain.protocol.auth import new_token
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator, EventSink, RunSummary
 from geotrain.scheduler.errors import ReportRefused
+from geotrain.scheduler.reachability import DialedBack
 from geotrain.scheduler.service import CoordinatorProcess
 from tests.conftest import run_cli, wait_until
 
@@ -40,9 +41,9 @@ def _config(nodes: int, stages: int):
 class ScriptedNode:
     """Registers, heartbeats and answers orders as a node would, reporting a fixed loss, norm and checksum, and an
     averaging peer id once told to join averaging. `hold(kind)` makes it sit on orders of that kind until
-    `release()`; `stop()` silences it (a crash)."""
+    `release()`; `stop()` silences it (a crash). `unreachable`: the coordinator's dial-back reaches it nowhere."""
 
-    def __init__(self, coordinator: Coordinator, node_id: str, address: str) -> None:
+    def __init__(self, coordinator: Coordinator, node_id: str, address: str, unreachable: bool = False) -> None:
         self.c = coordinator
         self.node_id = node_id
         self.epoch = self.state_epoch = self.applied = 0
@@ -54,7 +55,8 @@ class ScriptedNode:
         self._released = threading.Event()
         self._stopped = threading.Event()
         self._stream: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
-        reply = coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=address))
+        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=address)
+        reply = coordinator.register(request, dial_back=(lambda: DialedBack(None)) if unreachable else None)
         assert reply.accepted, reply.message
         self._threads = [threading.Thread(target=f, daemon=True) for f in (self._beat_loop, self._order_loop)]
         for t in self._threads:
@@ -142,10 +144,11 @@ class ScriptedNode:
 @contextmanager
 def scripted_run(
     n_nodes: int, stages: int, on_phase: Callable[[int, str, dict[str, ScriptedNode]], None] | None = None,
-    make_coordinator: Callable[[EventSink], Coordinator] | None = None,
+    make_coordinator: Callable[[EventSink], Coordinator] | None = None, unreachable: Collection[str] = (),
 ) -> Iterator[tuple[Coordinator, dict[str, ScriptedNode], dict]]:
-    """A coordinator's run() in a thread with n scripted nodes; on_phase(step, phase, nodes) is called at each
-    phase change (from the step driver's thread, before the phase's orders go out); always stops everything."""
+    """A coordinator's run() in a thread with n scripted nodes (those named in `unreachable` behind NAT);
+    on_phase(step, phase, nodes) is called at each phase change (from the step driver's thread, before the phase's
+    orders go out); always stops everything."""
     phases: list[tuple[int, str]] = []
     nodes: dict[str, ScriptedNode] = {}
 
@@ -165,7 +168,8 @@ def scripted_run(
             result["error"] = e
 
     for i in range(n_nodes):
-        nodes[f"node-{i + 1}"] = ScriptedNode(c, f"node-{i + 1}", f"10.0.0.{i + 1}:1")
+        node_id = f"node-{i + 1}"
+        nodes[node_id] = ScriptedNode(c, node_id, f"10.0.0.{i + 1}:1", node_id in unreachable)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
@@ -269,6 +273,42 @@ def test_a_node_that_reports_it_cannot_take_part_fails_the_step_at_once():
     events = [(k, n, d) for _, k, n, d in c.store.events()]
     assert any(k == "node_failure" and n == "node-2" and "averaging is down" in d for k, n, d in events)
     assert any(k == "failure" and "node-2 cannot take part" in d for k, n, d in events)
+
+
+def test_a_relay_that_does_not_deliver_is_blamed_and_the_next_plan_relays_through_another_node():
+    # node-2 and node-3 are neighbours nobody can dial: their link goes through node-1, the first of the two nodes
+    # that can be dialled. node-2 reports that node-1 did not deliver its tensor to node-3.
+    reported: list[int] = []
+
+    def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
+        if step == 1 and phase == "dispatched" and not reported:
+            c, epoch = nodes["node-2"].c, nodes["node-2"].epoch
+            reported.append(epoch)
+            assert [(r.a, r.b, r.relay_id) for r in c.plan.relays] == [("node-2", "node-3", "node-1")]
+
+            def report(node_id: str, relay: str, relayed_to: str, plan_epoch: int) -> None:
+                c.report_failure(pb.FailureReport(node_id=node_id, peer=relay, relayed_to=relayed_to,
+                                                  plan_epoch=plan_epoch, detail="DEADLINE_EXCEEDED"))
+
+            # About no route of the plan, or of another epoch: nothing changes.
+            report("node-4", "node-1", "node-3", epoch)
+            report("node-2", "node-4", "node-3", epoch)
+            report("node-2", "node-1", "node-3", epoch - 1)
+            assert c.members["node-1"].relay_failures == 0 and c.members["node-1"].failed_epoch == 0
+            report("node-2", "node-1", "node-3", epoch)
+
+    with scripted_run(4, 4, on_phase, unreachable={"node-2", "node-3"}) as (c, nodes, result):
+        pass
+    # The step failed at once (not at its timeout) and ran again through node-4; nobody was declared dead.
+    assert _summary(result).steps == STEPS and c.failures == 1
+    assert [(r.a, r.b, r.relay_id) for r in c.plan.relays] == [("node-2", "node-3", "node-4")]
+    assert c.plan.epoch > reported[0] and all(m.alive for m in c.members.values())
+    assert [list(s.node_ids) for s in c.plan.stages] == [["node-1"], ["node-2"], ["node-3"], ["node-4"]]
+    events = [(k, n, d) for _, k, n, d in c.store.events()]
+    assert [(k, n) for k, n, _ in events if k in ("relay_failure", "node_failure", "dead")] == [
+        ("relay_failure", "node-1")]
+    assert any(k == "failure" and "node-1 cannot take part: it did not relay node-2's tensor to node-3" in d
+               for k, _, d in events)
 
 
 def test_reports_that_contradict_the_plan_are_refused_and_change_nothing():

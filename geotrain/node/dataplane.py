@@ -150,7 +150,7 @@ class DataPlane:
         # Links to peers nobody can dial run over streams those peers open to this node (node.reverse).
         self.reverse = ReverseSender(key, node_id) if key is not None else None
         self._reversed: set[str] = set()
-        self._relays: dict[str, str] = {}  # peer -> the address of the relay that links to it run through
+        self._relays: dict[str, pb.RelayRoute] = {}  # peer -> the plan's route through a relay for links to it
         self._on_peer_unavailable = on_peer_unavailable  # (peer, detail): suspicion, reported at the first failure
 
     def stub(self, address: str) -> rpc.StageStub:
@@ -190,7 +190,7 @@ class DataPlane:
         header, payload = encoded.header, encoded.payload
         with self._lock:
             reversed_link = peer in self._reversed
-            relay = self._relays.get(peer)
+            route = self._relays.get(peer)
         # The link estimate counts the emulated delay from before its queue, as a real call's time counts waiting behind
         # earlier messages: the estimator tells the wait and the latency from the wire's time.
         began = time.monotonic()
@@ -200,14 +200,16 @@ class DataPlane:
         deadline = self.deadlines.for_peer(peer)
         suspect = None
         if self._on_peer_unavailable is not None:
-            suspect = lambda e: self._on_peer_unavailable(peer, e.details() or "unavailable")  # noqa: E731
+            # Through a relay, the relay is the node that did not answer: its receiver is not suspected.
+            blamed = route.relay_id if route is not None else peer
+            suspect = lambda e: self._on_peer_unavailable(blamed, e.details() or "unavailable")  # noqa: E731
         if reversed_link:
             assert self.reverse is not None
             call = lambda: self.reverse.send(peer, direction, ref, header, payload, deadline)  # noqa: E731
-        elif relay is not None:
+        elif route is not None:
             assert self._key is not None
             chunks = lambda: relay_chunks(self._key, self._node_id(), peer, direction, ref, header, payload)  # noqa: E731
-            call = lambda: self.stub(relay).Relay(chunks(), timeout=deadline)  # noqa: E731
+            call = lambda: self.stub(route.relay_address).Relay(chunks(), timeout=deadline)  # noqa: E731
         else:
             self.stub(address)
             method = self._tensor_calls[address][direction]
@@ -251,14 +253,20 @@ class DataPlane:
             stats.wire_bytes += wire_bytes
             stats.messages += 1
 
-    def set_reversed(self, peers: set[str], relays: dict[str, str] | None = None) -> None:
+    def set_reversed(self, peers: set[str], relays: dict[str, pb.RelayRoute] | None = None) -> None:
         """Send to `peers` over the reverse streams they open (nobody can dial them), to those of `relays` (peer ->
-        relay address) through their relay (nobody can dial either end), to others by calling."""
+        the plan's route) through their relay (nobody can dial either end), to others by calling."""
         if (peers or relays) and self.reverse is None:
             raise ValueError("reverse links and relays need the node's key: the sender proves it to the receiver")
         with self._lock:
             self._reversed = set(peers)
             self._relays = dict(relays or {})
+
+    def relay_of(self, peer: str) -> str | None:
+        """The node id of the relay that links to `peer` run through, or None for a link without one."""
+        with self._lock:
+            route = self._relays.get(peer)
+        return route.relay_id if route is not None else None
 
     def reset_links(self, keep: set[str]) -> None:
         """Drop codec state (powersgd's warm start) of links to peers no longer in `keep`."""

@@ -118,7 +118,7 @@ class StageHolder:
         routes = _relayed_neighbours(plan, self.node_id)
         self.dataplane.set_reversed(
             {s.node_ids[i] for s, i in neighbours if _unreachable(s, i) and s.node_ids[i] not in routes},
-            {peer: route.relay_address for peer, route in routes.items()},
+            routes,
         )
         stage = plan.stages[index] if index >= 0 else None
         if stage is None or not _unreachable(stage, list(stage.node_ids).index(self.node_id)):

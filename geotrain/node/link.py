@@ -219,13 +219,22 @@ class CoordinatorLink:
             if self._orders is not None:
                 self._orders.cancel()
 
-    def _send(self, fn: Callable[[], None], what: str, peer: str = "") -> None:
+    def _send(self, fn: Callable[[], None], what: str, peer: str = "", epoch: int = 0) -> None:
+        """Run fn off the worker thread; when it sends a tensor of plan epoch `epoch` to `peer` and fails, report
+        the node to blame: peer when it let the call's deadline pass, the relay whatever the failure when the link
+        runs through one."""
         def run() -> None:
             try:
                 fn()
             except grpc.RpcError as e:
                 log.warning("%s failed: %s %s", what, e.code().name, e.details())
-                if peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                relay = self.dataplane.relay_of(peer) if peer else None
+                if relay is not None:
+                    self._send_failure_report(pb.FailureReport(
+                        node_id=self.node_id, peer=relay, relayed_to=peer, plan_epoch=epoch,
+                        detail=f"{what} through relay {relay}: {e.code().name} {e.details()}"[:500],
+                    ))
+                elif peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._report_failure(peer, f"{what}: {e.code().name}")
 
         self._sender.submit(run)

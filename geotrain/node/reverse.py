@@ -15,7 +15,9 @@ sender calls Stage.Relay there (`relay_chunks`), the relay forwards the tensor o
 opened to it (`ReverseSender.send` with the sender as its origin) and answers with the receiver's status. The relay
 proves its own key on that stream, and every tensor it forwards carries its sender's signature over the tensor
 (`relayed_message`), which the receiver checks against the plan's key for that sender: a relay cannot forge or alter
-what it forwards unnoticed.
+what it forwards unnoticed. Nor replay it: what is signed holds the tensor's plan epoch, step, microbatch and
+direction, which the receiver checks against its plan and step, and a tensor the receiver took once is not taken
+again (its second delivery is answered as taken: the sender's retry of a tensor whose answer was lost is one).
 """
 
 from __future__ import annotations
@@ -81,6 +83,30 @@ def relay_chunks(
     for i, chunk in enumerate(framing.chunk_tensor(header, payload, ref)):
         yield pb.RelayChunk(receiver=receiver, direction=wire, signature=signature, chunk=chunk) if i == 0 else (
             pb.RelayChunk(chunk=chunk))
+
+
+class _Replayed(Exception):
+    """A relayed tensor this node took already."""
+
+
+class _RelayedCheck:
+    """The check of one relayed tensor before it is decoded: its origin's signature over it, and that this node has
+    not taken it already."""
+
+    def __init__(self, receiver: ReverseReceiver, relay: str, origin: str, key: bytes, first: pb.ReverseDown) -> None:
+        self._receiver, self._relay, self._origin, self._key = receiver, relay, origin, key
+        self.direction, self.signature = first.direction, first.signature
+        self.ref: pb.MicrobatchRef | None = None  # the tensor's, once its signature held
+
+    def __call__(self, received: ReceivedTensor) -> None:
+        message = relayed_message(self._origin, self._receiver.node_id(), self.direction, received.ref,
+                                  received.header, received.payload)
+        if not verify(self._key, self.signature, message):
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
+                             f"a tensor relayed by {self._relay} does not carry {self._origin}'s signature: refused")
+        if self._receiver.has_taken(self.signature):
+            raise _Replayed
+        self.ref = received.ref
 
 
 class ReverseError(grpc.RpcError):
@@ -341,32 +367,22 @@ class _Link:
         seq, name = first.seq, _NAMES.get(first.direction)
         if name is None:
             return pb.ReverseAck(seq=seq, code=grpc.StatusCode.INVALID_ARGUMENT.value[0], detail="unknown direction")
-        key, check = self.public_key, None
+        key, relayed = self.public_key, None
         try:
             if first.origin:
-                key, check = self._relayed_from(first)
-            self._receiver.deliver(name, chunks, key, self.address, check)
+                key = self.origins.get(first.origin)
+                if key is None:
+                    raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
+                                     f"this node's plan relays nothing from {first.origin[:100]!r} through {self.peer}")
+                relayed = _RelayedCheck(self._receiver, self.peer, first.origin, key, first)
+            self._receiver.deliver(name, chunks, key, self.address, relayed)
+        except _Replayed:
+            return pb.ReverseAck(seq=seq)  # it had its effect once
         except FrameError as e:
             return pb.ReverseAck(seq=seq, code=e.code.value[0], detail=str(e))
+        if relayed is not None and relayed.ref is not None:
+            self._receiver.taken(relayed.signature, relayed.ref)
         return pb.ReverseAck(seq=seq)
-
-    def _relayed_from(self, first: pb.ReverseDown) -> tuple[bytes, Callable[[ReceivedTensor], None]]:
-        """The key of a relayed delivery's origin and the check of its signature over the whole tensor; FrameError
-        when the plan relays nothing from that origin through this sender."""
-        origin, signature = first.origin, first.signature
-        key = self.origins.get(origin)
-        if key is None:
-            raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
-                             f"this node's plan relays nothing from {origin[:100]!r} through {self.peer}")
-        receiver = self._receiver.node_id()
-
-        def check(received: ReceivedTensor) -> None:
-            message = relayed_message(origin, receiver, first.direction, received.ref, received.header, received.payload)
-            if not verify(key, signature, message):
-                raise FrameError(grpc.StatusCode.PERMISSION_DENIED,
-                                 f"a tensor relayed by {self.peer} does not carry {origin}'s signature: refused")
-
-        return key, check
 
 
 class ReverseReceiver:
@@ -381,6 +397,22 @@ class ReverseReceiver:
         self.keepalive_s = keepalive_s  # seconds between keepalives: well within the senders' idle-stream cut
         self._lock = threading.Lock()
         self._links: dict[str, _Link] = {}
+        # The signatures of the relayed tensors taken, by their (plan epoch, step); only those of the newest epoch's
+        # last two steps are kept: the plan and step checks refuse anything older (they let in the validation of step
+        # k while step k + 1 trains).
+        self._taken: dict[bytes, tuple[int, int]] = {}
+
+    def has_taken(self, signature: bytes) -> bool:
+        """Whether a relayed tensor with this signature was taken already."""
+        with self._lock:
+            return signature in self._taken
+
+    def taken(self, signature: bytes, ref: pb.MicrobatchRef) -> None:
+        """Note a relayed tensor taken."""
+        with self._lock:
+            self._taken[signature] = (ref.plan_epoch, ref.step)
+            epoch, step = max(self._taken.values())
+            self._taken = {s: (e, t) for s, (e, t) in self._taken.items() if e == epoch and t + 1 >= step}
 
     def follow(self, senders: dict[str, tuple[str, bytes]], relayed: dict[str, dict[str, bytes]] | None = None) -> None:
         """Keep a stream open to each of `senders` (node id -> (address, public key)), and none to others; a sender

@@ -113,7 +113,7 @@ class StepFlow:
             self.router.sent(peer, ref.step, ref.microbatch)
         encoded = self._encode("activations", peer, address, "forward", outputs)
         send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
-        self._send(send, f"forward to {peer}", peer)
+        self._send(send, f"forward to {peer}", peer, ref.plan_epoch)
 
     def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         assert self.cfg is not None
@@ -121,7 +121,7 @@ class StepFlow:
         address = self._address_of(peer)
         encoded = self._encode("activation_grads", peer, address, "backward", grad)
         send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
-        self._send(send, f"backward to {peer}", peer)
+        self._send(send, f"backward to {peer}", peer, ref.plan_epoch)
 
     def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
         """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
@@ -174,6 +174,13 @@ class StepFlow:
         if ref.plan_epoch != plan.epoch:
             raise FrameError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"plan epoch {ref.plan_epoch}, this node runs epoch {plan.epoch}"
+            )
+        # A step's tensors come after this node applied the step before (validation: after the step it scores), so
+        # an older one is a replay, by a relay for instance, of a tensor its sender signed once.
+        if ref.step < runtime.applied_step + (0 if ref.eval else 1):
+            raise FrameError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {ref.step}{' (validation)' if ref.eval else ''}, this node applied step {runtime.applied_step}",
             )
         if direction == "forward":
             if runtime.is_first:

@@ -619,20 +619,22 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("node_id", "peer", "detail", "reason", "plan_epoch", "step")
+    __slots__ = ("node_id", "peer", "detail", "reason", "plan_epoch", "step", "relayed_to")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_TO_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer: str
     detail: str
     reason: FailureReason
     plan_epoch: int
     step: int
-    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    relayed_to: str
+    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., relayed_to: _Optional[str] = ...) -> None: ...
 
 class FetchCheckpointRequest(_message.Message):
     __slots__ = ("layer_start", "layer_end", "steps_done")

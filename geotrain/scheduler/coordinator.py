@@ -265,8 +265,20 @@ class Coordinator:
         log.debug("profile of %s: %d link(s)", request.node_id, len(request.links))
 
     def report_failure(self, request: pb.FailureReport) -> None:
-        """A node's calls to a peer fail, or a node cannot take part in a plan epoch (FailureReport)."""
-        self.membership.report_failure(request)
+        """A node's calls to a peer fail, a node cannot take part in a plan epoch, or a relay did not deliver
+        (FailureReport); a relay's is taken only about a route of the current plan that links the reporter."""
+        if not request.relayed_to:
+            self.membership.report_failure(request)
+            return
+        plan = self.plan
+        ends = {request.node_id, request.relayed_to}
+        if plan is None or request.plan_epoch != plan.epoch or not any(
+            r.relay_id == request.peer and {r.a, r.b} == ends for r in plan.relays
+        ):
+            log.debug("relay failure report of %s about %s ignored: no route of the current plan", request.node_id,
+                      request.peer)
+            return
+        self.membership.relay_failed(request)
 
     def order_stream(self, node_id: str) -> AsyncIterator[pb.Order]:
         """The orders for one node, as long as its stream is open (iterated on the server's event loop); KeyError

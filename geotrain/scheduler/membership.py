@@ -113,6 +113,7 @@ class Member:
     public_key: bytes = b""  # the Ed25519 key its id belongs to; every call about it must be signed with it
     offences: int = 0  # its refused reports; scheduler.max_offences of them evict it
     reachability: str = ""  # the dial-back at registration: reachability.DIRECT or UNREACHABLE ("": not checked)
+    relay_failures: int = 0  # relayed tensors it was reported not to deliver: plans relay through others first
 
     @property
     def unreachable(self) -> bool:
@@ -314,6 +315,23 @@ class Membership:
             why = f"{pb.FailureReason.Name(request.reason)} in plan epoch {request.plan_epoch}: {request.detail}"
             log.warning("node %s cannot take part: %s", request.node_id, why)
             self.store.event("node_failure", request.node_id, why)
+
+    def relay_failed(self, request: pb.FailureReport) -> None:
+        """Relay request.peer did not deliver request.node_id's tensor to request.relayed_to in request.plan_epoch
+        (a route of the plan of that epoch, checked by the caller): that epoch's step fails at once, the relay is
+        suspected (dead at once if it is also late with its heartbeat) and later plans relay through others first;
+        the receiver is not blamed."""
+        why = f"it did not relay {request.node_id}'s tensor to {request.relayed_to}: {request.detail[:200]}"
+        with self.cond:
+            relay = self.members.get(request.peer)
+            if relay is None or not relay.alive:
+                return
+            relay.failed_epoch, relay.failure = request.plan_epoch, why
+            relay.relay_failures += 1
+            self._suspects.add(relay.node_id)
+            self.cond.notify_all()
+        log.warning("relay %s failed: %s", request.peer, why)
+        self.store.event("relay_failure", request.peer, why)
 
     def note_applied(self, node_id: str, steps: int) -> None:
         """A member reported applying a step (fresher than its next heartbeat)."""

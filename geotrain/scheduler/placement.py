@@ -176,8 +176,8 @@ def state_sources(
 
 def relay_routes(groups: Groups) -> tuple[list[pb.RelayRoute], list[str]]:
     """A relay for each link between neighbouring stages whose two ends nobody can dial: a node of the layout that
-    can be dialled (so the plan's take-up waits for it and its death re-plans), each time the one relaying the fewest
-    links so far; and the pairs no node can relay."""
+    can be dialled (so the plan's take-up waits for it and its death re-plans), each time the one reported failing
+    to relay the fewest times, then relaying the fewest links so far; and the pairs no node can relay."""
     relays = sorted((m for g in groups for m in g if not m.unreachable), key=lambda m: m.node_id)
     load = Counter[str]()
     routes, stranded = [], []
@@ -186,7 +186,7 @@ def relay_routes(groups: Groups) -> tuple[list[pb.RelayRoute], list[str]]:
             if not relays:
                 stranded.append(f"{a.node_id}-{b.node_id}")
                 continue
-            relay = min(relays, key=lambda m: load[m.node_id])  # the first of the least loaded
+            relay = min(relays, key=lambda m: (m.relay_failures, load[m.node_id]))  # the first of those
             load[relay.node_id] += 1
             routes.append(pb.RelayRoute(a=a.node_id, b=b.node_id, relay_id=relay.node_id,
                                         relay_address=relay.address, relay_key=relay.public_key))
