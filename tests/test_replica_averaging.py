@@ -328,6 +328,37 @@ def test_sites_keep_first_appearance_and_member_order():
     assert sites_of(["a", "b", "c", "d", "e"], ["us", "eu", "us", "asia", "eu"]) == [["a", "c"], ["b", "e"], ["d"]]
 
 
+PEER = "12D3KooWCPoqTfMQcUAfAoXoh6ZY5cNiJN63mYHx38Y1E6nKyRhX"
+
+
+def test_the_coordinators_dht_follows_its_advertised_host():
+    # Behind the namespace WAN's relay the coordinator listens on 127.0.0.1: its DHT, which the relay does not
+    # forward, listens on every interface and is handed out at the advertised host, once per port.
+    from geotrain.scheduler.service import announced_maddrs, dht_listen_maddr
+
+    assert dht_listen_maddr("127.0.0.1", "") == "/ip4/127.0.0.1/tcp/0"
+    assert dht_listen_maddr("::1", "") == "/ip6/::1/tcp/0"
+    assert dht_listen_maddr("127.0.0.1", "10.1.0.2") == "/ip4/0.0.0.0/tcp/0"
+    visible = [f"/ip4/127.0.0.1/tcp/34833/p2p/{PEER}", f"/ip4/192.0.2.2/tcp/34833/p2p/{PEER}"]
+    assert announced_maddrs(visible, "") == visible
+    assert announced_maddrs(visible, "10.1.0.2") == [f"/ip4/10.1.0.2/tcp/34833/p2p/{PEER}"]
+    assert announced_maddrs(visible, "coord.example.org") == [f"/dns/coord.example.org/tcp/34833/p2p/{PEER}"]
+    with pytest.raises(ValueError, match="not a /tcp/PORT/p2p/PEER"):
+        announced_maddrs([f"/ip4/10.1.0.2/udp/1/quic/p2p/{PEER}"], "10.1.0.2")
+
+
+@pytest.mark.parametrize(("advertise", "ok"), [("10.1.0.2", True), ("::1", True), ("coord.example.org", True),
+                                               ("10.1.0.2:7000", False), ("[::1]:7000", False)])
+def test_the_coordinators_advertise_takes_a_host_without_a_port(advertise, ok):
+    from geotrain.cli import UsageError, _advertised_host
+
+    if ok:
+        assert _advertised_host(advertise) == advertise
+    else:
+        with pytest.raises(UsageError, match="--advertise takes a HOST without a port"):
+            _advertised_host(advertise)
+
+
 @pytest.mark.parametrize(
     ("mode", "placement", "planned", "regions", "expected"),
     [
