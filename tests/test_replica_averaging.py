@@ -5,6 +5,7 @@ mean over all replicas, and a live run of four replicas in two regions equals tr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -293,6 +294,35 @@ def test_the_flat_all_reduce_leaves_the_same_float64_bits_on_every_replica(avera
     _together([lambda r=r, t=t: r(0, t) for r, t in zip(reduces, tensors)])
     assert torch.equal(tensors[0][0], tensors[1][0])
     assert torch.allclose(tensors[0][0], expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_diloco_sync_adds_integers_on_a_shared_grid_the_same_on_every_replica(averagers, request):
+    # Three replicas of unequal scale, and a tensor none of them moved. The largest values' mean comes from an
+    # all-reduce in the run; here every replica computes the same one.
+    from geotrain.node.averaging import Job, group_id
+    from geotrain.node.diloco import WIRE_DTYPE, from_grid, grid_steps, largest_values, to_grid
+
+    g = torch.Generator().manual_seed(12)
+    pseudo = [[torch.randn(3000, generator=g, dtype=torch.float64) * 1e-3 * (r + 1), torch.zeros(7, dtype=torch.float64)]
+              for r in range(3)]
+    steps = grid_steps(torch.stack([largest_values(p) for p in pseudo]).mean(0), 3)
+    sums = [to_grid(p, steps, 3) for p in pseudo]
+    peers = [a.peer_id for a in averagers[:3]]
+    sent_before = sum(a.bytes_sent for a in averagers[:3])
+    job = functools.partial(Job, group_id(request.node.name, 0, 0, 1, 1, ""), peers, weight=1.0, presummed="sum")
+    _together([lambda a=a, s=s: a.average_all([job(tensors=s)]) for a, s in zip(averagers, sums)])
+    sent = sum(a.bytes_sent for a in averagers[:3]) - sent_before
+    assert all(t.dtype == WIRE_DTYPE for s in sums for t in s)
+    means = [from_grid(s, steps, 3) for s in sums]
+    assert all(torch.equal(x, y) for m in means[1:] for x, y in zip(means[0], m))
+    exact = sum(p[0] for p in pseudo) / 3
+    assert (means[0][0] - exact).abs().max() <= steps[0] / 2 * (1 + 1e-9)
+    assert not means[0][1].any()
+    # Each replica sends 2/3 of its values and, as a reducer, their sum back to the 2 others: 2 bytes a value.
+    values = 3007
+    assert 3 * 2 * (2 / 3) * values * 2 <= sent < 1.2 * 3 * 2 * (2 / 3) * values * 2
 
 
 class _Recorder:
