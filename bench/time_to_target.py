@@ -34,7 +34,8 @@ equal tokens; rank8 40 steps, 32.5 s (5.3x sooner), 153 B/token (24x fewer), 2.4
 B/token, 2.4952. Earlier, loaded: int8 100 steps, 140.4 s, 973 B/token, 2.7538; auto 150 steps, 237.4 s, 1,198
 B/token, 2.8888 (its top-k costs loss). Replicas, namespaces, 100 steps (loaded): replicas_every_step 100 steps,
 606.5 s to target, 44.5 MB averaged a step, 2.8405 at equal tokens; replicas_diloco 100 steps, 186.8 s (3.2x
-sooner), 1.0 MB a step (44x fewer), 2.8808 (1.4% above every_step). Before the int16 grid (float64 syncs, emulator):
+sooner), 1.0 MB a step (44x fewer), 2.8808 (1.4% above every_step); with plain averaging as the outer step
+(replica_sync_lr=1, replica_sync_momentum=0) 2.8801, no better: DiLoCo's 0.7 and 0.9 stay. Before the int16 grid (float64 syncs, emulator):
 4.0 MB a step (11x, H times fewer: the count was right, the scheme sent a full float64 copy), 3.0114. Under diloco
 which replica trains on which microbatch follows measured timings, so its loss differs from run to run; one run
 each does not tell the grid's share of the change.
