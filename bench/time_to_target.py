@@ -21,16 +21,24 @@ them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_t
 configuration trains the same tokens), tokens_per_s.
 
 Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
-averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). Replica averaging
-does not start across the namespaces yet (hivemind's DHT binds 127.0.0.1 there): run the replica configurations
-with --links emulator, which shapes geotrain's data plane but not hivemind's traffic.
+averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The WAN places a
+stage's two replicas in different regions, so on namespaces their averaging crosses the shaped links too; the
+emulator shapes geotrain's data plane but not hivemind's traffic. averaging_bytes_per_step counts only the
+all-reduces' messages (no DHT traffic, no state downloads): every_step sends float64 gradients every step, diloco a
+sync of int16 pseudo-gradients, a quarter of float64's bytes, at steps H, 2H, ... (node.diloco): over N steps
+4N / floor((N - 1) / H) times fewer bytes a step, 44x for 100 steps at H = 10.
 Run: sudo python bench/time_to_target.py [--configs none,int8,auto] [--steps N] [--links namespaces|emulator]
 
 Measured on a 2-core machine, namespaces, 150 steps: none 100 steps, 171.1 s to target, 3,673 B/token, 2.7557 at
 equal tokens; rank8 40 steps, 32.5 s (5.3x sooner), 153 B/token (24x fewer), 2.4764; rank32 40 steps, 41.2 s, 611
 B/token, 2.4952. Earlier, loaded: int8 100 steps, 140.4 s, 973 B/token, 2.7538; auto 150 steps, 237.4 s, 1,198
-B/token, 2.8888 (its top-k costs loss). Emulator, 100 steps: replicas_every_step 154.9 s, 44.5 MB averaged a step,
-2.8405; replicas_diloco not at the target, 4.0 MB a step (11x fewer), 3.0114.
+B/token, 2.8888 (its top-k costs loss). Replicas, namespaces, 100 steps (loaded): replicas_every_step 100 steps,
+606.5 s to target, 44.5 MB averaged a step, 2.8405 at equal tokens; replicas_diloco 100 steps, 186.8 s (3.2x
+sooner), 1.0 MB a step (44x fewer), 2.8808 (1.4% above every_step); with plain averaging as the outer step
+(replica_sync_lr=1, replica_sync_momentum=0) 2.8801, no better: DiLoCo's 0.7 and 0.9 stay. Before the int16 grid (float64 syncs, emulator):
+4.0 MB a step (11x, H times fewer: the count was right, the scheme sent a full float64 copy), 3.0114. Under diloco
+which replica trains on which microbatch follows measured timings, so its loss differs from run to run; one run
+each does not tell the grid's share of the change.
 """
 
 from __future__ import annotations

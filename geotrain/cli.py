@@ -117,6 +117,18 @@ def _resolvable(address: str, flag: str) -> None:
         raise CommandFailed(f"{flag} {address}: cannot resolve {host}: {e.strerror}") from None
 
 
+def _advertised_host(host: str) -> str:
+    """The coordinator's --advertise: a host alone (its DHT's port is its own, chosen when it starts)."""
+    import ipaddress
+
+    if ":" in host:  # a port, unless the whole is an IPv6 address
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise UsageError(f"--advertise takes a HOST without a port, got {host!r}") from None
+    return host
+
+
 def _corpus_fingerprint(cfg: RunConfig) -> str:
     """Read the run's corpus (or prepared data set) and return its fingerprint; refuse one whose files are missing or
     whose splits are too short for a sample (training would fail at its first batch), and a prepared data set whose
@@ -271,6 +283,7 @@ def _run_coordinator(
     preload: list[str],
     on_listening: Callable[[int, threading.Event], None] | None = None,
     stop_reason: Callable[[], str | None] = lambda: None,
+    advertise: str = "",
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (preload: what the forkserver the
     DHT process is forked from imports, unless the command started it already; stop_reason: why the command set
@@ -293,7 +306,8 @@ def _run_coordinator(
     # The coordinator reads the corpus once to pin its fingerprint: every node must train on the same bytes.
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
-        cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls
+        cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls,
+        advertise=advertise,
     )
     coordinator = process.coordinator
     http = StatusPageProcess(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
@@ -343,7 +357,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
     # Its forkserver serves the DHT process only: this command forks no node.
-    return _run_coordinator(cfg, _token(args), args.listen, args, DHT_PRELOAD)
+    return _run_coordinator(cfg, _token(args), args.listen, args, DHT_PRELOAD,
+                            advertise=_advertised_host(args.advertise))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -826,6 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("coordinator", "Run the coordinator that admits nodes and drives training.", [common])
     p.add_argument("--listen", default="0.0.0.0:7000", help="host:port to serve on (default 0.0.0.0:7000)")
     p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
+    p.add_argument("--advertise", default="", metavar="HOST",
+                   help="address or name nodes reach this machine at, if not the listen host (behind a relay or NAT); "
+                   "the replicas' DHT listens on every interface and is announced there")
     p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
     p.add_argument("--state-dir", help="directory for run state (SQLite) and checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")

@@ -67,6 +67,24 @@ def test_a_lone_replica_takes_its_parameters_as_anchor_and_nothing_else_moves():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("replicas", [2, 3, 7])
+def test_the_sync_grid_holds_each_replicas_values_and_their_sum_in_int16(replicas):
+    from geotrain.node.diloco import WIRE_DTYPE, from_grid, grid_steps, largest_values, to_grid
+
+    # The worst case: one replica moved, the others not, so their mean largest value is its largest / replicas; and
+    # that mean rounded below the true one, as a float32 mean may be.
+    moved = [torch.tensor([-3e-3, 1e-3, 3e-3], dtype=torch.float64)]
+    mean_largest = largest_values(moved) / replicas * (1 - 2**-24)
+    steps = grid_steps(mean_largest, replicas)
+    top = int(torch.iinfo(WIRE_DTYPE).max) // replicas
+    assert to_grid(moved, steps, replicas)[0].tolist() == [-top, round(top / 3), top]
+    all_top = sum(to_grid(moved, steps, replicas)[0].int() for _ in range(replicas))  # every replica at its bound
+    assert int(all_top.abs().max()) <= torch.iinfo(WIRE_DTYPE).max
+    assert torch.allclose(from_grid(to_grid(moved, steps, replicas), steps, 1)[0], moved[0], rtol=0, atol=float(steps[0]))
+    assert grid_steps(torch.zeros(1, dtype=torch.float64), replicas).tolist() == [1.0]  # nothing moved: any step
+
+
 def _diloco(*overrides: str) -> RunConfig:
     return load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
                               "compression.replica_sync=diloco", "compression.replica_sync_every=2", *overrides])

@@ -5,6 +5,7 @@ mean over all replicas, and a live run of four replicas in two regions equals tr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -295,6 +296,35 @@ def test_the_flat_all_reduce_leaves_the_same_float64_bits_on_every_replica(avera
     assert torch.allclose(tensors[0][0], expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_diloco_sync_adds_integers_on_a_shared_grid_the_same_on_every_replica(averagers, request):
+    # Three replicas of unequal scale, and a tensor none of them moved. The largest values' mean comes from an
+    # all-reduce in the run; here every replica computes the same one.
+    from geotrain.node.averaging import Job, group_id
+    from geotrain.node.diloco import WIRE_DTYPE, from_grid, grid_steps, largest_values, to_grid
+
+    g = torch.Generator().manual_seed(12)
+    pseudo = [[torch.randn(3000, generator=g, dtype=torch.float64) * 1e-3 * (r + 1), torch.zeros(7, dtype=torch.float64)]
+              for r in range(3)]
+    steps = grid_steps(torch.stack([largest_values(p) for p in pseudo]).mean(0), 3)
+    sums = [to_grid(p, steps, 3) for p in pseudo]
+    peers = [a.peer_id for a in averagers[:3]]
+    sent_before = sum(a.bytes_sent for a in averagers[:3])
+    job = functools.partial(Job, group_id(request.node.name, 0, 0, 1, 1, ""), peers, weight=1.0, presummed="sum")
+    _together([lambda a=a, s=s: a.average_all([job(tensors=s)]) for a, s in zip(averagers, sums)])
+    sent = sum(a.bytes_sent for a in averagers[:3]) - sent_before
+    assert all(t.dtype == WIRE_DTYPE for s in sums for t in s)
+    means = [from_grid(s, steps, 3) for s in sums]
+    assert all(torch.equal(x, y) for m in means[1:] for x, y in zip(means[0], m))
+    exact = sum(p[0] for p in pseudo) / 3
+    assert (means[0][0] - exact).abs().max() <= steps[0] / 2 * (1 + 1e-9)
+    assert not means[0][1].any()
+    # Each replica sends 2/3 of its values and, as a reducer, their sum back to the 2 others: 2 bytes a value.
+    values = 3007
+    assert 3 * 2 * (2 / 3) * values * 2 <= sent < 1.2 * 3 * 2 * (2 / 3) * values * 2
+
+
 class _Recorder:
     """An averager that only records the groups it is asked to all-reduce in."""
 
@@ -326,6 +356,37 @@ def test_sites_keep_first_appearance_and_member_order():
     from geotrain.node.averaging import sites_of
 
     assert sites_of(["a", "b", "c", "d", "e"], ["us", "eu", "us", "asia", "eu"]) == [["a", "c"], ["b", "e"], ["d"]]
+
+
+PEER = "12D3KooWCPoqTfMQcUAfAoXoh6ZY5cNiJN63mYHx38Y1E6nKyRhX"
+
+
+def test_the_coordinators_dht_follows_its_advertised_host():
+    # Behind the namespace WAN's relay the coordinator listens on 127.0.0.1: its DHT, which the relay does not
+    # forward, listens on every interface and is handed out at the advertised host, once per port.
+    from geotrain.scheduler.service import announced_maddrs, dht_listen_maddr
+
+    assert dht_listen_maddr("127.0.0.1", "") == "/ip4/127.0.0.1/tcp/0"
+    assert dht_listen_maddr("::1", "") == "/ip6/::1/tcp/0"
+    assert dht_listen_maddr("127.0.0.1", "10.1.0.2") == "/ip4/0.0.0.0/tcp/0"
+    visible = [f"/ip4/127.0.0.1/tcp/34833/p2p/{PEER}", f"/ip4/192.0.2.2/tcp/34833/p2p/{PEER}"]
+    assert announced_maddrs(visible, "") == visible
+    assert announced_maddrs(visible, "10.1.0.2") == [f"/ip4/10.1.0.2/tcp/34833/p2p/{PEER}"]
+    assert announced_maddrs(visible, "coord.example.org") == [f"/dns/coord.example.org/tcp/34833/p2p/{PEER}"]
+    with pytest.raises(ValueError, match="not a /tcp/PORT/p2p/PEER"):
+        announced_maddrs([f"/ip4/10.1.0.2/udp/1/quic/p2p/{PEER}"], "10.1.0.2")
+
+
+@pytest.mark.parametrize(("advertise", "ok"), [("10.1.0.2", True), ("::1", True), ("coord.example.org", True),
+                                               ("10.1.0.2:7000", False), ("[::1]:7000", False)])
+def test_the_coordinators_advertise_takes_a_host_without_a_port(advertise, ok):
+    from geotrain.cli import UsageError, _advertised_host
+
+    if ok:
+        assert _advertised_host(advertise) == advertise
+    else:
+        with pytest.raises(UsageError, match="--advertise takes a HOST without a port"):
+            _advertised_host(advertise)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ Arguments after `--` go to `geotrain coordinator`. Wiring, for run id RID and re
 - Each region is one namespace holding its processes: the coordinator (region 0) and the region's nodes. Every
   geotrain process binds 127.0.0.1 and is reached from outside through the region's delay relay on the region
   address with the same port: coordinator 10.1.0.2:7000, node i of region r 10.(r+1).0.2:(7100 + i), which is
-  what the node advertises (`geotrain join --advertise`).
+  what the node advertises (`geotrain join --advertise`). The coordinator advertises its region's address too
+  (`geotrain coordinator --advertise`): the hivemind DHT that replicas bootstrap from listens on every interface of
+  region 0, and the nodes dial it there, past the relay; each node's own DHT listens on its advertised address.
 - `tbf` at link-mbps shapes both ends of each region's veth (region egress and router egress towards the region),
   so traffic between regions is rate-limited in both directions. Traffic inside a region never leaves its
   namespace and is not shaped.
@@ -340,7 +342,7 @@ class Wan:
         """Start `geotrain coordinator` in region 0, waiting for every node; extra_args go to its command line."""
         nodes = self.spec.regions * self.spec.nodes_per_region
         cmd = [sys.executable, "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{COORDINATOR_PORT}",
-               "--min-nodes", str(nodes), *(extra_args or [])]
+               "--advertise", self.region_ip(0), "--min-nodes", str(nodes), *(extra_args or [])]
         proc = self._spawn(self.region_ns(0), "coordinator", cmd, console=console)
         self.processes.append(proc)
         return proc

@@ -60,7 +60,8 @@ class Job(NamedTuple):
     tensors: Sequence[torch.Tensor]
     weight: float
     # "": hivemind's weighted mean. "mean" / "sum": float64 tensors holding weight x mean, added exactly
-    # (_PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum").
+    # (_PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum");
+    # "sum" also adds integer tensors (one dtype for all of a job's tensors), exactly while the sums fit the dtype.
     presummed: str = ""
     # > 0: CenteredClip with this clip radius, as a root mean square per value, instead of the mean (presummed "mean").
     clip_rms: float = 0.0
@@ -68,21 +69,25 @@ class Job(NamedTuple):
 
 class _SumAccumulator:
     """Takes the place of TensorPartReducer's float32 accumulator, which rounds every addition in the order parts
-    arrive. Parts here are replicas' float64 sums of float32 gradients (weight x mean): adding them in float64 is
-    exact wherever each replica's own sums were (node.stage), so the total does not depend on the order. With
-    `mean` it is divided by the total weight and rounded to float32 once, as train-local rounds its mean; without,
-    the exact sum is returned, and each member's own part plus its delta (the others' exact sum) is that sum again."""
+    arrive. Parts here are replicas' float64 sums of float32 gradients (weight x mean), or integers: adding them in
+    float64 is exact wherever each replica's own sums were (node.stage), so the total does not depend on the order.
+    With `mean` it is divided by the total weight and rounded to float32 once, as train-local rounds its mean;
+    without, the exact sum is returned in the parts' dtype, and each member's own part plus its delta (the others'
+    exact sum) is that sum again."""
 
-    def __init__(self, shape: torch.Size, mean: bool) -> None:
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, mean: bool) -> None:
         self.total = torch.zeros(shape, dtype=torch.float64)
+        self.dtype = dtype
         self.mean = mean
 
     def add_(self, part: torch.Tensor, alpha: float) -> None:  # noqa: ARG002 - the weight is already in the part
+        if part.dtype != self.dtype:  # a wider part would be cut back to this dtype, differently from its sender
+            raise AllreduceException(f"a part of dtype {part.dtype} in an all-reduce of {self.dtype}")
         self.total.add_(part)
 
     def div_(self, denominator: float) -> torch.Tensor:
         if not self.mean:
-            return self.total
+            return self.total.to(self.dtype)
         # On the float32 grid, so that each replica's x + (average - x) rounds back to these bits (_round_to_float32).
         return self.total.div_(denominator).float().double()
 
@@ -90,14 +95,14 @@ class _SumAccumulator:
 class _PresummedReducer(TensorPartReducer):
     """hivemind's reducer (waiting, part order, failed senders) with _SumAccumulator for its arithmetic."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, mean: bool) -> None:
-        self.mean = mean  # before hivemind's __init__, which makes the first accumulator
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, dtype: torch.dtype, mean: bool) -> None:
+        self.dtype, self.mean = dtype, mean  # before hivemind's __init__, which makes the first accumulator
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:  # noqa: D102
         super().reset_accumulators()
         if not self.finished.is_set():
-            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index], self.mean)
+            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index], self.dtype, self.mean)
 
 
 class _PresummedRunner(AllReduceRunner):
@@ -105,8 +110,9 @@ class _PresummedRunner(AllReduceRunner):
 
     def __init__(self, mean: bool, **kwargs) -> None:
         super().__init__(**kwargs)
+        dtype = kwargs["tensors"][0].dtype  # a job's tensors share one dtype (Job)
         unused, self.tensor_part_reducer = self.tensor_part_reducer, _PresummedReducer(
-            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, mean
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, dtype, mean
         )
         unused.finished.set()  # it never takes a part: finalising it would warn that parts were missing
 

@@ -5,14 +5,23 @@ averages nothing, so between syncs they serve microbatches with parameters that 
 (replica_sync_every) they all-reduce their pseudo-gradient, the anchor (the parameters of the last sync) minus
 their parameters, and each takes the same outer step from the anchor with Nesterov momentum (Douillard et al. 2023,
 "DiLoCo"; lr 0.7, momentum 0.9 as there): the new anchor, which becomes every replica's parameters. A sync moves
-one copy of the parameters, so a stage averages about H times fewer bytes per step than with every_step.
+one copy of the parameters, as integers (Wire, below), so a stage averages about 4H times fewer bytes per step than
+with every_step.
 
 Chosen over SPARTA (a random slice averaged every step: replicas never share a state the coordinator can check)
 and SparseLoCo (top-k of an error-feedback buffer per replica: sparse parts that hivemind's all-reduce cannot add
 exactly, so replicas would hold different results): DiLoCo's dense mean goes through the all-reduce the stage
 already uses, exactly, so every replica holds the same anchor, bit for bit, and the coordinator checks it each step
-(StageRuntime.checksum covers the anchor under diloco). Nothing of it is quantized for the same reason: the
-presummed all-reduce adds float64 values exactly, and a codec would round each replica's result differently.
+(StageRuntime.checksum covers the anchor under diloco).
+
+Wire. A codec would round each replica's result differently, so the pseudo-gradient is not encoded but put on a grid
+every replica shares, as int16 integers: a first, tiny all-reduce averages each tensor's largest absolute value over
+the replicas (a float32 mean, the same bits everywhere); `replicas` times it bounds every replica's values, and the
+grid's step maps that bound to the largest integer that `replicas` of them can add to in int16 (grid_steps). The
+all-reduce then adds integers, exactly in any order, so every replica holds the same sum, in a quarter of float64's
+bytes each way; each value is rounded once, by at most half a step: with two replicas about 1/16,000 of the
+tensor's largest value (to_grid). A stage averaging every step sends float64 gradients, so a sync every H steps
+averages about 4H times fewer bytes a step.
 
 When. The sync of step s (s a multiple of H) all-reduces at s's commit, like gradient averaging: a replica that
 dies mid-sync fails the plan epoch, the survivors redo step s without it, and nothing was applied (the averaged
@@ -33,6 +42,9 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+# A sync's pseudo-gradients cross the wire as integers of this dtype (the docstring's Wire).
+WIRE_DTYPE = torch.int16
 
 # full_state() names: the anchor and the outer momentum of each parameter, `sync.<slot>.<param name>`.
 ANCHOR, MOMENTUM = "anchor", "momentum"
@@ -102,6 +114,35 @@ class OuterSync:
                     raise ValueError(f"state has no {key} of shape {tuple(t.shape)}")
                 t.copy_(state[key])
         self._pending = None
+
+
+def largest_values(pseudo: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest absolute value, float64: what the replicas average to agree on their grid."""
+    return torch.tensor([float(p.abs().max()) if p.numel() else 0.0 for p in pseudo], dtype=torch.float64)
+
+
+def _levels(replicas: int) -> int:
+    """The largest integer one replica may send: `replicas` of them add up within WIRE_DTYPE."""
+    return torch.iinfo(WIRE_DTYPE).max // replicas
+
+
+def grid_steps(mean_largest: torch.Tensor, replicas: int) -> torch.Tensor:
+    """Each tensor's grid step, from the replicas' mean of its largest absolute value: no replica's largest exceeds
+    `replicas` times that mean, and that maps to _levels(replicas). A tensor nobody moved gets step 1."""
+    steps = mean_largest * replicas / _levels(replicas)
+    return torch.where(steps > 0, steps, torch.ones_like(steps))
+
+
+def to_grid(pseudo: Sequence[torch.Tensor], steps: torch.Tensor, replicas: int) -> list[torch.Tensor]:
+    """This replica's pseudo-gradient as integers on the shared grid (rounded to nearest; clamped, which only a
+    float32-rounded mean below the true one can call for, by one unit at most)."""
+    levels = _levels(replicas)
+    return [(p / float(step)).round_().clamp_(-levels, levels).to(WIRE_DTYPE) for p, step in zip(pseudo, steps, strict=True)]
+
+
+def from_grid(sums: Sequence[torch.Tensor], steps: torch.Tensor, replicas: int) -> list[torch.Tensor]:
+    """The replicas' mean pseudo-gradient, float64, from their integer sums: the same bits on every replica."""
+    return [s.double() * float(step) / replicas for s, step in zip(sums, steps, strict=True)]
 
 
 def adam_step_bound(beta1: float, beta2: float) -> float:

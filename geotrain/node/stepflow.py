@@ -320,16 +320,24 @@ class StepFlow:
             runtime.sync.stage(step, None)
             return
         pseudo = runtime.sync.pseudo_gradient(runtime.parameters())
+        replicas = len(stage.peer_ids)
 
         def average() -> None:
-            from geotrain.node.averaging import group_id, replica_all_reduce
+            from geotrain.node.averaging import Job, group_id, replica_all_reduce
+            from geotrain.node.diloco import from_grid, grid_steps, largest_values, to_grid
 
-            all_reduce = replica_all_reduce(
-                self.averager, list(stage.peer_ids), list(stage.regions), 1.0,
-                lambda round_, part: group_id(self.run_id, stage.index, step, plan.epoch, round_, part),
-                hierarchical=stage.hierarchical_allreduce, presummed=True,
-            )
-            all_reduce(0, pseudo)  # every replica counts once, as DiLoCo's mean over workers
+            def gid(round_: int, part: str) -> bytes:
+                return group_id(self.run_id, stage.index, step, plan.epoch, round_, part)
+
+            all_reduce = replica_all_reduce(self.averager, list(stage.peer_ids), list(stage.regions), 1.0, gid,
+                                            hierarchical=stage.hierarchical_allreduce, presummed=True)
+            largest = largest_values(pseudo)
+            all_reduce(0, [largest])  # their mean over the replicas, the same float32 bits on every replica
+            steps = grid_steps(largest, replicas)
+            sums = to_grid(pseudo, steps, replicas)
+            # One flat group: integers need no site-by-site float64 phases, and a sync comes once every H steps.
+            self.averager.average_all([Job(gid(1, ""), list(stage.peer_ids), sums, 1.0, presummed="sum")])
+            pseudo[:] = from_grid(sums, steps, replicas)  # every replica counts once, as DiLoCo's mean over workers
 
         self._with_replicas(average)
         runtime.sync.stage(step, pseudo)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import multiprocessing
 import secrets
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -326,6 +327,37 @@ def fetch_model_state(
     return state
 
 
+def _maddr_host(host: str) -> str:
+    """A host as the first part of a multiaddr: /ip4/ or /ip6/ for an address, /dns/ for a name."""
+    try:
+        return f"/ip{ipaddress.ip_address(host).version}/{host}"
+    except ValueError:
+        return f"/dns/{host}"
+
+
+def dht_listen_maddr(listen_host: str, advertise_host: str) -> str:
+    """Where the coordinator's DHT listens: on its listen host, or, when nodes reach the coordinator at another
+    host, on every interface. The advertised host may be a relay's or a NAT's while the gRPC server listens on
+    127.0.0.1 behind it (the namespace WAN); the DHT has no relay and must be reachable itself."""
+    return f"{_maddr_host('0.0.0.0' if advertise_host else listen_host)}/tcp/0"
+
+
+def announced_maddrs(visible: Sequence[str], advertise_host: str) -> list[str]:
+    """The DHT's addresses handed to the nodes: those it sees itself, or with an advertised host, that host with the
+    DHT's port(s) (one address per port, whatever interfaces it listens on)."""
+    if not advertise_host:
+        return list(visible)
+    announced: list[str] = []
+    for maddr in visible:
+        _, tcp, port, p2p, peer = maddr.rsplit("/", 4)  # /ip4/HOST/tcp/PORT/p2p/PEER
+        if tcp != "tcp" or p2p != "p2p":
+            raise ValueError(f"not a /tcp/PORT/p2p/PEER multiaddr: {maddr}")
+        address = f"{_maddr_host(advertise_host)}/tcp/{port}/p2p/{peer}"
+        if address not in announced:
+            announced.append(address)
+    return announced
+
+
 class DhtProcess:
     """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
     which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
@@ -333,10 +365,12 @@ class DhtProcess:
     same test in two runs). The coordinator needs only the DHT's addresses. The DHT ends when this object is closed
     or its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
 
-    def __init__(self, host_maddr: str) -> None:
+    def __init__(self, listen_host: str, advertise_host: str = "") -> None:
+        host_maddr = dht_listen_maddr(listen_host, advertise_host)
         self._process, self._conn = child_with_pipe(_serve_dht, (host_maddr,), "geotrain-dht")
         try:
-            self.maddrs: list[str] = ready_message(self._conn, _DHT_READY_S, "the coordinator's DHT process")
+            visible = ready_message(self._conn, _DHT_READY_S, "the coordinator's DHT process")
+            self.maddrs: list[str] = announced_maddrs(visible, advertise_host)
         except BaseException:
             self.close()
             raise
@@ -371,7 +405,8 @@ def _serve_dht(host_maddr: str, conn: Connection) -> None:
 
 class CoordinatorProcess:
     """A coordinator with everything it runs on: run state, checkpoints, the hivemind DHT replicas bootstrap from,
-    and its gRPC server (bound, not yet started). close() releases all of it."""
+    and its gRPC server (bound, not yet started). close() releases all of it. `advertise`: the host nodes reach this
+    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr)."""
 
     def __init__(
         self,
@@ -383,6 +418,7 @@ class CoordinatorProcess:
         resume: bool = False,
         on_event: EventSink | None = None,
         tls: TlsFiles | None = None,
+        advertise: str = "",
     ) -> None:
         self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
         committed = self.store.committed_steps()
@@ -396,8 +432,7 @@ class CoordinatorProcess:
         )
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
-        host = listen.rsplit(":", 1)[0]
-        self.dht = DhtProcess(f"/ip4/{host}/tcp/0")
+        self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise)
         try:
             self.coordinator = Coordinator(
                 cfg,
