@@ -143,9 +143,15 @@ def new_wan(netwan: ModuleType, replicas: int, log_dir: Path):
 
 def train(config: Config, steps: int, links: str, timeout_s: float = 3600.0) -> dict:
     """One run of `config`; its --json summary."""
-    flags = [arg for s in run_settings(config, steps) for arg in ("--set", s)]
+    return run_summary(run_settings(config, steps), steps, links, config.replicas, timeout_s)
+
+
+def run_summary(settings: list[str], steps: int, links: str, replicas: int = 1, timeout_s: float = 3600.0) -> dict:
+    """The --json summary of a run of these --set settings on STAGES regions of `replicas` nodes each, over
+    `links` (LINKS)."""
+    flags = [arg for s in settings for arg in ("--set", s)]
     if links == "emulator":
-        cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * config.replicas), "--stages",
+        cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * replicas), "--stages",
                str(STAGES), "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
@@ -153,7 +159,7 @@ def train(config: Config, steps: int, links: str, timeout_s: float = 3600.0) -> 
             raise RuntimeError(f"the run failed:\n{done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
     netwan = _netwan()
-    with new_wan(netwan, config.replicas, Path(tempfile.mkdtemp(prefix="bench-ttt-"))) as wan:
+    with new_wan(netwan, replicas, Path(tempfile.mkdtemp(prefix="bench-ttt-"))) as wan:
         wan.build()
         coordinator = wan.start_coordinator(["--json", *flags])
         wan.join_in_order(coordinator)

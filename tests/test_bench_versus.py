@@ -1,5 +1,6 @@
-"""bench/time_to_target.py and bench/versus.py: their command lines and tables, the figures of a run's summary, and
-one tiny run of each kind end to end (geotrain through the link emulator, torch pipelining and hivemind on loopback)."""
+"""bench/time_to_target.py, bench/versus.py and bench/window.py: their command lines and tables, the figures of a
+run's summary, and one tiny run of each kind end to end (geotrain through the link emulator, torch pipelining and
+hivemind on loopback)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def test_configs_cover_the_issue_and_parse(capsys):
     settings = ttt.run_settings(ttt.CONFIGS["int8"], 12)
     assert "run.steps=12" in settings and "compression.activations=int8" in settings
     assert settings[: len(ttt.MODEL)] == ttt.MODEL
+
+
+def test_window_bench_sets_each_window_and_reports_the_nodes_peak_memory(capsys):
+    window = _load("window")  # its helpers are time_to_target's (loaded above)
+    assert window.parser().parse_args([]).windows == ["1", "4", "16", "auto"]
+    with pytest.raises(SystemExit):
+        window.parser().parse_args(["--windows", "4,8"])
+    assert "unknown window(s) 8" in capsys.readouterr().err
+    settings = window.settings("auto", 5)
+    assert "train.inflight=auto" in settings and "run.steps=5" in settings and settings[: len(ttt.MODEL)] == ttt.MODEL
+    summary = {"tokens_per_s": 1234.56, "peak_memory_bytes": 5_000_000, "inflight": 9, "estimated_step_s": 1.23456}
+    assert window.figures("auto", summary, "emulator") == {
+        "window": "auto", "links": ttt.links_label("emulator"), "tokens_per_s": 1234.6,
+        "peak_memory_bytes": 5_000_000, "inflight": 9, "estimated_step_s": 1.235}
 
 
 def test_versus_systems_parse(capsys):

@@ -1,11 +1,15 @@
-"""Cost model: hand-computed step times, memory feasibility, the link matrices plans are priced with."""
+"""Cost model: hand-computed step times, memory feasibility, the link matrices plans are priced with, and when a
+plan's window is far enough from its estimate's to re-plan."""
 
 import math
 
 import numpy as np
 import pytest
 
+from geotrain.config import AUTO_INFLIGHT, load_config
+from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.costmodel import CodecRatio, CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
+from geotrain.scheduler.placement import window_changed
 
 TINY = ModelProfile(
     layer_param_bytes=[100, 100],
@@ -254,6 +258,22 @@ def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
     assert model_for(nodes).plan(stages, {}).inflight is None
     with pytest.raises(ValueError, match="inflight"):
         shape4(inflight="some")
+
+
+def test_a_plan_whose_window_is_far_from_its_estimates_is_replanned():
+    # The plan's window came from the profiles it had; links measured since give the estimate another (4, above).
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
+    estimate = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
+    auto = load_config(None, [])
+    assert estimate.inflight == 4 and auto.train.inflight == AUTO_INFLIGHT
+    assert window_changed(auto, pb.Plan(inflight=3), estimate, 0.25)  # a third too small: the links idle
+    assert window_changed(auto, pb.Plan(inflight=8), estimate, 0.25)  # twice what it needs: memory for nothing
+    assert not window_changed(auto, pb.Plan(inflight=4), estimate, 0.25)
+    assert not window_changed(auto, pb.Plan(inflight=5), estimate, 0.25)  # within the tolerance
+    # A fixed window stays, and so does any window before profiles price the plan.
+    assert not window_changed(load_config(None, ["train.inflight=3"]), pb.Plan(inflight=3), estimate, 0.25)
+    assert not window_changed(auto, pb.Plan(inflight=3), None, 0.25)
 
 
 def test_a_link_between_two_nodes_nobody_can_dial_is_priced_through_a_relay():

@@ -70,8 +70,10 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     assert set(summary) == {
         "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages",
         "validation", "wire_bytes", "raw_bytes", "estimated_step_s", "relayed_bytes", "averaging_bytes",
+        "peak_memory_bytes", "inflight",
     }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
+    assert summary["peak_memory_bytes"] > 0  # the nodes' heartbeats report it
     # A byte model starts near ln(256) = 5.5; within the default steps it must clearly learn the corpus.
     assert summary["loss_first"] > 5.0
     assert summary["loss_last"] < summary["loss_first"] - 1.5

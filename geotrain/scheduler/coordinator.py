@@ -80,6 +80,8 @@ class RunSummary:
     estimated_step_s: float | None  # the cost model's step time for the last plan (None: no profiles to price it)
     relayed_bytes: int  # payload bytes the nodes forwarded as relays for links whose two ends nobody can dial
     averaging_bytes: int  # replica-averaging bytes the nodes sent (their last heartbeats' counters)
+    peak_memory_bytes: int  # the most memory one node held (its last heartbeat's peak)
+    inflight: int  # the last plan's window per data head (train.inflight, or the plan's own under "auto")
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict."""
@@ -413,6 +415,8 @@ class Coordinator:
             estimated_step_s=self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
             relayed_bytes=sum(m.relayed_bytes for m in self.membership.members.values()),
             averaging_bytes=sum(m.averaging_bytes_sent for m in self.membership.members.values()),
+            peak_memory_bytes=max((m.peak_memory_bytes for m in self.membership.members.values()), default=0),
+            inflight=self.plan.inflight if self.plan else 0,
         )
 
     def _note_failure(self, why: str) -> None:

@@ -109,6 +109,16 @@ def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> 
     return estimate.inflight if estimate is not None and estimate.inflight else n_stages
 
 
+def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | None, tolerance: float) -> bool:
+    """Under train.inflight = "auto", whether the estimate's window is more than `tolerance` (a fraction) away from the
+    plan's: the plan took its window from the profiles it had, and links measured since (a probe runs once the
+    neighbours are known) can put the round trip over the pace far from it; too small a window idles the links, too
+    large a one holds memory for nothing."""
+    if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.inflight or not plan.inflight:
+        return False
+    return abs(estimate.inflight / plan.inflight - 1) > tolerance
+
+
 def slowdown(estimate_s: float, planned_s: float) -> float:
     """How much slower re-measured profiles put a plan than its estimate when it was made (0.25 = 25%)."""
     return estimate_s / planned_s - 1

@@ -117,7 +117,7 @@ class Planning:
             return
         members = self.membership.members
         self.update_estimate(placement.plan_ranges(self.plan), [[members[n] for n in s.node_ids] for s in self.plan.stages])
-        self.dirty |= self.drifted() or self.averaging_changed()
+        self.dirty |= self.drifted() or self.averaging_changed() or self.window_changed()
 
     def _profiles_changed(self) -> bool:
         """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
@@ -145,6 +145,18 @@ class Planning:
         why = f"re-measured profiles put the plan {100 * slower:.0f}% slower than estimated when it was made"
         log.info("re-planning: %s", why)
         self.store.event("drift", detail=why)
+        return True
+
+    def window_changed(self) -> bool:
+        """Whether the plan's data-head window is far from the one its latest estimate gives (train.inflight =
+        "auto"): the next plan carries the estimate's."""
+        assert self.plan is not None
+        if not placement.window_changed(self.cfg, self.plan, self.estimate, _DRIFT_REPLAN):
+            return False
+        assert self.estimate is not None
+        why = f"the estimate's window is {self.estimate.inflight} microbatches, the plan's {self.plan.inflight}"
+        log.info("re-planning: %s", why)
+        self.store.event("window", detail=why)
         return True
 
     def averaging_changed(self) -> bool:
