@@ -1,10 +1,14 @@
 """The tensor path's cost: CPU and wall time to move a 1 MiB float32 activation between two processes on loopback.
 
-Two paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages):
+Four paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages):
 - "geotrain": a node's DataPlane (codec none, encode and send: framing, the run token's proof, the key's signature,
   deadline) to a receiving process's Stage server with the real StageServicer (auth and limits interceptors, the
   header checked against the plan's shape, dtype, codec and the sender's key before the payload is read, size and
   checksum, decoded to a tensor and the finiteness check), answered by its Ack;
+- "grpc-stream" and "grpc-unary": gRPC alone, the floor of any path through it: the tensor's bytes (one copy, as
+  gRPC sends bytes it owns) as the only message of a stream call (as Forward sends a one-chunk tensor) or as a unary
+  call's request, on a channel and a server without interceptors and with the transport's message limits, taken
+  unchecked as a view;
 - "raw": the physical reference, a plain TCP socket: the sender writes an 8-byte length and the tensor's bytes from
   its own memory, the receiver reads them into a buffer it reuses and views them as a tensor, and answers one byte.
 
@@ -15,8 +19,17 @@ by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.
 
 Measured on 2 shared cores, 200 messages: geotrain 12.0 ms of CPU per MiB before #18 (protobuf's copies, a bytes copy
 of the reassembled payload, torch's finiteness check), 6.3 after, against raw's 0.78 (8x; the issue's goal is 3x).
-What is left is mostly gRPC's own (a stream call with one 1 MiB message costs about 3 ms of CPU in one process)
-and crc32 on both ends (0.44 ms each).
+With the bare gRPC paths, 300 messages: geotrain 3.80, grpc-stream 2.16, grpc-unary 2.18, raw 0.79 on a quiet
+machine; 5.76, 3.03, 3.72, 0.95 on a busier one (the same code gave geotrain 6.6-7.4 while other runs shared the
+cores: compare lines of one run). The goal's 3x is 2.36 ms on the quiet run, and gRPC alone is 2.75x raw there (3.2x
+on the busier), so no path through gRPC meets it, whatever it checks. What geotrain adds to the stream call (1.64
+ms) is crc32 on both ends (0.43 ms each with zlib 1.2.13; adler32 and blake3 cost the same here), the copy out of
+the tensor, the auth and the key's signature on each call, the decode's copy into a writable tensor and the
+finiteness check. A unary call costs no less CPU than a one-message stream (it saves wall time only), and channel
+options measured in one process (HTTP/2 frames up to 16 MiB, a 16 MiB flow-control window and lookahead, BDP probing
+off, optimization_target "throughput") moved the floor by less than the run-to-run noise (1.8-2.4 ms unary, 2.8-4.3
+stream). Meeting 3x takes the tensor bytes off gRPC: a raw stream authenticated by the gRPC call, with TLS when the
+run has it, opened by the receiver on reverse links.
 """
 
 from __future__ import annotations
@@ -30,8 +43,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
+import numpy as np
 import torch
 
 from geotrain.compression import get_codec
@@ -42,13 +57,17 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import RefusalLog, new_token
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
-from geotrain.protocol.transport import make_server
+from geotrain.protocol.transport import MAX_MESSAGE_BYTES, make_server
 
 from control_plane import HelperProcess  # a sibling: run as bench/tensor_path.py
 
 SHAPE = (8, 128, 256)  # 1 MiB of float32: a microbatch of 8 x 128 tokens at width 256
 MIB = 1 << 20
 SENDER, RECEIVER = "node-1", "node-2"
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 _LENGTH = struct.Struct("<Q")
 
 
@@ -114,9 +133,45 @@ def _serve_raw() -> tuple[str, Callable[[], int]]:
     return "127.0.0.1:%d" % listener.getsockname()[1], lambda: received[0]
 
 
+def _serve_bare_grpc() -> tuple[str, Callable[[], int]]:
+    """A gRPC server without interceptors whose methods take one tensor's bytes, unchecked: Stream as the only
+    message of a stream call (as Forward takes a one-chunk tensor), Unary as a unary call's request."""
+    received = [0]
+
+    def take(message: bytes) -> bytes:
+        if len(message) != MIB:
+            raise RuntimeError(f"message of {len(message)} bytes")
+        np.frombuffer(message, dtype=np.float32).reshape(SHAPE)  # a view, as raw's receiver makes one
+        received[0] += 1
+        return b""
+
+    def take_stream(messages, context) -> bytes:  # noqa: ANN001
+        for message in messages:
+            take(message)
+        return b""
+
+    methods = {
+        "Stream": grpc.stream_unary_rpc_method_handler(take_stream),
+        "Unary": grpc.unary_unary_rpc_method_handler(lambda message, context: take(message)),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", methods),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return f"127.0.0.1:{port}", lambda: server and received[0]
+
+
+_SERVERS = {
+    "geotrain": _serve_geotrain,
+    "grpc-stream": lambda token, key: _serve_bare_grpc(),
+    "grpc-unary": lambda token, key: _serve_bare_grpc(),
+    "raw": lambda token, key: _serve_raw(),
+}
+
+
 def receiver_main(path: str, token: str, sender_key_hex: str) -> None:
     """The receiving process: prints its address, then answers "cpu" with its CPU seconds and the tensors taken."""
-    address, received = _serve_geotrain(token, sender_key_hex) if path == "geotrain" else _serve_raw()
+    address, received = _SERVERS[path](token, sender_key_hex)
     print(json.dumps({"address": address}), flush=True)
     for line in sys.stdin:
         if line.strip() == "cpu":
@@ -135,6 +190,22 @@ def _geotrain_sender(
         plane.send(RECEIVER, address, "forward", ref, plane.encode(RECEIVER, address, "forward", codec, tensor))
 
     return send, plane.close
+
+
+def _bare_grpc_sender(address: str, unary: bool) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """Send one tensor's bytes on a channel without interceptors, as a stream call's only message (as Forward sends
+    a one-chunk tensor) or as a unary call: gRPC's own cost, which no path through it goes below."""
+    channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+    method = "Unary" if unary else "Stream"
+    call = getattr(channel, "unary_unary" if unary else "stream_unary")(
+        f"/bench.Bare/{method}", request_serializer=None, response_deserializer=None
+    )
+
+    def send(tensor: torch.Tensor) -> None:
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()  # gRPC sends bytes it owns
+        call(data if unary else iter([data]), timeout=60)
+
+    return send, channel.close
 
 
 def _raw_sender(address: str) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
@@ -162,7 +233,13 @@ def measure(path: str, messages: int, warmup: int) -> dict[str, object]:
     try:
         assert receiver.proc.stdout is not None
         address = json.loads(receiver.proc.stdout.readline())["address"]
-        send, close = _geotrain_sender(address, token, key) if path == "geotrain" else _raw_sender(address)
+        senders = {
+            "geotrain": lambda: _geotrain_sender(address, token, key),
+            "grpc-stream": lambda: _bare_grpc_sender(address, unary=False),
+            "grpc-unary": lambda: _bare_grpc_sender(address, unary=True),
+            "raw": lambda: _raw_sender(address),
+        }
+        send, close = senders[path]()
         tensor = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
         for _ in range(warmup):
             send(tensor)
@@ -198,7 +275,7 @@ def main() -> None:
     if args.receive:
         receiver_main(*args.receive)
         return
-    for path in ("geotrain", "raw"):
+    for path in ("geotrain", "grpc-stream", "grpc-unary", "raw"):
         print(json.dumps(measure(path, args.messages, args.warmup)), flush=True)
 
 
