@@ -146,7 +146,11 @@ def test_a_replica_whose_hivemind_never_joins_is_left_out_after_two_plans():
     assert list(c.plan.stages[0].node_ids) == ids[:2]
     assert "averaging (hivemind)" in c.plan.excluded[ids[2]]
     assert [(kind, node_id) for _, kind, node_id, _ in c.store.events() if kind == "excluded"] == [("excluded", ids[2])]
-    # Registering again (a fixed firewall, a restart) makes it a candidate once more.
+    # Its DHT joining late, or registering again (a fixed firewall, a restart), makes it a candidate once more.
+    c.heartbeat(pb.HeartbeatRequest(node_id=ids[2], dht_peer_id="late"))
+    assert ids[2] not in c.planning.left_out()
+    c.heartbeat(pb.HeartbeatRequest(node_id=ids[2]))  # its DHT gone again
+    assert ids[2] in c.planning.left_out()
     _register(c, node_id=ids[2], address="127.0.0.1:7101")
     assert ids[2] not in c.planning.left_out()
     c.store.close()

@@ -244,11 +244,12 @@ class Planning:
         raise StepFailed(f"replicas {', '.join(missing())} did not join the averaging in {timeout:.0f}s")
 
     def _shut_out(self) -> dict[str, str]:
-        """Live nodes left out of every stage because their hivemind never joined, and why."""
+        """Live nodes left out of every stage because their hivemind has not joined, and why."""
         members = self.membership.members
         return {
             n: _SHUT_OUT for n, (incarnation, rounds) in self._join_misses.items()
             if rounds >= _JOIN_ROUNDS and members[n].alive and members[n].joined_at == incarnation
+            and not members[n].peer_id  # it joined late after all
         }
 
     def left_out(self) -> dict[str, str]:
