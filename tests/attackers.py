@@ -181,7 +181,8 @@ def flood_status_page(port: int, count: int, clients: int = 4) -> Counter[int]:
 
 class IdleStreams:
     """`count` request streams that send nothing, each opened again as soon as the server ends it; counts how they
-    ended (RESOURCE_EXHAUSTED: refused over a limit; CANCELLED or DEADLINE_EXCEEDED: cut when idle)."""
+    ended (RESOURCE_EXHAUSTED: refused over a limit; UNAVAILABLE: refused by a node's HTTP/2 past the streams one
+    connection may have; CANCELLED or DEADLINE_EXCEEDED: cut when idle)."""
 
     def __init__(self, open_stream: Callable[[Iterator], grpc.Future], count: int) -> None:
         self._open_stream = open_stream

@@ -23,7 +23,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import Backoff, LimitValues, PeerLimits
-from geotrain.protocol.transport import make_channel, make_server
+from geotrain.protocol.transport import NODE_STREAMS_PER_CONNECTION, make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
 from geotrain.scheduler.http import REQUEST_BURST, StatusHttpServer, StatusPageProcess
@@ -100,9 +100,12 @@ def test_200_idle_streams_at_a_node_and_at_the_coordinator(tmp_path):
             at_coordinator.stop()
         node_channel.close()
         coordinator_channel.close()
-        for streams in (at_node, at_coordinator):
-            assert streams.ended[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 150, streams.ended
-            assert set(streams.ended) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, *cut}, streams.ended
+        # The node's server refuses one connection's streams past its 16 in HTTP/2 (UNAVAILABLE), before its Python;
+        # those within them past streams_per_peer, and every one past it at the coordinator, over the limit.
+        refused = {at_node: grpc.StatusCode.UNAVAILABLE, at_coordinator: grpc.StatusCode.RESOURCE_EXHAUSTED}
+        for streams, code in refused.items():
+            assert streams.ended[code] >= 150, streams.ended
+            assert set(streams.ended) <= {code, grpc.StatusCode.RESOURCE_EXHAUSTED, *cut}, streams.ended
 
 
 @pytest.mark.cluster
@@ -398,5 +401,50 @@ def test_a_sync_server_holds_its_answers_to_a_caller_it_keeps_denying():
         assert codes == {grpc.StatusCode.PERMISSION_DENIED}
         assert time.monotonic() - started >= 0.05 + 0.1 + 0.2 * 3  # held: 0.05, 0.1, then 0.2 each
     finally:
+        attacker.close()
+        server.stop(None)
+
+
+class _Holding(rpc.StageServicer):
+    """Forward holds its worker until `release`, counting the calls inside at once."""
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.over_cap = threading.Event()  # set if more calls than a connection may have are inside at once
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def Forward(self, request_iterator, context):  # noqa: N802
+        with self._lock:
+            self.inside += 1
+            if self.inside > NODE_STREAMS_PER_CONNECTION:
+                self.over_cap.set()
+        self.release.wait(20)
+        with self._lock:
+            self.inside -= 1
+        return pb.Ack()
+
+
+@pytest.mark.timeout(30)
+def test_a_node_takes_at_most_16_streams_a_connection_at_once_in_http2_before_its_python():
+    # 20 streams on one connection, under a per-peer limit of 32: the node's server runs 16 at once; HTTP/2 keeps the
+    # other 4 from its workers, interceptors and interpreter lock (the client holds them for a free stream, or they
+    # are refused, UNAVAILABLE, when they race one that ends); none is refused over a limit.
+    holding = _Holding()
+    server, port = make_server("limits-token", "127.0.0.1:0", PeerLimits(LimitValues(streams_per_peer=32)))
+    rpc.add_StageServicer_to_server(holding, server)
+    server.start()
+    attacker = Attacker(f"127.0.0.1:{port}", "limits-token")
+    try:
+        stub = attacker.stage(attacker.address, attacker.outsider, ATTACKER)
+        calls = [stub.Forward.future(iter(()), timeout=20) for _ in range(20)]
+        wait_until(lambda: holding.inside == NODE_STREAMS_PER_CONNECTION, 10, "16 calls inside the node's server")
+        assert not holding.over_cap.wait(0.5), "more of one connection's calls inside the server at once than 16"
+        holding.release.set()
+        codes = Counter(answer(call.result) for call in calls)
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+        assert codes[grpc.StatusCode.OK] >= NODE_STREAMS_PER_CONNECTION, codes
+    finally:
+        holding.release.set()
         attacker.close()
         server.stop(None)

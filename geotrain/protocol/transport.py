@@ -14,7 +14,7 @@ from typing import TypeVar
 import grpc
 
 from geotrain.protocol.auth import AioServerAuth, ClientAuth, ServerAuth
-from geotrain.protocol.limits import AioLimitsInterceptor, LimitsInterceptor, PeerLimits
+from geotrain.protocol.limits import AioLimitsInterceptor, LimitsInterceptor, LimitValues, PeerLimits
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles
 
@@ -37,6 +37,13 @@ _OPTIONS = [
 ]
 # Without SO_REUSEPORT a second server on a taken port fails instead of sharing its connections.
 _SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
+# Calls one connection may have open at once at a node's (sync) server: the default streams_per_peer, and twice what a
+# sender opens. HTTP/2 (MAX_CONCURRENT_STREAMS) keeps the calls past them from any Python (the client holds them for a
+# free stream, or they are refused, UNAVAILABLE, when they race one that ends): 200 silent streams on one connection
+# cost the node 16 idle workers, not ~200 refusals a second in its Python (auth, limits, a worker) under the
+# interpreter lock its compute needs. The coordinator's grpc.aio server holds its refusals without a thread
+# (limits.Backoff) and keeps the default: nodes in one process share one connection to it, each with its order stream.
+NODE_STREAMS_PER_CONNECTION = LimitValues.streams_per_peer
 
 
 def make_channel(
@@ -89,12 +96,12 @@ def make_server(
 ) -> tuple[grpc.Server, int]:
     """A started-later server bound to `listen` (port 0 picks one) that enforces `limits` on authentic calls;
     returns it and the bound port. One peer holds at most limits' streams_per_peer of its workers (default limits
-    when None)."""
+    when None), and one connection NODE_STREAMS_PER_CONNECTION calls at once."""
     listen = check_listen(listen)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[ServerAuth(token), LimitsInterceptor(limits or PeerLimits())],
-        options=_SERVER_OPTIONS,
+        options=[*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", NODE_STREAMS_PER_CONNECTION)],
     )
     return server, _add_port(server, listen, tls)
 
