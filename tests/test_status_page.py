@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from geotrain.localnodes import process_name
-from tests.conftest import REPO, descendants, geotrain_env
+from tests.conftest import REPO, descendants, geotrain_env, running_of, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -148,14 +148,19 @@ class _Elements(HTMLParser):
         return int(canvas["data-points"])
 
 
+def _process_name(pid: int) -> str:
+    """A process's name ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _node_pid(demo_pid: int, node_id: str) -> int:
     """The pid of the demo's local node node_id."""
     for pid in descendants(demo_pid):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == process_name(node_id):
-                return pid
-        except OSError:
-            continue
+        if _process_name(pid) == process_name(node_id):
+            return pid
     raise AssertionError(f"no process for {node_id}")
 
 
@@ -197,3 +202,11 @@ def test_status_page_tracks_a_live_demo(demo, tmp_path):
     screenshot = tmp_path / "status.png"
     _chromium(url, tmp_path / "profile", f"--screenshot={screenshot}", "--window-size=1400,1000", "--hide-scrollbars")
     assert screenshot.stat().st_size > 20_000
+
+    # SIGTERM stops the live demo and everything it started, its nodes from its handler (test_pipeline's signal test
+    # SIGKILLs a demo).
+    started = descendants(demo.proc.pid)
+    assert sum(name.startswith("gt-") for name in map(_process_name, started)) == 2  # the two nodes still alive
+    demo.proc.send_signal(signal.SIGTERM)
+    demo.proc.wait(timeout=20)
+    wait_until(lambda: not running_of(started), 10, "every process the demo started to end")
