@@ -33,9 +33,12 @@ log = logging.getLogger(__name__)
 _REPLAN_TOLERANCE = 0.1
 # Re-measured links that make the current plan's estimate this much slower than when it was made start a re-plan.
 _DRIFT_REPLAN = 0.25
-# A replica whose hivemind misses this many plans in a row (one step timeout each) is left out of the layout.
+# A replica whose hivemind misses this many plans of one incarnation (a step timeout each) is left out of the layout.
 _JOIN_ROUNDS = 2
-_SHUT_OUT = f"did not join the replicas' averaging (hivemind) in {_JOIN_ROUNDS} plans: serves no stage until it registers again"
+_SHUT_OUT = (
+    f"did not join the replicas' averaging (hivemind) in {_JOIN_ROUNDS} plans: serves no stage until it joins or registers"
+    " again"
+)
 
 
 
@@ -222,8 +225,9 @@ class Planning:
 
     def _await_averaging_peers(self, multi: list[str]) -> None:
         """Wait until every live replica of the layout has joined the run's hivemind DHT. StepFailed on timeout,
-        and a replica that misses it _JOIN_ROUNDS times in one incarnation serves no stage until it registers again
-        (its hivemind cannot reach or be reached by the others: a firewall, a broken install)."""
+        and a replica that misses it _JOIN_ROUNDS times in one incarnation serves no stage until its DHT joins after
+        all or it registers again (its hivemind cannot reach or be reached by the others: a firewall, a broken
+        install)."""
         members = self.membership.members
         missing = lambda: [n for n in multi if members[n].alive and not members[n].peer_id]  # noqa: E731
         timeout = self.cfg.scheduler.step_timeout_s
