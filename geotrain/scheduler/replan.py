@@ -36,8 +36,8 @@ _DRIFT_REPLAN = 0.25
 # A replica whose hivemind misses this many plans of one incarnation (a step timeout each) is left out of the layout.
 _JOIN_ROUNDS = 2
 _SHUT_OUT = (
-    f"did not join the replicas' averaging (hivemind) in {_JOIN_ROUNDS} plans: serves no stage until it joins or registers"
-    " again"
+    f"did not join the replicas' averaging (hivemind) in {_JOIN_ROUNDS} plans: "
+    "serves no stage until it joins or registers again"
 )
 
 
