@@ -185,7 +185,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._must_register = threading.Event()
         self._dht = None
         self.averager = None
-        self._averaging_joined = False  # set by the order stream's thread only, on the coordinator's JoinAveraging
+        self._averaging_joined = False  # set on the coordinator's JoinAveraging; cleared when every attempt failed
         self._averaging_ready = threading.Event()
 
     def run(self) -> None:

@@ -404,12 +404,18 @@ class StepFlow:
         for attempt in range(1, _DHT_ATTEMPTS + 1):
             try:
                 # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
-                self._dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
-                                client_mode=self.behind_nat)
+                dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+                          client_mode=self.behind_nat)
+                try:
+                    self.averager = ReplicaAverager(dht)
+                except BaseException:
+                    dht.shutdown()  # the next attempt starts its own
+                    raise
+                self._dht = dht
                 break
             except Exception as e:  # hivemind raises what its daemon or its bootstrap met: nothing narrower to catch
                 log.warning("cannot join the replicas' hivemind DHT (attempt %d of %d): %s", attempt, _DHT_ATTEMPTS, e)
-                if self.stopped.wait(attempt):
+                if attempt < _DHT_ATTEMPTS and self.stopped.wait(attempt):
                     return
         else:
             log.error("this node cannot serve as a stage replica: hivemind's DHT did not start; the coordinator "
@@ -417,6 +423,5 @@ class StepFlow:
             self._averaging_joined = False
             self._averaging_ready.set()  # settled: a commit that needs averaging fails at once, not after a wait
             return
-        self.averager = ReplicaAverager(self._dht)
         self._averaging_ready.set()
         self._heartbeat()
