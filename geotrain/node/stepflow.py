@@ -293,7 +293,7 @@ class StepFlow:
         elif len(stage.node_ids) == 1:
             runtime.mean_gradients(order.step)
         else:
-            self._with_replicas(lambda: self._average_with_replicas(runtime, plan, stage, order.step))
+            self._with_replicas(stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step))
         parts = runtime.grad_sq_norm_parts()
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
@@ -301,11 +301,13 @@ class StepFlow:
         )
         self._report(self.coordinator.GradNorm, request)
 
-    def _with_replicas(self, average: Callable[[], None]) -> None:
+    def _with_replicas(self, stage: pb.StageAssignment, average: Callable[[], None]) -> None:
         """Run `average` once this node can average with its stage's replicas; StageFailure if it cannot or fails
         (the plan epoch is abandoned, and the survivors redo the step)."""
         if not self._averaging_ready.wait(RPC_DEADLINE_S) or self.averager is None:
             raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
+        # diloco's syncs as well as gradient averaging: replicas nobody can dial take part as clients.
+        self.averager.clients = frozenset(p for p, behind in zip(stage.peer_ids, stage.unreachable) if behind)
         try:
             average()
         except Exception as e:
@@ -339,7 +341,7 @@ class StepFlow:
             self.averager.average_all([Job(gid(1, ""), list(stage.peer_ids), sums, 1.0, presummed="sum")])
             pseudo[:] = from_grid(sums, steps, replicas)  # every replica counts once, as DiLoCo's mean over workers
 
-        self._with_replicas(average)
+        self._with_replicas(stage, average)
         runtime.sync.stage(step, pseudo)
         log.info("step %d: replicas of stage %d synced (%s)", step, stage.index, self.cfg.compression.inexact_replicas)
 
@@ -350,7 +352,6 @@ class StepFlow:
         from geotrain.node.averaging import group_id, replica_all_reduce
 
         assert self.averager is not None
-        self.averager.clients = frozenset(p for p, behind in zip(stage.peer_ids, stage.unreachable) if behind)
         all_reduce = replica_all_reduce(
             self.averager,
             list(stage.peer_ids),
