@@ -23,11 +23,14 @@ target); torch pipelining and hivemind run only --other-steps steps, and theirs 
 trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare), hivemind nearly
 (no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
 
-Measured on a shared 2-core machine, namespaces (geotrain's lines are time_to_target.py's none and int8 runs; torch
-and hivemind 20 steps each, projected at geotrain none's 100 steps): geotrain 1,586 tokens/s, 189.6 s to target;
-geotrain int8 2,162 tokens/s, 140.4 s; torch pipelining 800 tokens/s, 383.8 s (geotrain's best 2.7x sooner; GPipe's
-losses are geotrain none's: 5.4921 at step 1); hivemind 1,578 tokens/s, 194.7 s, but its loss after 20 steps was 3.53
-against torch pipelining's 3.20 (no clip, peers' shares of a global step uneven), so its real time to target is longer.
+Measured in one run of this script (`--best rank8`, namespaces, 2 cores, the CPU lock held; torch and hivemind 20
+steps each, projected at geotrain none's 100 steps): geotrain none 1,784.9 tokens/s, 168.4 s to target (100 steps);
+geotrain rank8 3,534.9 tokens/s, 32.2 s (40 steps); torch pipelining 884.1 tokens/s, 347.5 s (3.475 s a step; its
+losses are geotrain none's: 5.4921 at step 1, 3.2036 at step 20); hivemind 1,824.8 tokens/s, 168.3 s (1.683 s a
+step), but its loss after 20 steps was 3.5329 against torch pipelining's 3.2036 (no clip, peers' shares of a global
+step uneven), so its real time to target is longer. geotrain's best reaches the target 10.8x sooner than torch
+pipelining, geotrain none 2.06x. (rank8 is a boundary-rank model: its capacity cost is in time_to_target.py's
+val_loss_at_equal_tokens; an earlier run with int8, the same model as torch's, took 140.4 s, 2.7x sooner.)
 """
 
 from __future__ import annotations
