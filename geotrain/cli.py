@@ -353,12 +353,10 @@ def _run_coordinator(
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """geotrain coordinator."""
-    from geotrain.lifetime import DHT_PRELOAD
-
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
-    # Its forkserver serves the DHT process only: this command forks no node.
-    return _run_coordinator(cfg, _token(args), args.listen, args, DHT_PRELOAD,
-                            advertise=_advertised_host(args.advertise))
+    # Its forkserver imports nothing: this command forks no node, and the DHT process (once a plan has replicas) and
+    # the status page's process import what they need.
+    return _run_coordinator(cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
