@@ -353,12 +353,10 @@ def _run_coordinator(
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """geotrain coordinator."""
-    from geotrain.lifetime import DHT_PRELOAD
-
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
-    # Its forkserver serves the DHT process only: this command forks no node.
-    return _run_coordinator(cfg, _token(args), args.listen, args, DHT_PRELOAD,
-                            advertise=_advertised_host(args.advertise))
+    # Its forkserver imports nothing: this command forks no node, and the DHT process (once a plan has replicas) and
+    # the status page's process import what they need.
+    return _run_coordinator(cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -671,17 +669,21 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def _saved_model(path: str) -> SavedModel:
     """The model --checkpoint names: a --save-final file, or the latest complete checkpoint of a coordinator's
     --state-dir with the [model] section its run store recorded."""
+    from geotrain.scheduler.state import STORE_FILE, recorded_model
+
+    source = Path(path)
+    if not source.exists():
+        raise UsageError(f"--checkpoint {path}: no such file or directory")
+    if source.is_dir() and not (source / STORE_FILE).is_file():
+        raise UsageError(f"--checkpoint {path}: a directory without {STORE_FILE}, so not a coordinator's --state-dir")
+    # torch (seconds of CPU) only once --checkpoint names something that may hold a model.
     from safetensors import SafetensorError
 
     from geotrain.node.saved import SavedModel, read_saved_file
     from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
-    from geotrain.scheduler.state import STORE_FILE, recorded_model
 
-    source = Path(path)
     if not source.is_dir():
         return read_saved_file(path)
-    if not (source / STORE_FILE).is_file():
-        raise UsageError(f"--checkpoint {path}: a directory without {STORE_FILE}, so not a coordinator's --state-dir")
     try:
         model = recorded_model(source / STORE_FILE)
     except (sqlite3.Error, ValueError) as e:
@@ -704,12 +706,12 @@ def _saved_model(path: str) -> SavedModel:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """geotrain generate."""
-    from geotrain.node.generate import generate
-    from geotrain.node.tokenizer import choose_tokenizer
-
     if not args.prompt:
         raise UsageError("--prompt must not be empty: the model continues a text")
     saved = _saved_model(args.checkpoint)
+    from geotrain.node.generate import generate
+    from geotrain.node.tokenizer import choose_tokenizer
+
     tokenizer = choose_tokenizer(args.tokenizer, saved.data, saved.model.vocab)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:

@@ -11,7 +11,8 @@ The process's forkserver lives here too. Local nodes (localnodes.py) and the coo
 lock that a thread held (a fork from a process with busy gRPC threads can hang the child), and it imports once what
 a node imports, so a forked local node starts without seconds of imports. multiprocessing keeps one forkserver per
 process, whose imports are fixed by whoever starts it first: both go through forkserver() so that they agree, and
-the coordinator command, which forks no node, starts it first with hivemind's imports only.
+the coordinator command, which forks no node, starts it first with no imports (its DHT process, which only a run
+with replicas starts, imports hivemind itself).
 
 The node (agent) and the coordinator (scheduler.service) both start a DHT and neither may import the other, so this
 sits beside config.py at the top of the package and imports nothing of ours (protocol/ is shared too, but it is the
@@ -39,8 +40,6 @@ _PR_SET_PDEATHSIG = 1
 # forked child they cost nothing. (forkserver skips a module that fails to import: the child then imports it itself,
 # or reports why.)
 NODE_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo", "hivemind"]
-# A process that forks no node (`geotrain coordinator`) needs hivemind only: the rest costs seconds of CPU.
-DHT_PRELOAD = ["hivemind"]
 _WATCH_INTERVAL_S = 0.5
 
 # This process as its children see it: its pid and its main thread, once tie_children_to_this_process has run.

@@ -320,8 +320,8 @@ def test_id_takeover_and_order_stream_theft_are_refused(tmp_path, reference, cap
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_forged_reports_are_refused_and_a_member_forging_them_is_evicted(tmp_path, reference):
-    def attack(a: Attack) -> None:
+def test_forged_reports_and_tensors_are_refused_and_a_member_forging_reports_is_evicted(tmp_path, reference):
+    def forge_reports(a: Attack) -> None:
         c = a.cluster.coordinator
         progress = c.driver.progress
         step, epoch = progress.step, progress.plan_epoch
@@ -354,17 +354,7 @@ def test_forged_reports_are_refused_and_a_member_forging_them_is_evicted(tmp_pat
         # Nothing forged reached the step: the head's report and the plan's norms are the members' own.
         assert progress.done[0] == (loss, path) and not progress.norms and not progress.checksums
 
-    with attacked_run(tmp_path, reference, "microbatches_done", attack) as cluster:
-        events = [(kind, node, detail) for _, kind, node, detail in cluster.coordinator.store.events()]
-    evictions = [(node, detail) for kind, node, detail in events if kind == "evicted"]
-    assert len(evictions) == 1 and evictions[0][0] == "mallory"
-    assert evictions[0][1].startswith("3 refused reports; the last: a call about node")
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(240)
-def test_activations_and_gradients_with_another_nodes_path_are_refused(tmp_path, reference):
-    def attack(a: Attack) -> None:
+    def forge_tensors(a: Attack) -> None:
         cfg = a.cluster.coordinator.cfg
         shape = (cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
         forged = forged_tensors(a.plan, a.cluster.coordinator.driver.progress.step, shape)
@@ -388,5 +378,12 @@ def test_activations_and_gradients_with_another_nodes_path_are_refused(tmp_path,
         expect_status(grpc.StatusCode.FAILED_PRECONDITION, "step 0, this node applied step 0",
                       lambda: a.stage(address, a.key_of(first), first).Forward(iter(old), timeout=10))
 
-    with attacked_run(tmp_path, reference, "microbatches_done", attack):
-        pass
+    def attack(a: Attack) -> None:
+        forge_reports(a)
+        forge_tensors(a)
+
+    with attacked_run(tmp_path, reference, "microbatches_done", attack) as cluster:
+        events = [(kind, node, detail) for _, kind, node, detail in cluster.coordinator.store.events()]
+    evictions = [(node, detail) for kind, node, detail in events if kind == "evicted"]
+    assert len(evictions) == 1 and evictions[0][0] == "mallory"
+    assert evictions[0][1].startswith("3 refused reports; the last: a call about node")

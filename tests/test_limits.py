@@ -109,8 +109,10 @@ def test_200_idle_streams_at_a_node_and_at_the_coordinator(tmp_path):
 
 
 @pytest.mark.cluster
-def test_1000_registrations(tmp_path):
-    with _attacked_run(tmp_path) as (cluster, _):
+def test_1000_registrations_3000_status_page_requests_and_extreme_profiles(tmp_path):
+    # One flood after another in one run. The profiles are sent as node-1 itself, signed with its key; refused
+    # profiles count as offences, which would evict it before the last of them (another test's subject).
+    with _attacked_run(tmp_path, "run.steps=10", "scheduler.max_offences=100") as (cluster, _):
         stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: ""))
         # Refused by the host's registration rate, or (faster) by the peer's call rate.
         started = time.monotonic()
@@ -125,10 +127,6 @@ def test_1000_registrations(tmp_path):
         assert len(cluster.coordinator.members) == 3
         _steps_while(cluster, lambda: True, 2, 90)
 
-
-@pytest.mark.cluster
-def test_3000_status_page_requests(tmp_path):
-    with _attacked_run(tmp_path) as (cluster, _):
         page = StatusPageProcess(cluster.coordinator.status, "127.0.0.1:0")
         port = page.start()
         try:
@@ -139,6 +137,14 @@ def test_3000_status_page_requests(tmp_path):
             _steps_while(cluster, lambda: True, 2, 90)
         finally:
             page.stop()
+
+        key, _ = NodeKey.load_or_create(tmp_path / "node-1")
+        stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1", key=key))
+        honest = cluster.coordinator.members["node-1"].profile
+        for report in extreme_profiles(honest, "node-2"):
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, "must be in", lambda: stub.ReportProfile(report, timeout=10))
+        assert cluster.coordinator.members["node-1"].profile is honest
+        _steps_while(cluster, lambda: True, 2, 90)
 
 
 @pytest.mark.timeout(60)
@@ -208,20 +214,6 @@ def test_the_page_process_reads_the_status_once_a_push_however_many_requests():
     assert not page.serving
     with pytest.raises(ConnectionRefusedError):
         _get(port, "/api/status")
-
-
-@pytest.mark.cluster
-def test_profile_with_extreme_numbers(tmp_path):
-    # Sent as node-1 itself, signed with its key; refused profiles count as offences, which would evict it before the
-    # last of them (another test's subject).
-    with _attacked_run(tmp_path, "scheduler.max_offences=100") as (cluster, _):
-        key, _ = NodeKey.load_or_create(tmp_path / "node-1")
-        stub = rpc.CoordinatorStub(make_channel(f"127.0.0.1:{cluster.port}", cluster.token, lambda: "node-1", key=key))
-        honest = cluster.coordinator.members["node-1"].profile
-        for report in extreme_profiles(honest, "node-2"):
-            expect_status(grpc.StatusCode.INVALID_ARGUMENT, "must be in", lambda: stub.ReportProfile(report, timeout=10))
-        assert cluster.coordinator.members["node-1"].profile is honest
-        _steps_while(cluster, lambda: True, 2, 90)
 
 
 def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

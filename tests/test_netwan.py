@@ -155,7 +155,9 @@ def test_training_runs_across_the_wan_and_the_profiler_measures_the_link(wan):
     deadline = time.monotonic() + 90
     while len(crossing()) < 2 and coordinator.poll() is None and time.monotonic() < deadline:
         links = _measured_links(wan)
-        time.sleep(0.5)
+        # Each look is a `geotrain status` process (0.4 s of CPU). Both links are measured before the first plan,
+        # and the 40 steps after it leave seconds to see them.
+        time.sleep(2.0)
     log = (wan.log_dir / "coordinator.log").read_text()
     assert len(crossing()) == 2 and crossing()[0][1] == "coordinator", f"measured: {links}\n{log[-3000:]}"
     for pair in crossing():

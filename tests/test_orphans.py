@@ -76,23 +76,35 @@ def reaper() -> Iterator[Reaper]:
     r.kill_all()
 
 
+# A coordinator as `geotrain coordinator` runs one (its forkserver imports nothing), with its DHT started as the first
+# plan with replicas starts it.
+_COORDINATOR_WITH_DHT = """
+import sys
+from geotrain.config import load_config
+from geotrain.lifetime import start_forkserver
+from geotrain.scheduler.service import CoordinatorProcess
+
+start_forkserver([])
+process = CoordinatorProcess(load_config(None, ["scheduler.min_nodes=2"]), sys.argv[1], "127.0.0.1:0")
+process.dht.maddrs()
+print("dht up", flush=True)
+process.server.start()
+process.coordinator.run()
+"""
+
+
 @pytest.mark.timeout(60)
 def test_sigkilled_coordinator_leaves_no_processes(reaper):
-    cmd = [
-        sys.executable, "-m", "geotrain", "coordinator", "--listen", "127.0.0.1:0", "--token", new_token(),
-        "--set", "scheduler.min_nodes=2",
-    ]
     coordinator = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
-        start_new_session=True,
+        [sys.executable, "-c", _COORDINATOR_WITH_DHT, new_token()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=geotrain_env(), cwd=REPO, start_new_session=True,
     )
     reaper.lead(coordinator.pid)
-    # The coordinator says it listens once its DHT (a forked process running p2pd) is up.
     for line in coordinator.stdout:
-        if line.startswith("coordinator listening on"):
+        if line == "dht up\n":
             break
     else:
-        pytest.fail(f"the coordinator exited with {coordinator.wait()} before listening")
+        pytest.fail(f"the coordinator exited with {coordinator.wait()} before its DHT was up")
     children = descendants(coordinator.pid)
     reaper.procs.update(children)
     assert "p2pd" in _names(list(children)), _names(list(children))
@@ -117,7 +129,7 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         # heartbeat right after: then the DHT process and p2pd run.
         coordinator = process.coordinator
         wait_until(lambda: "node-1" in coordinator.members or node.poll() is not None, 60, "the node registered")
-        join = pb.JoinAveraging(initial_peers=coordinator.planning.dht_peers)
+        join = pb.JoinAveraging(initial_peers=coordinator.planning.dht_peers())
         coordinator.orders.send(["node-1"], pb.Order(join_averaging=join))
 
         def dht_up_or_node_gone() -> bool:

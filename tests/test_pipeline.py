@@ -29,8 +29,8 @@ pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nod
 
 def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> tuple[pb.Plan, dict, float]:
     """A run of `nodes` local nodes and its plan, its final parameters, and their largest difference from
-    train-local's."""
-    cfg = load_config(None, settings)
+    train-local's. Each node times each layer once: no plan here needs more than the layers' rough cost."""
+    cfg = load_config(None, [*settings, "profile.layer_repeats=1"])
     with local_cluster(cfg, nodes, tmp_path) as cluster:
         summary = cluster.wait(90)
         plan = cluster.coordinator.plan
@@ -40,26 +40,26 @@ def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("model", [[], ["model.boundary_rank=8"]], ids=["dense", "boundary_rank"])
-def test_three_stages_equal_train_local(tmp_path, model):
-    # Under model.boundary_rank the boundaries carry 8 of 128 values per token; the middle and last stages rebuild
-    # the stream from them and the token ids.
-    settings = [*model, "run.steps=5", "train.microbatches=6", "train.inflight=3", "run.eval_every=0",
-                "scheduler.placement=uniform"]
-    plan, state, diff = _pipeline_against_local(tmp_path, 3, settings)
-    assert len(plan.stages) == 3 and diff <= 1e-4
+@pytest.mark.parametrize(
+    ("nodes", "settings", "ranges"),
+    [
+        # 3 blocks + embedding + head = 5 layers on 2 stages: a 3 / 2 split.
+        (2, ["model.n_layers=3", "train.microbatches=5"], [(0, 3), (3, 5)]),
+        # The boundaries carry 8 of 128 values per token; the middle and last stages rebuild the stream from them and
+        # the token ids.
+        (3, ["model.boundary_rank=8", "train.microbatches=6", "train.inflight=3"], [(0, 2), (2, 4), (4, 6)]),
+    ],
+    ids=["two_uneven_stages", "three_stages_boundary_rank"],
+)
+def test_stages_equal_train_local(tmp_path, nodes, settings, ranges):
+    # Three dense stages equal train-local too, bit for bit over 100 steps: test_exact_long.
+    settings = [*settings, "run.steps=5", "run.eval_every=0", "scheduler.placement=uniform"]
+    plan, state, diff = _pipeline_against_local(tmp_path, nodes, settings)
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == ranges and diff <= 1e-4
     # The parameters the run changed: they differ from the initial ones.
     cfg = load_config(None, settings)
     initial = dict(StageRuntime(cfg, 0, cfg.model.total_layers).named_state())
     assert max_diff(initial, state) > 1e-3
-
-
-@pytest.mark.timeout(120)
-def test_two_uneven_stages_equal_train_local(tmp_path):
-    # 3 blocks + embedding + head = 5 layers on 2 stages: a 3 / 2 split.
-    settings = ["model.n_layers=3", "run.steps=5", "train.microbatches=5", "run.eval_every=0", "scheduler.placement=uniform"]
-    plan, _, diff = _pipeline_against_local(tmp_path, 2, settings)
-    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 3), (3, 5)] and diff <= 1e-4
 
 
 @pytest.mark.timeout(120)

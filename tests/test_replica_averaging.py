@@ -121,7 +121,7 @@ def _live_and_local(tmp_path, settings, averaging, wait_s, node_args=None):
     returns the nodes' final plan, step records, maximum parameter difference from the one process, and summary."""
     # The coordinator stops a run whose replicas' parameter checksums differ, so finishing is the identity check.
     settings = [
-        "run.eval_every=0", "train.microbatches=4", "scheduler.placement=uniform",
+        "run.eval_every=0", "train.microbatches=4", "scheduler.placement=uniform", "profile.layer_repeats=1",
         "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5", *settings,
     ]
     cfg = load_config(None, [*settings, *averaging])

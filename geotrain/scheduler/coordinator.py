@@ -98,7 +98,7 @@ class Coordinator:
         store: RunStore | None = None,
         checkpoints: CheckpointStore | None = None,
         fetch_state: Callable[[str, int], dict[str, Any]] | None = None,
-        dht_peers: list[str] | None = None,
+        dht_peers: Callable[[], list[str]] = list,
         run_id: str = "run",
         on_event: EventSink | None = None,
         key: NodeKey | None = None,
@@ -119,7 +119,7 @@ class Coordinator:
             checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event
         )
         self.planning = Planning(
-            cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers or [],
+            cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers,
             self.key.public,
         )
         self.driver = StepDriver(cfg, self.membership, self.orders, self.store, self._on_event)

@@ -11,6 +11,7 @@ plan runs it with the committed state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from geotrain.config import RunConfig
@@ -65,12 +66,14 @@ class Planning:
         store: RunStore,
         recovery: Recovery,
         on_event: EventSink,
-        dht_peers: list[str],
+        dht_peers: Callable[[], list[str]],
         coordinator_key: bytes,
     ) -> None:
         self.cfg = cfg
         self.coordinator_key = coordinator_key  # in every plan: nodes serve their state to it
-        self.dht_peers = dht_peers  # the coordinator's DHT, which a node joins when it first becomes a replica
+        # The addresses of the coordinator's DHT, which a node joins when it first becomes a replica; the DHT starts
+        # with the first call.
+        self.dht_peers = dht_peers
         self.membership = membership
         self.orders = orders
         self.store = store
@@ -321,7 +324,7 @@ class Planning:
         multi = [m.node_id for g in groups if len(g) > 1 for m in g]
         joining = [n for n in multi if not members[n].peer_id]
         if joining:
-            self.orders.send(joining, pb.Order(join_averaging=pb.JoinAveraging(initial_peers=self.dht_peers)))
+            self.orders.send(joining, pb.Order(join_averaging=pb.JoinAveraging(initial_peers=self.dht_peers())))
         self._await_averaging_peers(multi)
         if any(not members[n].alive for n in multi):
             raise StepFailed("a node died while the plan was being made")

@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +34,7 @@ from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
 from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
-from geotrain.scheduler.errors import ReportRefused, Unauthorized
+from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
 from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
@@ -362,25 +363,45 @@ class DhtProcess:
     """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
     which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
     gRPC threads are busy can leave the child stuck on a lock it inherited (the test suite's process hung so, at the
-    same test in two runs). The coordinator needs only the DHT's addresses. The DHT ends when this object is closed
-    or its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
+    same test in two runs). The coordinator needs only the DHT's addresses, and only once a plan first has replicas:
+    the DHT starts then (maddrs), so a run whose stages have one node each never pays for hivemind's imports, its DHT
+    process and p2pd. The DHT ends when this object is closed or its coordinator dies, however it died: its process
+    reads a pipe whose other end only the coordinator holds."""
 
     def __init__(self, listen_host: str, advertise_host: str = "") -> None:
-        host_maddr = dht_listen_maddr(listen_host, advertise_host)
-        self._process, self._conn = child_with_pipe(_serve_dht, (host_maddr,), "geotrain-dht")
-        try:
-            visible = ready_message(self._conn, _DHT_READY_S, "the coordinator's DHT process")
-            self.maddrs: list[str] = announced_maddrs(visible, advertise_host)
-        except BaseException:
-            self.close()
-            raise
+        self._host_maddr = dht_listen_maddr(listen_host, advertise_host)
+        self._advertise_host = advertise_host
+        self._lock = threading.Lock()  # the run loop starts it, a test may ask too
+        self._started: tuple[BaseProcess, Connection] | None = None
+        self._maddrs: list[str] | None = None
+
+    def maddrs(self) -> list[str]:
+        """The DHT's addresses as nodes reach them, starting it on the first call; RunAborted if it cannot start."""
+        with self._lock:
+            if self._maddrs is None:
+                self._started = child_with_pipe(_serve_dht, (self._host_maddr,), "geotrain-dht")
+                try:
+                    visible = ready_message(self._started[1], _DHT_READY_S, "the coordinator's DHT process")
+                    self._maddrs = announced_maddrs(visible, self._advertise_host)
+                except (RuntimeError, ValueError) as e:
+                    self._stop()
+                    raise RunAborted(f"replicas cannot average: {e}") from None
+            return self._maddrs
 
     def close(self) -> None:
-        self._conn.close()
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._started is None:
+            return
+        process, conn = self._started
+        self._started = None
+        conn.close()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
 
 
 def _serve_dht(host_maddr: str, conn: Connection) -> None:
