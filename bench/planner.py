@@ -49,7 +49,10 @@ at 16 nodes, a half or less in 24 pairs. The worst is volunteers_worldwide 64 (7
 7-9 stages are few enough for the local search to move single nodes, and it scores some 24,000 plans. Under cProfile
 at volunteers_worldwide 1,024 (5.1 s), the layer DP takes 1.6 s, about 8 passes per split as the all-reduce cap comes
 down, and the stage tables 1.8 s. At 4,096 nodes (--sizes 4096 --strategies "") every scenario plans in 2.4-7.5 s:
-dtfm_spot 7.45 s, volunteers_worldwide 6.98 s, dtfm_worldwide 3.56 s, these three at part 2's samples/s.
+dtfm_spot 7.45 s, volunteers_worldwide 6.98 s, dtfm_worldwide 3.56 s, these three at part 2's samples/s. Every
+strategy at 16 and 64 nodes in one run (--sizes 16,64; the full run did not fit the session): geotrain at or above
+every other strategy in all 18 pairs, dtfm's samples/s as before, geotrain's plan time 0.12-1.58 times dtfm's of the
+same run, median 0.25 (volunteers_worldwide 64: 7.35 s against 4.65 s).
 
 Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
 (hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the
