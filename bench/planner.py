@@ -40,6 +40,19 @@ compute bound reaches the best step is skipped): every samples/s of the 36 pairs
 0.12 to 2.3 times dtfm's (median 0.6; volunteers_worldwide at 64-1024 nodes is the slowest, 1.2-2.3x), still not the
 tenth; dtfm's budget is the one above, unchanged. dtfm_spot 1,024 plans in 4.4 s instead of 15 s. At 4,096 nodes, the
 same plans as before: dtfm_spot in 5.9 s, volunteers_worldwide in 7.2 s, dtfm_worldwide in 4.8 s.
+Issue 19, part 3 (memos in the cost model and the planner, a stage-count sweep that stops where it stops paying; the
+36 pairs planned by geotrain alone in one run under the CPU lock, against dtfm's plan times of the part-2 run, its
+budget unchanged, which is smaller than DT-FM's own: see bench/dtfm.py): 34 samples/s are the same and
+volunteers_worldwide 16 and 64 plan 0.05% more (5.603, 11.694). The plan time is 0.09 to 1.39 times dtfm's, median
+0.375 (0.12-2.3, median 0.6 before), so still not the tenth: a tenth or less only in dtfm_datacenter 16, 0.09-0.27
+at 16 nodes, a half or less in 24 pairs. The worst is volunteers_worldwide 64 (7.4 s): 64 nodes in
+7-9 stages are few enough for the local search to move single nodes, and it scores some 24,000 plans. Under cProfile
+at volunteers_worldwide 1,024 (5.1 s), the layer DP takes 1.6 s, about 8 passes per split as the all-reduce cap comes
+down, and the stage tables 1.8 s. At 4,096 nodes (--sizes 4096 --strategies "") every scenario plans in 2.4-7.5 s:
+dtfm_spot 7.45 s, volunteers_worldwide 6.98 s, dtfm_worldwide 3.56 s, these three at part 2's samples/s. Every
+strategy at 16 and 64 nodes in one run (--sizes 16,64; the full run did not fit the session): geotrain at or above
+every other strategy in all 18 pairs, dtfm's samples/s as before, geotrain's plan time 0.12-1.58 times dtfm's of the
+same run, median 0.25 (volunteers_worldwide 64: 7.35 s against 4.65 s).
 
 Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
 (hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the

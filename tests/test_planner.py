@@ -208,3 +208,23 @@ def test_two_nodes_nobody_can_dial_are_kept_apart_where_a_relay_would_slow_the_s
     result = plan(nodes=nodes, model=MODEL, network=slow, shape=StepShape(microbatches=8, microbatch_size=2),
                   config=PlannerConfig(stages=3))
     assert [list(st.node_ids) for st in result.stages][1] == ["c"]
+
+
+def test_stage_counts_without_a_plan_do_not_end_the_sweep():
+    # Ten equal nodes, 24 equal layers, memory for five: one to four stages cannot hold the model, and every count from
+    # five up paces at 2.5 layers per node at best (2 x 5 layers, or single nodes at 2 or 3), so five stages, the
+    # fewest boundaries, is the one best count. The sweep over stage counts stops where several in a row cost too
+    # much; counts with no plan at all must not count towards that.
+    layers, param_bytes = 24, 10**7
+    model = ModelProfile(layer_param_bytes=[param_bytes] * layers, boundary_bytes=[10**6] * (layers - 1) + [0],
+                         layer_activation_bytes=[0] * layers, layer_flops=[1.0] * layers)
+    memory = int(model.state_bytes_per_param_byte * param_bytes * 5.5)
+    nodes = [NodeProfile(node_id=f"n{i}", region="east", layer_seconds=[0.01] * layers, memory_bytes=memory)
+             for i in range(10)]
+    fast = Network(intra_region=Link(bandwidth_bps=100e9, latency_s=1e-4))
+    kwargs = dict(nodes=nodes, model=model, network=fast, shape=StepShape(microbatches=64, microbatch_size=1))
+    planned = plan(**kwargs)
+    assert len(planned.stages) == 5
+    with pytest.raises(ValueError, match="no feasible plan"):
+        plan(**kwargs, config=PlannerConfig(stages=4))
+    assert plan(**kwargs, config=PlannerConfig(stages=6)).step_seconds > planned.step_seconds

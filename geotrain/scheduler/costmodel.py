@@ -460,6 +460,7 @@ class CostModel:
         self._build_links()
         self._allreduce_terms: dict[bytes, tuple] = {}
         self._stage_memo: dict[tuple, tuple] = {}
+        self._boundary_memo: dict[tuple[int, int], tuple[float, float]] = {}
         self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
         self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
@@ -567,11 +568,12 @@ class CostModel:
         """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
         (seconds per bit, seconds): arrays of them over the regions for the in-region rounds, one pair for the
         shards."""
-        # The set, not its order: planners score the same replica group many times, listed in different orders.
-        key = np.sort(idx).astype(np.int64).tobytes()
+        # How many replicas of each link class, not which: the terms read nothing else, and planners score many
+        # groups of the same make-up (a local search moving one node among interchangeable ones, orders of a group).
+        n = len(idx)
+        classes, counts = self._class_weights(idx, np.ones(n))
+        key = classes.tobytes() + counts.tobytes()
         if key not in self._allreduce_terms:
-            n = len(idx)
-            classes, counts = self._class_weights(idx, np.ones(n))
             count = np.zeros(self.n_link_classes)
             count[classes] = counts
             rows, cols = self._odd_rows, self._odd_cols
@@ -595,11 +597,20 @@ class CostModel:
                 only_class = classes[np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]]
                 in_bw[one], in_lat[one] = self.class_bw[only_class, only_class], self.class_lat[only_class, only_class]
                 row_region, col_region = self.class_region[rows], self.class_region[cols]
-                for j in np.flatnonzero(~one):
-                    mine = region == shared[j]
-                    inside = pairs & (row_region == regions[shared[j]]) & (col_region == regions[shared[j]])
-                    in_pairs = int(mine.sum() * (mine.sum() - 1) + np.sum(counts[mine] >= 2))
-                    in_bw[j], in_lat[j] = self._extreme_link(inside, in_pairs)
+                several = np.flatnonzero(~one)
+                if len(several):
+                    # _extreme_link over each region's own class pairs, every region at once.
+                    inner = pairs & (row_region == col_region)
+                    at = np.searchsorted(regions, row_region[inner])
+                    low_bw, high_lat = np.full(len(regions), math.inf), np.full(len(regions), -math.inf)
+                    np.minimum.at(low_bw, at, self._odd_bw[inner])
+                    np.maximum.at(high_lat, at, self._odd_lat[inner])
+                    in_pairs = classes_in * (classes_in - 1) + np.bincount(region, weights=counts >= 2)
+                    base = np.bincount(at, minlength=len(regions)) < in_pairs  # some pair has the base link
+                    base_bw, base_lat, _ = self._base_link
+                    low_bw = np.where(base, np.minimum(low_bw, base_bw), low_bw)
+                    high_lat = np.where(base, np.maximum(high_lat, base_lat), high_lat)
+                    in_bw[several], in_lat[several] = low_bw[shared[several]], high_lat[shared[several]]
                 # The slowest region's rounds, a maximum over lines in the bits: only the lines no other one beats
                 # at every size matter (spot instances of one kind are all the same line).
                 per_bit, fixed = 2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat
@@ -735,16 +746,29 @@ class CostModel:
         return float(self.compute_terms(rate, len(nodes))[0])
 
     def _stage_terms(self, start: int, end: int, nodes: Sequence[int]) -> tuple:
-        """c_s, h_s, g_s, the link classes of the replicas with their routing weights, and the replica count.
-        Memoised: local searches score many plans that differ in one or two stages."""
+        """c_s, h_s, g_s, the link classes of the replicas with their routing weights, the replica count, and the
+        entry's number (boundary terms are memoised by the pair of numbers). Memoised: local searches score many plans
+        that differ in one or two stages."""
         key = (start, end, tuple(nodes))
         if key not in self._stage_memo:
             idx = np.asarray(nodes, dtype=np.int64)
             inv = 1.0 / self.node_seconds(idx, start, end)
             occ, lat = self.compute_terms(inv.sum(), len(idx))
             allreduce = self.sync_seconds(idx, start, end)
-            self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx))
+            number = len(self._stage_memo)
+            self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx), number)
         return self._stage_memo[key]
+
+    def _boundary(self, cut: int, left: tuple, right: tuple) -> tuple[float, float]:
+        """o_s and x_s between two consecutive stages cut after layer cut - 1, given their _stage_terms (whose numbers
+        fix the cut too). Memoised: plans that differ in one or two stages share the other boundaries."""
+        key = (left[-1], right[-1])
+        if key not in self._boundary_memo:
+            (*_, ca, va, na, _), (*_, cb, vb, nb, _) = left, right
+            self._boundary_memo[key] = self.boundary_terms(
+                self.boundary_bits[cut - 1], *self._class_link(ca, va, cb, vb), min(na, nb)
+            )
+        return self._boundary_memo[key]
 
     def _terms(self, stages: Stages, window: int | None) -> _Terms:
         n_stages = len(stages)
@@ -755,10 +779,7 @@ class CostModel:
         transfer = np.empty(max(n_stages - 1, 0))
         link_occ = np.empty_like(transfer)
         for s in range(n_stages - 1):
-            (*_, ca, va, na), (*_, cb, vb, nb) = terms[s], terms[s + 1]
-            link_occ[s], transfer[s] = self.boundary_terms(
-                self.boundary_bits[stages[s][1] - 1], *self._class_link(ca, va, cb, vb), min(na, nb)
-            )
+            link_occ[s], transfer[s] = self._boundary(stages[s][1], terms[s], terms[s + 1])
         round_trip = lat.sum() + transfer.sum()
         pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
         step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5], window)

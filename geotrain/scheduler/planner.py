@@ -4,12 +4,13 @@ How it searches (every candidate is scored by CostModel, the same model that sco
 1. Nodes without memory for even a one-layer stage are left out, with the reason.
 2. Regions are ordered into a chain that makes consecutive regions cheap to cross (exact for up to 7 regions,
    nearest neighbour + 2-opt above), so the pipeline crosses each slow link once and only where it must.
-3. For every stage count S, both directions of the chain, and a few node subsets (all nodes; without the slowest
-   links; without the slowest devices), stages are dealt to regions by D'Hondt on compute (a region too small for
-   a stage of its own either joins its neighbour's stage or stays out), or region borders are ignored; inside a
-   region, nodes sorted by link then speed are cut into stages of equal compute, so a stage's replicas share a
-   similar uplink (FusionLLM's grouping). Over a few regions, every stage may also take a share of every region
-   (nodes dealt by speed), which spreads a heavy boundary over the most pairs of nodes.
+3. For both directions of the chain and a few node subsets (all nodes; without the slowest links; without the
+   slowest devices), stages are dealt to regions by D'Hondt on compute (a region too small for a stage of its own
+   either joins its neighbour's stage or stays out), or region borders are ignored; inside a region, nodes sorted by
+   link then speed are cut into stages of equal compute, so a stage's replicas share a similar uplink (FusionLLM's
+   grouping). Over a few regions, every stage may also take a share of every region (nodes dealt by speed), which
+   spreads a heavy boundary over the most pairs of nodes. Every such grouping is tried at S = 1, 2, ... stages until
+   four counts in a row cost more than twice the best step found so far.
 4. A dynamic program splits the layers over those stages. The step pays two maxima, the pace (M-1) x the slowest
    stage or link per microbatch, and the slowest gradient all-reduce: the DP minimises the pace under a cap on every
    stage's all-reduce, lowering the cap until the pace alone costs more than the best step found.
@@ -42,6 +43,7 @@ _GIB = 2**30
 _EXACT_CHAIN_REGIONS = 7  # 7! / 2 orders are quick to enumerate; above, a heuristic chain
 _HEURISTIC_CHAIN_REGIONS = 32  # above, a single nearest-neighbour chain without 2-opt
 _SUBSET_QUANTILES = (0.1, 0.25, 0.5)
+_STAGE_SWEEP_FACTOR, _STAGE_SWEEP_PATIENCE = 2.0, 4  # stage counts stop once 4 in a row cost > 2x the best step
 
 Stage = tuple[int, int, tuple[int, ...]]
 
@@ -97,6 +99,9 @@ class Planner:
         self.uplink = np.array([min(intra, cm.network.node_bandwidth_bps.get(n.node_id, intra)) for n in cm.nodes])
         self._need_cache: dict[int, np.ndarray] = {}
         self._stage_tables: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, ...]] = {}
+        # Grouping modes and local-search moves often arrive at group lists already split.
+        self._splits: dict[tuple[tuple[int, ...], ...], tuple[tuple[Stage, ...], float] | None] = {}
+        self._link_tables: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
         self._starts, self._ends = np.ogrid[: cm.model.n_layers + 1, : cm.model.n_layers + 1]  # [a, b] grids
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
         self._previously_out: set[int] = set()
@@ -178,8 +183,8 @@ class Planner:
     # --- construction ----------------------------------------------------------------------------------
 
     def _constructed(self) -> dict[tuple[Stage, ...], float]:
-        """Constructed candidates and their step times: every node pool, chain direction, grouping mode and stage
-        count."""
+        """Constructed candidates and their step times: every node pool, chain direction and grouping mode, over
+        stage counts from one up until they stop paying."""
         chain = self._region_chain()
         pools = [(subset, chain) for subset in self._subsets()]
         n_full = len(pools)
@@ -196,10 +201,11 @@ class Planner:
             window = set(chain[start : start + width])
             pools.append((tuple(i for i in self.cm.usable if region_of[i] in window), chain[start : start + width]))
         scored: dict[tuple[Stage, ...], float] = {}
+        best = math.inf
         for k, (subset, order) in enumerate(pools):
             # No plan of a pool paces faster than its compute bound (every node on its share of the whole model):
             # a pool whose bound alone reaches the best step so far has nothing to offer.
-            if self.cm.paced_seconds(1.0 / self.speed[list(subset)].sum()) >= min(scored.values(), default=math.inf):
+            if self.cm.paced_seconds(1.0 / self.speed[list(subset)].sum()) >= best:
                 continue
             top = min(self.n_layers, len(subset))
             counts = [self.config.stages] if self.config.stages else range(1, top + 1)
@@ -210,12 +216,32 @@ class Planner:
             # such stages would all-reduce across every one of them: not worth the planning time.
             if 1 < len(order) <= _EXACT_CHAIN_REGIONS and k < n_full:
                 modes.append((order, "deal"))
-            for n_stages, (direction, mode) in itertools.product(counts, modes):
-                groups = self._groups(subset, n_stages, direction, mode)
-                split = self.split_layers(groups) if groups is not None else None
-                if split is not None:
-                    scored.setdefault(split[0], self.cm.step_seconds(split[0]))
+            for direction, mode in modes:
+                above = 0
+                for n_stages in counts:
+                    cost = self._construct(subset, n_stages, direction, mode, scored)
+                    if not math.isfinite(cost):
+                        continue
+                    best = min(best, cost)
+                    # A grouping's step time over stage counts is ragged (the layers divide unevenly) but climbs past
+                    # its valley: more stages once several in a row cost over twice the best step so far add nothing.
+                    above = above + 1 if cost > _STAGE_SWEEP_FACTOR * best else 0
+                    if above == _STAGE_SWEEP_PATIENCE:
+                        break
         return scored
+
+    def _construct(
+        self, subset: Sequence[int], n_stages: int, chain: Sequence[str], mode: str, scored: dict
+    ) -> float:
+        """Group the subset into n_stages stages (_groups), split the layers, score the plan into scored, and return
+        its step time (inf where there is none)."""
+        groups = self._groups(subset, n_stages, chain, mode)
+        split = self.split_layers(groups) if groups is not None else None
+        if split is None:
+            return math.inf
+        if split[0] not in scored:
+            scored[split[0]] = self.cm.step_seconds(split[0])
+        return scored[split[0]]
 
     def _subsets(self) -> list[tuple[int, ...]]:
         usable = np.array(self.cm.usable)
@@ -353,7 +379,15 @@ class Planner:
         cm, n_stages = self.cm, len(groups)
         if n_stages > self.n_layers:
             return None
-        tables = [self._stage_table(tuple(g), n_stages) for g in groups]
+        groups = tuple(tuple(g) for g in groups)
+        if groups not in self._splits:
+            self._splits[groups] = self._split(groups)
+        return self._splits[groups]
+
+    def _split(self, groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[Stage, ...], float] | None:
+        """split_layers, unmemoised."""
+        cm, n_stages = self.cm, len(groups)
+        tables = [self._stage_table(g, n_stages) for g in groups]
         links = [self._link_table(groups[s], groups[s + 1]) for s in range(n_stages - 1)]
         best, best_cost, cap = None, math.inf, math.inf
         while True:
@@ -362,7 +396,7 @@ class Planner:
                 break
             bounds, pace, fill, slowest_sync = found
             # The cost model adds the DP's terms up; the data heads are the members of the first stage that fit.
-            cost = cm.step_from(pace, fill, slowest_sync, int(tables[0][3][:, 0, bounds[1]].sum()), cm.fixed_window)
+            cost = cm.step_from(pace, fill, slowest_sync, self._fitting(tables[0], 0, bounds[1]), cm.fixed_window)
             if cost < best_cost:
                 best, best_cost = bounds, cost
             # A lower cap cannot lower the pace, so once the pace alone reaches the best step of these groups, or
@@ -374,7 +408,7 @@ class Planner:
             return None
         self._best_split = min(self._best_split, best_cost)
         stages = tuple(
-            (a, b, tuple(sorted(np.asarray(g, dtype=np.int64)[tables[s][3][:, a, b]].tolist())))
+            (a, b, tuple(sorted(np.asarray(g, dtype=np.int64)[tables[s][3][tables[s][4], a, b]].tolist())))
             for s, (g, a, b) in enumerate(zip(groups, best[:-1], best[1:]))
         )
         return stages, best_cost
@@ -396,10 +430,11 @@ class Planner:
             prev_worst = np.maximum(worst, link_occ)
             cand_worst = np.maximum(prev_worst[:, None], np.where(sync <= cap, pace, np.inf))
             cand_total = (total + link_fill)[:, None] + fill
-            cand_worst[self._below_diagonal] = np.inf
-            # Per column b: smallest worst, then total, then earliest cut. Keys compare at float32 precision so that
-            # summation-order noise in the last bits cannot pick a different split among equal ones.
-            key = np.lexsort((cand_total.astype(np.float32), cand_worst.astype(np.float32)), axis=0)[0]
+            # Per column b: smallest worst, then total, then earliest cut (argmin's first); cuts at or after b are
+            # inf in the pace tables. Keys compare at float32 precision so that summation-order noise in the last
+            # bits cannot pick a different split among equal ones.
+            worst32 = cand_worst.astype(np.float32)
+            key = np.where(worst32 == worst32.min(axis=0), cand_total.astype(np.float32), np.inf).argmin(axis=0)
             worst, total = cand_worst[key, cols], cand_total[key, cols]
             back.append(key)
         if not math.isfinite(worst[n_layers]):
@@ -411,24 +446,35 @@ class Planner:
         slowest_sync = max(float(t[2][a, b]) for t, a, b in zip(tables, bounds[:-1], bounds[1:]))
         return bounds, float(worst[n_layers]), float(total[n_layers]), slowest_sync
 
-    def _link_table(self, left: Sequence[int], right: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """For each cut position between two replica groups: (M-1) x the link's occupancy and its fill."""
-        cm = self.cm
-        a, b = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
-        per_bit, lat = cm.mean_link(a, self.speed[a] / self.speed[a].sum(), b, self.speed[b] / self.speed[b].sum())
-        occupancy, transfer = cm.boundary_terms(cm.boundary_bits, per_bit, lat, min(len(a), len(b)))
-        # No cut before the first layer.
-        return np.concatenate([[np.inf], cm.paced_seconds(occupancy)]), np.concatenate([[np.inf], transfer])
+    def _link_table(self, left: tuple[int, ...], right: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """For each cut position between two replica groups: (M-1) x the link's occupancy and its fill. Memoised:
+        neighbouring groups recur across stage counts and local-search moves."""
+        key = (left, right)
+        if key not in self._link_tables:
+            cm = self.cm
+            a, b = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
+            wa, wb = self.speed[a] / self.speed[a].sum(), self.speed[b] / self.speed[b].sum()
+            per_bit, lat = cm.mean_link(a, wa, b, wb)
+            occupancy, transfer = cm.boundary_terms(cm.boundary_bits, per_bit, lat, min(len(a), len(b)))
+            # No cut before the first layer.
+            self._link_tables[key] = (
+                np.concatenate([[np.inf], cm.paced_seconds(occupancy)]),
+                np.concatenate([[np.inf], transfer]),
+            )
+        return self._link_tables[key]
 
     def _stage_table(self, group: tuple[int, ...], n_stages: int) -> tuple[np.ndarray, ...]:
         """For a replica group among n_stages stages, over every layer range [a, b): (M-1) x occupancy, the fill
-        latency, the gradient all-reduce, and which members fit in memory. Memoised: candidates share groups."""
+        latency, the gradient all-reduce, and which of the group's profile classes fit in memory; then each member's
+        class and each class's member count. Memoised: candidates share groups."""
         key = (group, n_stages)
         if key not in self._stage_tables:
             cm = self.cm
             need = self._memory_need(n_stages)
             idx = np.asarray(group, dtype=np.int64)
-            classes, first, count = np.unique(self.profile_class[idx], return_index=True, return_counts=True)
+            _, first, member_class, count = np.unique(
+                self.profile_class[idx], return_index=True, return_inverse=True, return_counts=True
+            )
             rep = idx[first]
             p = cm.prefix_seconds[rep]
             secs = p[:, None, :] - p[:, :, None]  # [class, a, b] = seconds over [a, b)
@@ -439,9 +485,14 @@ class Planner:
             with np.errstate(divide="ignore"):  # a range no member can hold: c and h are inf
                 c, h = cm.compute_terms(rate, len(idx))
             sync = np.broadcast_to(cm.sync_seconds(idx, self._starts, self._ends), c.shape)
-            fits = fit_rep[np.searchsorted(classes, self.profile_class[idx])]
-            self._stage_tables[key] = (cm.paced_seconds(c), h, sync, fits)
+            self._stage_tables[key] = (cm.paced_seconds(c), h, sync, fit_rep, member_class.reshape(-1), count)
         return self._stage_tables[key]
+
+    @staticmethod
+    def _fitting(table: tuple[np.ndarray, ...], start: int, end: int) -> int:
+        """How many members of a stage table's group fit layers [start, end)."""
+        fit_class, _, count = table[3:]
+        return int(count[fit_class[:, start, end]].sum())
 
     def _memory_need(self, n_stages: int) -> np.ndarray:
         """[a, b] = memory a replica of layers [a, b) needs among n_stages stages; inf where b <= a."""
@@ -464,43 +515,49 @@ class Planner:
             n_stages = len(stages)
             idx = [np.asarray(nodes, dtype=np.int64) for _, _, nodes in stages]
             speed = [self.speed[g] / self.speed[g].sum() for g in idx]
-            # Each boundary's bits per microbatch and seconds per bit of its link (and a 0 past the last stage).
-            bits = np.array([cm.boundary_bits[stages[s][1] - 1] for s in range(n_stages - 1)] + [0.0])
-            per_bit = np.array(
-                [cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0] for s in range(n_stages - 1)] + [0.0]
-            )
-            count = np.array([len(g) for g in idx], dtype=np.float64)
+            # Each boundary's bits per microbatch and seconds per bit of its link.
+            bits = [float(cm.boundary_bits[stages[s][1] - 1]) for s in range(n_stages - 1)]
+            per_bit = [cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0] for s in range(n_stages - 1)]
+            count = [float(len(g)) for g in idx]
             owner = [{int(cm.region_of[i]) for i in nodes} for _, _, nodes in stages]
             groups = [list(nodes) if len(regions) > 1 else [] for regions, (_, _, nodes) in zip(owner, stages)]
             for region in sorted({next(iter(r)) for r in owner if len(r) == 1}):
-                served = np.array([s for s, r in enumerate(owner) if r == {region}])
+                served = [s for s, r in enumerate(owner) if r == {region}]
                 members = sorted((i for s in served for i in stages[s][2]), key=lambda i: self.rank[i])
                 a, b = np.array([stages[s][0] for s in served]), np.array([stages[s][1] for s in served])
                 secs = cm.prefix_seconds[np.ix_(members, b)] - cm.prefix_seconds[np.ix_(members, a)]
                 need = np.array([cm.stage_memory_bytes(stages[s][0], stages[s][1], n_stages) for s in served])
-                fits = cm.memory[members][:, None] >= need[None, :]
-                count[served] = 0
-                inv = np.zeros(len(served))
-                # The links into and out of each served stage, and the stage on their other side.
-                sides = []
-                for link, other in ((served - 1, served - 1), (served, served + 1)):
-                    ok = (link >= 0) & (link < n_stages - 1)
-                    at = np.clip(link, 0, n_stages - 1)
-                    sides.append((ok, np.where(ok, bits[at], 0.0), per_bit[at], np.clip(other, 0, n_stages - 1)))
+                fits = (cm.memory[members][:, None] >= need[None, :]).tolist()
+                secs = secs.tolist()
+                for s in served:
+                    count[s] = 0.0
+                inv = [0.0] * len(served)
+                # The links into and out of each served stage: bits per microbatch, seconds per bit, the other side.
+                sides = [
+                    [(bits[link], per_bit[link], other) for link, other in ((s - 1, s - 1), (s, s + 1))
+                     if 0 <= link < n_stages - 1]
+                    for s in served
+                ]
+                # Python numbers: this runs once per member over a handful of stages.
                 for row, i in enumerate(members):
-                    if not fits[row].any():
+                    if not any(fits[row]):
                         continue
-                    own = count[served]
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        load = cm.compute_terms(inv, own)[0]
-                        for ok, side_bits, side_per_bit, other in sides:
-                            # The link's occupancy were this stage the side with fewer replicas.
-                            link = cm.boundary_terms(side_bits, side_per_bit, 0.0, own)[0]
-                            load = np.maximum(load, np.where(ok & (own <= count[other]), link, 0.0))
-                    # Highest load first; among empty stages (infinite load), the one this node is slowest on.
-                    k = int(np.lexsort((-secs[row], -np.where(fits[row], load, -1.0)))[0])
+                    k, best = 0, None
+                    for col, s in enumerate(served):
+                        own = count[s]
+                        load = math.inf  # an empty stage first
+                        if own:
+                            load = cm.compute_terms(inv[col], own)[0]
+                            for link_bits, link_per_bit, other in sides[col]:
+                                if own <= count[other]:
+                                    # The link's occupancy were this stage the side with fewer replicas.
+                                    load = max(load, cm.boundary_terms(link_bits, link_per_bit, 0.0, own)[0])
+                        # Highest load first; among empty stages, the one this node is slowest on.
+                        key = (-load if fits[row][col] else 1.0, -secs[row][col])
+                        if best is None or key < best:
+                            k, best = col, key
                     groups[served[k]].append(i)
-                    inv[k] += 1.0 / secs[row, k]
+                    inv[k] += 1.0 / secs[row][k]
                     count[served[k]] += 1
             if not all(groups):
                 break
@@ -520,10 +577,11 @@ class Planner:
         # From a quarter of the smallest stage down to a sixteenth: single nodes matter only in small stages.
         smallest = min(len(nodes) for _, _, nodes in stages)
         chunk, finest = max(1, smallest // 4), max(1, smallest // 16)
+        ranked = [sorted(nodes, key=lambda i: self.rank[i]) for _, _, nodes in best]
         while True:
             improved = False
             for s, (src, dst) in itertools.product(range(len(best) - 1), ((0, 1), (1, 0))):
-                groups = [sorted(nodes, key=lambda i: self.rank[i]) for _, _, nodes in best]
+                groups = list(ranked)
                 give, take = groups[s + src], groups[s + dst]
                 if len(give) <= chunk:
                     continue
@@ -534,6 +592,7 @@ class Planner:
                 cost = cm.step_seconds(split[0]) if split is not None else math.inf
                 if cost < best_cost * (1 - 1e-9):
                     best, best_cost, improved = split[0], cost, True
+                    ranked = [sorted(nodes, key=lambda i: self.rank[i]) for _, _, nodes in best]
             if not improved:
                 if chunk <= finest:
                     return best
