@@ -1,10 +1,14 @@
 """The tensor path's cost: CPU and wall time to move a 1 MiB float32 activation between two processes on loopback.
 
-Four paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages):
+Five paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages):
 - "geotrain": a node's DataPlane (codec none, encode and send: framing, the run token's proof, the key's signature,
   deadline) to a receiving process's Stage server with the real StageServicer (auth and limits interceptors, the
   header checked against the plan's shape, dtype, codec and the sender's key before the payload is read, size and
   checksum, decoded to a tensor and the finiteness check), answered by its Ack;
+- "geotrain-tcp": the same DataPlane and servicer with the raw tensor stream (transport.tensor_stream = "tcp",
+  protocol/tensorstream.py): the connection opened once with a ticket from a signed OpenTensorStream call, then per
+  tensor its frame (the same header, checked against the plan before the payload is read), the payload read into the
+  connection's reused buffer, its checksum, the decode's copy and the finiteness check, answered by a status reply;
 - "grpc-stream" and "grpc-unary": gRPC alone, the floor of any path through it: the tensor's bytes (one copy, as
   gRPC sends bytes it owns) as the only message of a stream call (as Forward sends a one-chunk tensor) or as a unary
   call's request, on a channel and a server without interceptors and with the transport's message limits, taken
@@ -15,7 +19,7 @@ Four paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages)
 cpu_ms_per_mib is the CPU time (user + system, every thread) of both processes together over the timed messages,
 each process measuring its own with time.process_time; wall_ms_per_mib is the sender's time per message, one
 message at a time, from the tensor in memory to the receiver's answer. The receiver is a helper process driven line
-by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.py [--messages N]
+by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.py [--messages N] [--paths P,Q]
 
 Measured on 2 shared cores, 200 messages: geotrain 12.0 ms of CPU per MiB before #18 (protobuf's copies, a bytes copy
 of the reassembled payload, torch's finiteness check), 6.3 after, against raw's 0.78 (8x; the issue's goal is 3x).
@@ -29,7 +33,17 @@ finiteness check. A unary call costs no less CPU than a one-message stream (it s
 options measured in one process (HTTP/2 frames up to 16 MiB, a 16 MiB flow-control window and lookahead, BDP probing
 off, optimization_target "throughput") moved the floor by less than the run-to-run noise (1.8-2.4 ms unary, 2.8-4.3
 stream). Meeting 3x takes the tensor bytes off gRPC: a raw stream authenticated by the gRPC call, with TLS when the
-run has it, opened by the receiver on reverse links.
+run has it.
+
+With the raw tensor stream, 300 messages, lock held (the machine slower than the quiet run: raw 1.40 against 0.79):
+  {"path": "geotrain", "cpu_ms_per_mib": 7.012, "wall_ms_per_mib": 6.399, "messages": 300}
+  {"path": "geotrain-tcp", "cpu_ms_per_mib": 3.353, "wall_ms_per_mib": 3.747, "messages": 300}
+  {"path": "grpc-stream", "cpu_ms_per_mib": 3.613, "wall_ms_per_mib": 2.943, "messages": 300}
+  {"path": "grpc-unary", "cpu_ms_per_mib": 5.121, "wall_ms_per_mib": 5.261, "messages": 300}
+  {"path": "raw", "cpu_ms_per_mib": 1.404, "wall_ms_per_mib": 1.704, "messages": 300}
+geotrain-tcp is 2.39x raw (the goal: 3x) and 0.48x the gRPC path, below bare gRPC's own floor with every check
+made. A second run (--paths geotrain,geotrain-tcp,raw): 7.608, 3.203, 1.237 (2.59x raw, 0.42x the gRPC path). What it adds to raw is mostly the crc32 on both ends and the decode's copy and finiteness check; reverse and
+relayed links (nodes behind NAT) still go through gRPC.
 """
 
 from __future__ import annotations
@@ -57,6 +71,8 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import RefusalLog, new_token
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.tensorstream import TensorStreamServer
 from geotrain.protocol.transport import MAX_MESSAGE_BYTES, make_server
 
 from control_plane import HelperProcess  # a sibling: run as bench/tensor_path.py
@@ -73,7 +89,7 @@ _LENGTH = struct.Struct("<Q")
 
 class _Receiver:
     """The receiving node's side of the Stage service: tensors from SENDER, signed by its key, of SHAPE in float32
-    and codec none, checked as a node checks them (servicer.check_activation_header)."""
+    and codec none, checked as a node checks them (servicer.check_activation_header); tensor streams for that key."""
 
     def __init__(self, sender_key: bytes) -> None:
         self.sender_key = sender_key
@@ -92,17 +108,28 @@ class _Receiver:
     def may_overflow(self, direction) -> bool:  # noqa: ANN001, D102
         return False
 
+    def check_tensor_stream(self, signer) -> None:  # noqa: ANN001, D102
+        if signer != self.sender_key:
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED, "not the sender's key")
 
-def _serve_geotrain(token: str, sender_key_hex: str) -> tuple[str, Callable[[], int]]:
-    """A Stage server with the real servicer; its address and a count of tensors taken."""
+
+def _serve_geotrain(token: str, sender_key_hex: str, streams: bool) -> tuple[str, Callable[[], int]]:
+    """A Stage server with the real servicer, and with `streams` its tensor streams; its address and a count of
+    tensors taken (over the streams only, with `streams`)."""
     receiver = _Receiver(bytes.fromhex(sender_key_hex))
-    server, port = make_server(token, "127.0.0.1:0")
+    limits = PeerLimits()
+    server, port = make_server(token, "127.0.0.1:0", limits)
     reverse = ReverseSender(NodeKey.generate(), lambda: RECEIVER)
-    servicer = StageServicer(receiver, 64 * MIB, True, RefusalLog(), reverse)
+    tensor_streams = TensorStreamServer("127.0.0.1", 0, None, limits, 64 * MIB) if streams else None
+    servicer = StageServicer(receiver, 64 * MIB, True, RefusalLog(), reverse, tensor_streams)
     add_stage_service(servicer, server)
     server.start()
-    # The count's closure holds the server: a grpc.Server stops when it is collected.
-    return f"127.0.0.1:{port}", lambda: server and receiver.received
+    if tensor_streams is None:
+        # The count's closure holds the server: a grpc.Server stops when it is collected.
+        return f"127.0.0.1:{port}", lambda: server and receiver.received
+    tensor_streams.start(servicer)
+    # A tensor sent by a call would count too: only a stream that stayed open counts what it took.
+    return f"127.0.0.1:{port}", lambda: server and (receiver.received if tensor_streams.open_connections() else 0)
 
 
 def _serve_raw() -> tuple[str, Callable[[], int]]:
@@ -162,7 +189,8 @@ def _serve_bare_grpc() -> tuple[str, Callable[[], int]]:
 
 
 _SERVERS = {
-    "geotrain": _serve_geotrain,
+    "geotrain": lambda token, key: _serve_geotrain(token, key, streams=False),
+    "geotrain-tcp": lambda token, key: _serve_geotrain(token, key, streams=True),
     "grpc-stream": lambda token, key: _serve_bare_grpc(),
     "grpc-unary": lambda token, key: _serve_bare_grpc(),
     "raw": lambda token, key: _serve_raw(),
@@ -179,10 +207,12 @@ def receiver_main(path: str, token: str, sender_key_hex: str) -> None:
 
 
 def _geotrain_sender(
-    address: str, token: str, key: NodeKey
+    address: str, token: str, key: NodeKey, streams: bool
 ) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
-    """Send one tensor as a node sends an activation: encoded for the link, then DataPlane.send."""
+    """Send one tensor as a node sends an activation: encoded for the link, then DataPlane.send (over a tensor stream
+    with `streams`)."""
     plane = DataPlane(token, lambda: SENDER, key=key)
+    plane.use_tensor_streams(streams)
     codec = get_codec("none")
     ref = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=0, path=[SENDER])
 
@@ -234,7 +264,8 @@ def measure(path: str, messages: int, warmup: int) -> dict[str, object]:
         assert receiver.proc.stdout is not None
         address = json.loads(receiver.proc.stdout.readline())["address"]
         senders = {
-            "geotrain": lambda: _geotrain_sender(address, token, key),
+            "geotrain": lambda: _geotrain_sender(address, token, key, streams=False),
+            "geotrain-tcp": lambda: _geotrain_sender(address, token, key, streams=True),
             "grpc-stream": lambda: _bare_grpc_sender(address, unary=False),
             "grpc-unary": lambda: _bare_grpc_sender(address, unary=True),
             "raw": lambda: _raw_sender(address),
@@ -269,13 +300,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200, help="timed messages per path (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed messages first (default 20)")
+    parser.add_argument("--paths", default=",".join(_SERVERS), help=f"comma-separated, of {', '.join(_SERVERS)}")
     parser.add_argument("--receive", nargs=3, metavar=("PATH", "TOKEN", "SENDER_KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.receive:
         receiver_main(*args.receive)
         return
-    for path in ("geotrain", "grpc-stream", "grpc-unary", "raw"):
+    paths = args.paths.split(",")
+    if unknown := [path for path in paths if path not in _SERVERS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)}")
+    for path in paths:
         print(json.dumps(measure(path, args.messages, args.warmup)), flush=True)
 
 

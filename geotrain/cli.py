@@ -372,6 +372,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
     listen = _listen(args.listen, "--listen")
+    if args.tensor_port:
+        _listen(f"{listen.rpartition(':')[0]}:{args.tensor_port}", "--tensor-port")
     # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
@@ -381,6 +383,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         token=token,
         listen=listen,
+        tensor_port=args.tensor_port,
         advertise=args.advertise,
         node_id=args.node_id,
         region=args.region,
@@ -859,6 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
     p.add_argument("--listen", default="0.0.0.0:0", help="host:port for peers to reach this node (default any port)")
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
+    p.add_argument("--tensor-port", type=_count(0, 65535), default=0,
+                   help="port of the raw tensor stream on the listen host and the advertised one (default any free "
+                   "port); neighbours that cannot reach it send by gRPC calls")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
     p.add_argument(
         "--state-dir", default="",

@@ -538,6 +538,25 @@ class LimitsSection:
 
 
 @dataclass(kw_only=True)
+class TransportSection:
+    """[transport]: how tensors travel between nodes."""
+
+    tensor_stream: str = field(
+        default="tcp",
+        metadata={
+            "doc": "tcp: activations and gradients to a node that can be dialled go over a raw TCP stream (TLS when "
+            "the run has it) that a signed gRPC call opens, half the gRPC path's CPU per MiB "
+            "(bench/tensor_path.py); links over reverse streams or relays, and peers whose stream port cannot be "
+            "reached, stay on gRPC. grpc: every tensor goes over gRPC calls"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_stream not in ("tcp", "grpc"):
+            raise ConfigError(f"transport.tensor_stream must be tcp or grpc, got {self.tensor_stream!r}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -550,6 +569,7 @@ class RunConfig:
     emulation: EmulationSection = field(default_factory=EmulationSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
+    transport: TransportSection = field(default_factory=TransportSection)
 
     @property
     def tokens_per_step(self) -> int:
@@ -647,7 +667,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
+_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport")
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:

@@ -328,9 +328,10 @@ def test_fetch_state_goes_only_to_plan_keys_and_refuses_an_empty_layer_range(mak
 
 
 @pytest.mark.timeout(30)
-def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_ones(make_agent):
+def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_ones_by_calls_and_streams(make_agent):
     import grpc
 
+    from geotrain.compression import get_codec
     from geotrain.compression.policy import CodecPolicy
     from geotrain.protocol import geotrain_pb2_grpc as rpc
     from geotrain.protocol.transport import make_channel
@@ -353,5 +354,19 @@ def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_o
             expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape [{rows[0]}, {rows[1]}, 4]",
                           lambda: forward(iter(tensor_chunks(torch.randn(*rows, width), ref)), timeout=10))
         assert forward(iter(tensor_chunks(torch.randn(*rows, 4), ref)), timeout=10) == pb.Ack()
+        # Over a raw tensor stream, the same checks against the plan (the stream opens for a, b's neighbour).
+        b.tensor_streams.start(b._servicer)
+        a.dataplane.use_tensor_streams(True)
+
+        def send(width: int) -> None:
+            tensor = torch.randn(*rows, width)
+            a.dataplane.send(b.node_id, b.address, "forward", ref,
+                             a.dataplane.encode(b.node_id, b.address, "forward", get_codec("none"), tensor))
+
+        for width in (cfg.model.d_model, 5):
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"expected shape [{rows[0]}, {rows[1]}, 4]",
+                          lambda: send(width))
+        send(4)
+        assert b.tensor_streams.open_connections() == 1
     finally:
         channel.close()

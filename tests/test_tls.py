@@ -242,3 +242,7 @@ def test_coordinator_and_nodes_train_over_tls(tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert (summary["steps"], summary["nodes"], summary["stages"]) == (2, 2, 2)
     assert (tmp_path / "final.safetensors").stat().st_size > 0
+    # Activations and gradients crossed over the raw tensor streams, under TLS too.
+    for sender, receiver in (("node-1", "node-2"), ("node-2", "node-1")):
+        log = (tmp_path / f"{sender}.log").read_text()
+        assert f"tensors to {receiver} go over a raw tensor stream (TLS)" in log, log[-3000:]

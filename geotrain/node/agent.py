@@ -35,6 +35,7 @@ from geotrain.node.worker import CONTROL, Worker
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.tensorstream import TensorStreamServer
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import TlsFiles, make_channel, make_server
 
@@ -52,6 +53,8 @@ class NodeOptions:
     token: str
     listen: str = "127.0.0.1:0"
     """host:port the Stage service binds; port 0 picks a free one."""
+    tensor_port: int = 0
+    """Port of the raw tensor stream (transport.tensor_stream = "tcp") on the listen host; 0 picks a free one."""
     advertise: str = ""
     """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
     node_id: str = ""
@@ -84,6 +87,8 @@ class NodeOptions:
             raise ValueError(f"--slowdown must be at least 1, got {self.slowdown}")
         if self.bandwidth_mbps < 0 or self.latency_ms < 0:
             raise ValueError("--bandwidth-mbps and --latency-ms must not be negative")
+        if not 0 <= self.tensor_port < 65536:
+            raise ValueError(f"--tensor-port must be in 0..65535, got {self.tensor_port}")
 
 
 class RateMeter:
@@ -166,10 +171,15 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         )
         self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
         self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)
+        self.tensor_streams = TensorStreamServer(
+            options.listen.rpartition(":")[0], options.tensor_port, options.tls, self.limits, options.max_tensor_bytes
+        )
         servicer = StageServicer(
-            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
+            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse,
+            self.tensor_streams,
         )
         add_stage_service(servicer, self._server)
+        self._servicer = servicer
         self.reverse_links = ReverseReceiver(
             options.token, lambda: self.node_id, options.tls, self.key, servicer.receive, self._keepalive_s
         )
@@ -191,6 +201,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
     def run(self) -> None:
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
         self._server.start()
+        self.tensor_streams.start(self._servicer)
         self.address = _advertise_address(self.options, self.port)
         try:
             self._register()
@@ -221,6 +232,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._tasks.put((-1, -1, None, None))
         self.profiler.close()
         self._server.stop(grace=1.0).wait(2.0)
+        self.tensor_streams.close()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.reverse_links.close()
         self.dataplane.close()

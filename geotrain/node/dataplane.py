@@ -6,6 +6,8 @@ two encodes at once would read and write it in an order set by thread timing), b
 after compression, deadlines that follow each link's measured call times, and
 an optional link emulator so that heterogeneous links are real on one machine. A link to a peer nobody can dial
 (behind NAT) is the same link sent over the stream that peer opened to this node (node/reverse.py) instead of a call.
+A link to a peer that can be dialled runs over a raw tensor stream (protocol/tensorstream.py) when the run's
+transport.tensor_stream is "tcp", and by calls when the peer's stream port cannot be reached (said once in the log).
 
 The codec states keep no error-feedback residual: consecutive tensors on a link are different microbatches'
 activations (or their gradients), so one microbatch's residual would be added to another sample, a bias rather
@@ -33,6 +35,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.probe import probe_chunks
 from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.tensorstream import NoStream, TensorStreamClient
 from geotrain.protocol.transport import TlsFiles, call_with_retry, make_channel
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,11 @@ class DataPlane:
         self._reversed: set[str] = set()
         self._relays: dict[str, pb.RelayRoute] = {}  # peer -> the plan's route through a relay for links to it
         self._on_peer_unavailable = on_peer_unavailable  # (peer, detail): suspicion, reported at the first failure
+        self._streams = TensorStreamClient(tls)
+        self._tls_streams = tls is not None
+        self._use_streams = False  # the run's transport.tensor_stream == "tcp", known once the node has registered
+        self._no_stream: set[str] = set()  # addresses whose tensor stream cannot be reached: tensors go by calls
+        self._said: dict[str, bool] = {}  # peer -> whether its tensors go over a stream, as the log last said
 
     def stub(self, address: str) -> rpc.StageStub:
         """The Stage stub for a peer, creating its channel on first use."""
@@ -211,9 +219,10 @@ class DataPlane:
             chunks = lambda: relay_chunks(self._key, self._node_id(), peer, direction, ref, header, payload)  # noqa: E731
             call = lambda: self.stub(route.relay_address).Relay(chunks(), timeout=deadline)  # noqa: E731
         else:
-            self.stub(address)
-            method = self._tensor_calls[address][direction]
-            call = lambda: method(framing.wire_chunks(header, payload, ref), timeout=deadline)  # noqa: E731
+            call = lambda: self._send_direct(peer, address, direction, ref, header, payload, deadline)  # noqa: E731
+        if self._use_streams and (reversed_link or route is not None):
+            how = "over the stream it opened" if reversed_link else f"through relay {route.relay_id}"
+            self._say(peer, False, f"tensors to {peer} go by gRPC calls, not a raw tensor stream: {how}")
         call_with_retry(call, on_unavailable=suspect)
         done = time.monotonic()
         self.deadlines.observe(peer, done - started)
@@ -224,6 +233,43 @@ class DataPlane:
             stats.wire_bytes += len(payload)
             stats.messages += 1
             stats.codec = encoded.codec
+
+    def _send_direct(
+        self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
+        payload: bytes | bytearray, deadline: float,
+    ) -> None:
+        """Send to a peer that can be dialled: over its raw tensor stream when the run uses them and there is one,
+        else by calling its Forward or Backward."""
+        stub = self.stub(address)
+        if self._use_streams and address not in self._no_stream:
+            ticket = lambda: stub.OpenTensorStream(pb.TensorStreamRequest(), timeout=deadline)  # noqa: E731
+            try:
+                self._streams.send(address, ticket, framing.DIRECTIONS[direction], ref, header, payload, deadline)
+                tls = " (TLS)" if self._tls_streams else ""
+                self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
+                return
+            except NoStream as e:
+                if e.lasting:
+                    with self._lock:
+                        self._no_stream.add(address)
+                    self._say(peer, False, f"tensors to {peer} go by gRPC calls, not a raw tensor stream: {e}",
+                              logging.WARNING)
+                else:
+                    log.debug("a tensor to %s goes by a call: %s", peer, e)
+        self._tensor_calls[address][direction](framing.wire_chunks(header, payload, ref), timeout=deadline)
+
+    def _say(self, peer: str, streamed: bool, line: str, level: int = logging.INFO) -> None:
+        """Log `line` when what the log last said of tensors to `peer` (over a stream, or by calls: `streamed`)
+        changes."""
+        with self._lock:
+            told = self._said.get(peer) == streamed
+            self._said[peer] = streamed
+        if not told:
+            log.log(level, line)
+
+    def use_tensor_streams(self, enabled: bool) -> None:
+        """Send to peers that can be dialled over raw tensor streams (the run's transport.tensor_stream is "tcp")."""
+        self._use_streams = enabled
 
     def estimate(self, peer: str) -> LinkEstimate | None:
         """The measured bandwidth and latency of the link to peer, or None before the first call."""
@@ -294,4 +340,5 @@ class DataPlane:
             self._channels.clear()
             self._stubs.clear()
             self._tensor_calls.clear()
+        self._streams.close()
 

@@ -153,6 +153,20 @@ class StageHolder:
             None,
         )
 
+    def check_tensor_stream(self, signer: bytes | None) -> None:
+        """Raise FrameError unless the run sends tensors over raw streams and `signer` is the key of a node of the
+        stages next to this one in the current plan (the nodes that send it tensors)."""
+        plan, cfg = self.plan, self.cfg
+        if cfg is not None and cfg.transport.tensor_stream != "tcp":
+            raise FrameError(
+                grpc.StatusCode.FAILED_PRECONDITION, "this run sends tensors by calls (transport.tensor_stream)"
+            )
+        neighbours = self._neighbours(plan, self.stage_index) if plan is not None else []
+        if not signer or signer not in {s.public_keys[i] for s, i in neighbours if i < len(s.public_keys)}:
+            raise FrameError(
+                grpc.StatusCode.PERMISSION_DENIED, "tensor streams open only to this node's neighbours in its plan"
+            )
+
     def relay_sender(self, signer: bytes | None, receiver: str) -> str | None:
         """The node id of the sender, signed by key `signer`, whose tensors the current plan has this node relay to
         node `receiver`; None when it has none."""

@@ -74,6 +74,7 @@ class CoordinatorLink:
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
         self.limits.configure(self.cfg.limits.values())
+        self.dataplane.use_tensor_streams(self.cfg.transport.tensor_stream == "tcp")
         try:
             self.precision = node_precision(self.device, self.cfg.train)
         except DeviceError as e:

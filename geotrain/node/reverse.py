@@ -38,15 +38,12 @@ import grpc
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.framing import FrameError, ReceivedTensor
+from geotrain.protocol.framing import DIRECTION_NAMES, DIRECTIONS, FrameError, ReceivedTensor
 from geotrain.protocol.identity import NodeKey, verify
-from geotrain.protocol.transport import TlsFiles, make_channel
+from geotrain.protocol.transport import StatusError, TlsFiles, make_channel, status_code
 
 log = logging.getLogger(__name__)
 
-DIRECTIONS = {"forward": pb.DIRECTION_FORWARD, "backward": pb.DIRECTION_BACKWARD}
-_NAMES = {wire: name for name, wire in DIRECTIONS.items()}
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _NONCE_BYTES = 32
 _RECONNECT_MAX_S = 2.0
 
@@ -109,18 +106,8 @@ class _RelayedCheck:
         self.ref = received.ref
 
 
-class ReverseError(grpc.RpcError):
+class ReverseError(StatusError):
     """A delivery over a reverse stream failed, with the status its Forward or Backward call would have had."""
-
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(f"{code.name}: {detail}")
-        self._code, self._detail = code, detail
-
-    def code(self) -> grpc.StatusCode:  # noqa: D102
-        return self._code
-
-    def details(self) -> str:  # noqa: D102
-        return self._detail
 
 
 @dataclass
@@ -156,7 +143,7 @@ class _Stream:
         with self._lock:
             delivery = self._pending.pop(ack.seq, None)
         if delivery is not None:
-            delivery.done.set_result((_CODES.get(ack.code, grpc.StatusCode.UNKNOWN), ack.detail[:1000]))
+            delivery.done.set_result((status_code(ack.code), ack.detail[:1000]))
 
     def forget(self, seq: int) -> None:
         """Stop waiting for a delivery's ack (its sender gave up)."""
@@ -364,7 +351,7 @@ class _Link:
     def _take(self, first: pb.ReverseDown, chunks: Iterator[pb.TensorChunk]) -> pb.ReverseAck:
         """Take one delivery as the Stage service takes a call (a relayed one as its origin's, once its signature
         holds); the ack says what its status would have been."""
-        seq, name = first.seq, _NAMES.get(first.direction)
+        seq, name = first.seq, DIRECTION_NAMES.get(first.direction)
         if name is None:
             return pb.ReverseAck(seq=seq, code=grpc.StatusCode.INVALID_ARGUMENT.value[0], detail="unknown direction")
         key, relayed = self.public_key, None

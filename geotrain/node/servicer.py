@@ -1,8 +1,10 @@
 """The Stage gRPC service: parse, validate against the plan, decode, then hand over to the node's StageHandler.
 
 Validation happens on the first chunk, before the payload is read; a bad request gets a status with a clear message
-and changes nothing on the node. The service sees the node only through StageHandler (the agent implements it), so
-this module imports nothing of the agent's.
+and changes nothing on the node. Tensors on the raw tensor streams this service hands out tickets for
+(protocol/tensorstream.py) pass the same checks, which the stream calls around its own reading (admit, take). The
+service sees the node only through StageHandler (the agent implements it), so this module imports nothing of the
+agent's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from geotrain.compression import CodecError, codec_from_payload
-from geotrain.node.reverse import DIRECTIONS, ReverseError, ReverseSender
+from geotrain.node.reverse import ReverseError, ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -25,6 +27,7 @@ from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.auth import signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.probe import serve_probe
+from geotrain.protocol.tensorstream import TensorStreamServer
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -80,19 +83,24 @@ class StageHandler(Protocol):
         """The node id of the sender, signed by key `signer`, whose tensors the current plan has this node relay to
         node `receiver`; None when it has none."""
 
+    def check_tensor_stream(self, signer: bytes | None) -> None:
+        """Raise FrameError unless the key that signed an OpenTensorStream (None: unsigned) may open a raw tensor
+        stream to this node: the run sends tensors over them, and the key is a neighbour's in the current plan."""
+
 
 class StageServicer(rpc.StageServicer):
     """Receives activations and gradients for a node's stage, and serves its state."""
 
     def __init__(
         self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool, refusals: RefusalLog,
-        reverse: ReverseSender,
+        reverse: ReverseSender, tensor_streams: TensorStreamServer | None = None,
     ) -> None:
         self.handler = handler
         self.max_tensor_bytes = max_tensor_bytes
         self.check_finite = check_finite
         self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
         self.reverse = reverse  # the streams unreachable neighbours open to receive over
+        self.tensor_streams = tensor_streams  # where neighbours that can dial this node send tensors; None: calls only
 
     def receive(
         self, direction: str, chunks: Iterator[pb.TensorChunk | framing.WireChunk], key: bytes | None, peer: str,
@@ -101,18 +109,34 @@ class StageServicer(rpc.StageServicer):
         """Read, check and decode one tensor signed by `key` and hand it to the node, from a call or a reverse
         stream (`check`: a relayed tensor's signature, checked before it is decoded); FrameError (logged for `peer`,
         rate-limited) when it is refused, with nothing changed."""
-        handler = self.handler
         try:
             received = framing.read_one_tensor(
-                chunks, self.max_tensor_bytes, lambda ref, h: handler.check_incoming(direction, ref, h, key)
+                chunks, self.max_tensor_bytes, lambda ref, header: self.admit(direction, ref, header, key)
             )
             if check is not None:
                 check(received)
-            tensor = decode_tensor(received, self.check_finite and not handler.may_overflow(direction))
+            self.take(direction, received)
         except FrameError as e:
-            self.refusals.refused(peer, direction, "", str(e))
+            self.refused(peer, direction, str(e))
             raise
-        handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
+
+    # The checks and the hand-over of a tensor, whichever way it came: a call or a reverse stream (receive), or a raw
+    # tensor stream (protocol/tensorstream.py), which calls them itself around its own reading.
+
+    def admit(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, key: bytes | None) -> None:
+        """Raise FrameError unless the node's plan expects this tensor from the node whose key is `key`; called once
+        the header passed framing's checks, before the payload is read."""
+        self.handler.check_incoming(direction, ref, header, key)
+
+    def take(self, direction: str, received: framing.ReceivedTensor) -> None:
+        """Decode a tensor whose payload passed its checksum (into a tensor of its own) and hand it to the node;
+        FrameError when it cannot be decoded or is not finite."""
+        tensor = decode_tensor(received, self.check_finite and not self.handler.may_overflow(direction))
+        self.handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
+
+    def refused(self, peer: str, direction: str, why: str) -> None:
+        """Note a refused tensor from `peer` (one log line per host and interval)."""
+        self.refusals.refused(peer, direction, "", why)
 
     def _receive(self, direction: str, chunks: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Ack:
         try:
@@ -160,8 +184,7 @@ class StageServicer(rpc.StageServicer):
 
     def Relay(self, request_iterator, context):  # noqa: D102, N802
         first = next(request_iterator, None)
-        direction = next((name for name, wire in DIRECTIONS.items() if first is not None and first.direction == wire),
-                         None)
+        direction = framing.DIRECTION_NAMES.get(first.direction) if first is not None else None
         if direction is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Relay stream opens with its receiver and direction")
         origin = self.handler.relay_sender(signer(context), first.receiver)
@@ -182,6 +205,18 @@ class StageServicer(rpc.StageServicer):
         except ReverseError as e:
             context.abort(e.code(), e.details())
         return pb.Ack()
+
+    def OpenTensorStream(self, request, context):  # noqa: D102, N802
+        if self.tensor_streams is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node takes tensors by calls only")
+        key = signer(context)
+        try:
+            self.handler.check_tensor_stream(key)
+            ticket = self.tensor_streams.ticket(key)
+        except FrameError as e:
+            self.refusals.refused(context.peer(), "OpenTensorStream", "", str(e))
+            context.abort(e.code, str(e))
+        return pb.TensorStreamTicket(port=self.tensor_streams.port, ticket=ticket)
 
 
 _RELAY_DEADLINE_S = 60.0  # a Relay call without a deadline waits this long for the receiver's ack

@@ -41,6 +41,9 @@ TORCH_TO_WIRE = {
     torch.int8: pb.DTYPE_INT8,
 }
 WIRE_TO_TORCH = {v: k for k, v in TORCH_TO_WIRE.items()}
+# The call a tensor stands for, as the node names it ("forward", "backward"), and back from the wire.
+DIRECTIONS = {"forward": pb.DIRECTION_FORWARD, "backward": pb.DIRECTION_BACKWARD}
+DIRECTION_NAMES = {wire: name for name, wire in DIRECTIONS.items()}
 
 
 class FrameError(Exception):
@@ -189,6 +192,12 @@ def check_header(header: pb.TensorHeader, max_bytes: int) -> None:
         raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tensor of shape {list(header.shape)} is too large")
 
 
+def check_checksum(header: pb.TensorHeader, payload: Buffer) -> None:
+    """Reject a payload whose crc32 is not the one its header declares."""
+    if zlib.crc32(payload) != header.crc32:
+        raise FrameError(grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
+
+
 @dataclass
 class ReceivedTensor:
     """One tensor read off a chunk stream, payload still encoded."""
@@ -234,8 +243,7 @@ def read_tensors(
                 f"truncated tensor stream: got {filled} of {header.payload_bytes} payload bytes",
             )
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if zlib.crc32(payload) != header.crc32:
-            raise FrameError(grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
+        check_checksum(header, payload)
         yield ReceivedTensor(ref=ref, header=header, payload=payload)
 
 

@@ -242,7 +242,7 @@ class ProfileSettings(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ..., memory_headroom_mib: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class RunConfig(_message.Message):
     EMULATION_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
@@ -259,7 +260,8 @@ class RunConfig(_message.Message):
     emulation: EmulationSettings
     profile: ProfileSettings
     limits: LimitsSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ...) -> None: ...
+    transport: TransportSettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ..., transport: _Optional[_Union[TransportSettings, _Mapping]] = ...) -> None: ...
 
 class LimitsSettings(_message.Message):
     __slots__ = ("streams_per_peer", "streams_per_host", "idle_stream_s", "calls_per_s", "call_burst", "registrations_per_s", "registration_burst")
@@ -278,6 +280,12 @@ class LimitsSettings(_message.Message):
     registrations_per_s: float
     registration_burst: int
     def __init__(self, streams_per_peer: _Optional[int] = ..., streams_per_host: _Optional[int] = ..., idle_stream_s: _Optional[float] = ..., calls_per_s: _Optional[float] = ..., call_burst: _Optional[int] = ..., registrations_per_s: _Optional[float] = ..., registration_burst: _Optional[int] = ...) -> None: ...
+
+class TransportSettings(_message.Message):
+    __slots__ = ("tensor_stream",)
+    TENSOR_STREAM_FIELD_NUMBER: _ClassVar[int]
+    tensor_stream: str
+    def __init__(self, tensor_stream: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps", "public_key")
@@ -991,6 +999,42 @@ class RelayChunk(_message.Message):
     signature: bytes
     chunk: TensorChunk
     def __init__(self, receiver: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., signature: _Optional[bytes] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class TensorStreamRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorStreamTicket(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class TensorStreamHello(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
+class TensorFrame(_message.Message):
+    __slots__ = ("direction", "ref", "header")
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    direction: Direction
+    ref: MicrobatchRef
+    header: TensorHeader
+    def __init__(self, direction: _Optional[_Union[Direction, str]] = ..., ref: _Optional[_Union[MicrobatchRef, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+
+class TensorStreamReply(_message.Message):
+    __slots__ = ("code", "detail")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    detail: str
+    def __init__(self, code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("steps_done", "layer_start", "layer_end")

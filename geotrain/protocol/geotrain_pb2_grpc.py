@@ -699,6 +699,11 @@ class StageStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
                 _registered_method=True)
+        self.OpenTensorStream = channel.unary_unary(
+                '/geotrain.v1.Stage/OpenTensorStream',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -747,6 +752,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTensorStream(self, request, context):
+        """A ticket for a raw tensor stream to this node, for the neighbour whose key signed the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -779,6 +791,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Relay,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'OpenTensorStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTensorStream,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -943,6 +960,33 @@ class Stage:
             '/geotrain.v1.Stage/Relay',
             geotrain_dot_protocol_dot_geotrain__pb2.RelayChunk.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTensorStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Stage/OpenTensorStream',
+            geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,7 @@ import datetime
 import os
 import socket
 import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,24 @@ class TlsFiles:
         files = cls(ca=contents[CA_FILE], cert=contents[CERT_FILE], key=contents[KEY_FILE])
         _check(files, directory)
         return files
+
+
+def ssl_context(files: TlsFiles, *, server: bool) -> ssl.SSLContext:
+    """Python ssl's context for a connection of the run outside gRPC (the raw tensor stream), with the trust model of
+    its channels: both ends present the run certificate and accept only peers the run CA signed; a client expects
+    RUN_TLS_NAME (pass it as server_hostname)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=files.ca.decode())
+    # ssl loads a certificate and key from files only: a private directory, removed once they are read.
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "run.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(files.key + b"\n" + files.cert)
+        context.load_cert_chain(path)
+    return context
 
 
 def _check(files: TlsFiles, directory: Path) -> None:

@@ -46,6 +46,29 @@ _SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
 NODE_STREAMS_PER_CONNECTION = LimitValues.streams_per_peer
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The status code a wire number stands for (UNKNOWN for none)."""
+    return _STATUS_CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+class StatusError(grpc.RpcError):
+    """A tensor's delivery outside a call (a reverse stream, a raw tensor stream) failed, with the status its Forward
+    or Backward call would have had: retries, deadlines and failure reports see it as they see a failed call."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self._code, self._detail = code, detail
+
+    def code(self) -> grpc.StatusCode:  # noqa: D102
+        return self._code
+
+    def details(self) -> str:  # noqa: D102
+        return self._detail
+
+
 def make_channel(
     address: str, token: str, node_id: Callable[[], str], tls: TlsFiles | None = None, key: NodeKey | None = None
 ) -> grpc.Channel:

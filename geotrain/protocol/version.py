@@ -2,7 +2,8 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
+# 12: RunConfig.transport (which a node requires), Stage.OpenTensorStream and the raw tensor stream it opens
 # 11: RunConfig.compression.replica_sync (a node that ignored "diloco" would wait in gradient all-reduces its peers
 #    never start), HeartbeatRequest.averaging_bytes_sent
 # 10: relays: Plan.relays, Stage.Relay, ReverseDown.origin and signature (a node that ignored them would stall)

@@ -1,0 +1,438 @@
+"""Raw tensor streams: activations and gradients to a node that can be dialled, over a TCP connection of their own.
+
+gRPC alone costs 2.75x a raw socket's CPU per MiB (bench/tensor_path.py), so the tensor bytes of a direct link leave
+it: the sender keeps a TCP connection to the receiver (TLS with the run's files when the run has them) and writes
+each tensor as a TensorFrame (direction, ref, header: what a Forward or Backward call's first chunk carries) followed
+by its payload; the receiver answers each with a TensorStreamReply, the status the call would have had. The control
+messages stay on gRPC.
+
+Opening. The sender calls Stage.OpenTensorStream on the receiver, and gets the port the receiver listens on and a
+ticket: 32 random bytes, good for one connection within TICKET_TTL_S. It connects, sends the ticket, and the
+connection belongs to the key that signed the call, for its lifetime. A ticket rather than a proof on the stream
+(the token's MAC and the key's signature over a nonce the receiver chose): the call already carries the run-token
+proof, the key's signature, the replay guard, the per-peer limits and TLS, the same as every call, so the stream
+inherits them all instead of a second implementation of each; the ticket travels only inside that call (encrypted
+when the run has TLS), and the port with it, so only the plan's neighbours that asked with their keys learn it, and
+what the coordinator announces stays as it is. A ticket that is unknown, used or expired closes the connection.
+
+Each tensor's header is checked before its payload is read: its limits here (framing.check_header), then the
+receiver's plan (the sink's `admit`, the check a call's first chunk gets, with the connection's key as the call's
+signer). A tensor refused by the plan is answered at once, and its payload skipped without being kept; a header
+that breaks the limits, a malformed frame, a stream cut mid-tensor or one silent mid-tensor for limits.idle_stream_s
+end the connection. The payload is read into a buffer the connection reuses, checked against the header's crc32, and
+decoded by the sink into a tensor of its own (codecs copy out of what they decode).
+
+The sender keeps one connection per receiver and opens another only while the ones it has are busy (sends to one
+peer from several threads at once, as concurrent calls would be), each used by one send at a time: no connection is
+read and written by two threads at once, which python's ssl does not allow. A kept connection that turns out to be
+closed is replaced once, silently, as gRPC reconnects a channel for its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.framing import Buffer, FrameError, ReceivedTensor
+from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles, ssl_context
+from geotrain.protocol.transport import StatusError, status_code
+
+log = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+TICKET_TTL_S = 60.0
+MAX_FRAME_BYTES = 64 << 10  # a hello, frame or reply: headers only, never a payload
+CONNECT_TIMEOUT_S = 5.0
+_HANDSHAKE_S = 10.0  # a connection says its hello (TLS included) within this, or is closed
+_MAX_OPENING = 64  # connections that have not said their hello yet; more are closed at once
+_DISCARD_BYTES = 1 << 16
+_LENGTH = struct.Struct("<I")
+_OK = grpc.StatusCode.OK.value[0]
+
+M = TypeVar("M", bound=Message)
+
+
+class Closed(Exception):
+    """The other end closed the connection, or cut it short."""
+
+
+def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
+    """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
+    out (a kept connection between tensors); any other raises socket.timeout."""
+    filled, n = 0, len(view)
+    while filled < n:
+        try:
+            got = sock.recv_into(view[filled:])
+        except socket.timeout:
+            if idle_ok and filled == 0:
+                continue
+            raise
+        if not got:
+            raise Closed(f"the stream ended {n - filled} bytes short" if filled else "the stream ended")
+        filled += got
+
+
+def _tune(sock: socket.socket) -> None:
+    """Small writes go at once (a reply, a frame before its payload); a peer that vanished without closing is noticed
+    within about a minute (TCP keepalive, as gRPC's channels ping), not kept forever."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def write_message(sock: socket.socket, message: Message) -> None:
+    """Send one length-prefixed message."""
+    data = message.SerializeToString()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M:
+    """Read one length-prefixed message of `kind`; FrameError when it is too long or malformed."""
+    prefix = bytearray(_LENGTH.size)
+    _recv_into(sock, memoryview(prefix), idle_ok)
+    (length,) = _LENGTH.unpack(prefix)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {length} bytes on a tensor stream")
+    data = bytearray(length)
+    _recv_into(sock, memoryview(data))
+    try:
+        return kind.FromString(bytes(data))
+    except DecodeError as e:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {kind.__name__}: {e}") from None
+
+
+def _reply(sock: socket.socket, code: grpc.StatusCode, detail: str = "") -> None:
+    write_message(sock, pb.TensorStreamReply(code=code.value[0], detail=detail[:1000]))
+
+
+class TensorSink(Protocol):
+    """What a tensor stream hands its tensors to (the Stage service's checks and its node)."""
+
+    def admit(self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, key: bytes) -> None:
+        """Raise FrameError unless the node's plan expects this tensor from the node whose key is `key`, before its
+        payload is read."""
+
+    def take(self, direction: str, received: ReceivedTensor) -> None:
+        """Decode the tensor (into memory of its own: the payload's buffer is reused) and hand it to the node;
+        FrameError when it is refused."""
+
+    def refused(self, peer: str, direction: str, why: str) -> None:
+        """Note a refused tensor from `peer` (as gRPC names one: "ipv4:HOST:PORT")."""
+
+
+class TensorStreamServer:
+    """The receiving end: listens on host:port, hands out tickets, and reads each connection in a thread of its own."""
+
+    def __init__(
+        self, host: str, port: int, tls: TlsFiles | None, limits: PeerLimits, max_tensor_bytes: int
+    ) -> None:
+        host = host.strip("[]") or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
+        self.port: int = self._listener.getsockname()[1]
+        self._context = ssl_context(tls, server=True) if tls is not None else None
+        self._limits = limits
+        self._max_bytes = max_tensor_bytes
+        self._sink: TensorSink | None = None
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, tuple[bytes, float]] = {}  # ticket -> (key, expiry)
+        self._open: dict[bytes, int] = defaultdict(int)  # key -> its connections
+        self._connections: set[socket.socket] = set()
+        self._opening = 0
+        self._closed = False
+
+    def start(self, sink: TensorSink) -> None:
+        """Accept connections, whose tensors go to `sink`."""
+        self._sink = sink
+        threading.Thread(target=self._accept_loop, name="tensor-streams", daemon=True).start()
+
+    def ticket(self, key: bytes) -> bytes:
+        """A ticket for one connection of `key` (the caller checked that key); FrameError (RESOURCE_EXHAUSTED) when
+        it holds as many connections and tickets as limits.streams_per_peer."""
+        now = time.monotonic()
+        with self._lock:
+            self._tickets = {t: (k, expiry) for t, (k, expiry) in self._tickets.items() if expiry > now}
+            held = self._open[key] + sum(k == key for k, _ in self._tickets.values())
+            if held >= self._limits.values.streams_per_peer:
+                raise FrameError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"{held} tensor streams already open or opening for this key"
+                )
+            ticket = secrets.token_bytes(TICKET_BYTES)
+            self._tickets[ticket] = (key, now + TICKET_TTL_S)
+        return ticket
+
+    def open_connections(self) -> int:
+        """Connections past their hello, every key together."""
+        with self._lock:
+            return sum(self._open.values())
+
+    def _redeem(self, ticket: bytes) -> bytes | None:
+        """The key a ticket was given to, counted as one of its connections; None for a ticket unknown, used or
+        expired."""
+        with self._lock:
+            key, expiry = self._tickets.pop(ticket, (None, 0.0))
+            if key is None or expiry <= time.monotonic():
+                return None
+            self._open[key] += 1
+            return key
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except OSError:
+                return  # closed
+            host, port = address[:2]
+            peer = f"ipv6:[{host}]:{port}" if sock.family == socket.AF_INET6 else f"ipv4:{host}:{port}"
+            with self._lock:
+                admitted = not self._closed and self._opening < _MAX_OPENING
+                if admitted:
+                    self._opening += 1
+                    self._connections.add(sock)
+            if not admitted:
+                sock.close()
+                continue
+            threading.Thread(target=self._serve, args=(sock, peer), name="tensor-stream", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        """One connection from `peer` (as gRPC names one): its hello, then its tensors until it ends."""
+        raw, key = sock, None
+        try:
+            try:
+                sock.settimeout(_HANDSHAKE_S)
+                _tune(sock)
+                if self._context is not None:
+                    sock = self._context.wrap_socket(sock, server_side=True)
+                    with self._lock:  # the wrapped socket owns the connection now: close() ends it through this one
+                        self._connections.discard(raw)
+                        self._connections.add(sock)
+                ticket = read_message(sock, pb.TensorStreamHello).ticket
+            finally:
+                with self._lock:
+                    self._opening -= 1
+            key = self._redeem(ticket)
+            if key is None:
+                self._limits.refusals.refused(peer, "tensor stream", "", "an unknown, used or expired ticket")
+                _reply(sock, grpc.StatusCode.UNAUTHENTICATED, "an unknown, used or expired ticket")
+                return
+            _reply(sock, grpc.StatusCode.OK)
+            self._tensors(sock, peer, key)
+        except (OSError, Closed, FrameError) as e:  # ssl.SSLError and socket.timeout are OSErrors
+            log.debug("tensor stream from %s ended: %s", peer, e)
+        finally:
+            with self._lock:
+                self._connections.discard(sock)
+                self._connections.discard(raw)
+                if key is not None:
+                    self._open[key] -= 1
+                    if not self._open[key]:
+                        del self._open[key]
+            sock.close()
+
+    def _tensors(self, sock: socket.socket, peer: str, key: bytes) -> None:
+        """Read, check and hand over tensors until the connection ends (Closed) or breaks a limit."""
+        assert self._sink is not None
+        sink, buffer = self._sink, bytearray()
+        while True:
+            sock.settimeout(self._limits.values.idle_stream_s)
+            frame = read_message(sock, pb.TensorFrame, idle_ok=True)
+            header, direction = frame.header, framing.DIRECTION_NAMES.get(frame.direction, "")
+            try:
+                framing.check_header(header, self._max_bytes)
+            except FrameError as e:
+                # A payload over the limits is not read, even to skip it: the connection ends.
+                sink.refused(peer, direction or "tensor stream", str(e))
+                _reply(sock, e.code, str(e))
+                return
+            size = header.payload_bytes
+            try:
+                if not direction:
+                    raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown direction {frame.direction}")
+                sink.admit(direction, frame.ref, header, key)
+            except FrameError as e:
+                sink.refused(peer, direction or "tensor stream", str(e))
+                _reply(sock, e.code, str(e))
+                _skip(sock, size)
+                continue
+            if len(buffer) < size:
+                buffer = bytearray(size)
+            payload = memoryview(buffer)[:size]
+            try:
+                _recv_into(sock, payload)
+            except Closed as e:
+                why = f"truncated tensor stream: {e}"
+                sink.refused(peer, direction, why)
+                _reply(sock, grpc.StatusCode.DATA_LOSS, why)
+                return
+            try:
+                framing.check_checksum(header, payload)
+                sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload))
+            except FrameError as e:
+                sink.refused(peer, direction, str(e))
+                _reply(sock, e.code, str(e))
+                continue
+            _reply(sock, grpc.StatusCode.OK)
+
+    def close(self) -> None:
+        """Stop listening and end every connection."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (closing alone does not, on Linux)
+        except OSError:
+            pass  # never accepted
+        self._listener.close()
+        for sock in connections:
+            try:
+                # The TCP connection itself, under TLS too: its reader sees the end (ssl's own shutdown would unhook
+                # the TLS layer from under that thread).
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone
+
+
+def _skip(sock: socket.socket, size: int) -> None:
+    """Read and drop `size` bytes of a refused tensor's payload, a piece at a time."""
+    scratch = memoryview(bytearray(min(size, _DISCARD_BYTES)))
+    while size:
+        piece = scratch[: min(size, len(scratch))]
+        _recv_into(sock, piece)
+        size -= len(piece)
+
+
+class NoStream(Exception):
+    """No tensor stream to a receiver: send this tensor by calling it. `lasting`: none ever will be (its port cannot
+    be reached, or it serves none), so every tensor to it goes by calls."""
+
+    def __init__(self, why: str, lasting: bool) -> None:
+        super().__init__(why)
+        self.lasting = lasting
+
+
+class _Connection:
+    """One open tensor stream at the sender, used by one send at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, frame: bytes, payload: Buffer, deadline: float) -> pb.TensorStreamReply:
+        """Write one tensor and read its reply by `deadline` (time.monotonic); socket.timeout past it, OSError or
+        Closed when the connection broke."""
+        sock = self.sock
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        sock.sendall(_LENGTH.pack(len(frame)) + frame)
+        sock.sendall(payload)
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        return read_message(sock, pb.TensorStreamReply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+TicketCall = Callable[[], pb.TensorStreamTicket]
+"""Stage.OpenTensorStream on the receiver, signed by the sender's key; raises grpc.RpcError."""
+
+
+class TensorStreamClient:
+    """The sending end: connections kept per receiver address, opened with a ticket from the receiver."""
+
+    def __init__(self, tls: TlsFiles | None) -> None:
+        self._context = ssl_context(tls, server=False) if tls is not None else None
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[_Connection]] = defaultdict(list)
+        self._closed = False
+
+    def send(
+        self, address: str, open_ticket: TicketCall, direction: int, ref: pb.MicrobatchRef, header: pb.TensorHeader,
+        payload: Buffer, timeout_s: float,
+    ) -> None:
+        """Deliver one tensor to the Stage service at `address` within timeout_s, as a Forward or Backward call
+        would; StatusError with the status such a call would have had, NoStream when there is no stream to it."""
+        deadline = time.monotonic() + timeout_s
+        frame = pb.TensorFrame(direction=direction, ref=ref, header=header).SerializeToString()
+        with self._lock:
+            kept = self._idle[address].pop() if self._idle[address] else None
+        conn = kept or self._open(address, open_ticket, deadline)
+        try:
+            try:
+                reply = conn.send(frame, payload, deadline)
+            except socket.timeout:
+                raise
+            except (OSError, Closed, FrameError):
+                if kept is None:
+                    raise
+                # The kept one had closed (its receiver restarted, or ended it after a header it refused): a fresh
+                # one, once, as gRPC reconnects a channel for its next call.
+                conn.close()
+                conn = self._open(address, open_ticket, deadline)
+                reply = conn.send(frame, payload, deadline)
+        except socket.timeout:
+            conn.close()
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except (OSError, Closed, FrameError) as e:
+            conn.close()
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the tensor stream to {address} broke: {e}") from None
+        with self._lock:
+            if self._closed:
+                conn.close()
+            else:
+                self._idle[address].append(conn)
+        if reply.code != _OK:
+            raise StatusError(status_code(reply.code), reply.detail)
+
+    def _open(self, address: str, open_ticket: TicketCall, deadline: float) -> _Connection:
+        """A new connection to the receiver at `address`, past its hello; NoStream when there can be none."""
+        try:
+            ticket = open_ticket()
+        except grpc.RpcError as e:
+            # A receiver that serves no tensor streams says so for good; anything else may pass (a plan it has not
+            # taken yet, its connections all busy): this tensor goes by a call, the next one tries again.
+            serves_none = e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
+            raise NoStream(f"it gives no tensor stream ticket ({e.code().name}: {e.details()})", serves_none) from None
+        if not 0 < ticket.port < 65536 or len(ticket.ticket) != TICKET_BYTES:
+            raise NoStream(f"it answered a malformed ticket (port {ticket.port})", lasting=True)
+        host = address.rpartition(":")[0].strip("[]")
+        sock = None
+        try:
+            sock = socket.create_connection(
+                (host, ticket.port), timeout=min(CONNECT_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
+            )
+            _tune(sock)
+            if self._context is not None:
+                sock = self._context.wrap_socket(sock, server_hostname=RUN_TLS_NAME)
+            write_message(sock, pb.TensorStreamHello(ticket=ticket.ticket))
+            answer = read_message(sock, pb.TensorStreamReply)
+        except (OSError, Closed, FrameError) as e:
+            if sock is not None:
+                sock.close()
+            why = f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})"
+            raise NoStream(why, lasting=True) from None
+        if answer.code != _OK:
+            sock.close()
+            raise NoStream(f"it refused the tensor stream: {answer.detail[:200]}", lasting=False)
+        return _Connection(sock)
+
+    def close(self) -> None:
+        """Close every kept connection; those in use close when their send ends."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = [c for conns in self._idle.values() for c in conns], defaultdict(list)
+        for conn in idle:
+            conn.close()

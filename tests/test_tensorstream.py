@@ -1,0 +1,259 @@
+"""Raw tensor streams (protocol/tensorstream.py) in one process: a real Stage server and its stream port on
+loopback, a DataPlane or a bare socket sending to them; opened with a ticket, checked as calls are, TLS when the run
+has it, and calls when the stream port cannot be reached."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from geotrain.compression import get_codec
+from geotrain.node.dataplane import DataPlane
+from geotrain.node.reverse import ReverseSender
+from geotrain.node.servicer import StageServicer, add_stage_service, check_activation_header
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import RefusalLog, new_token
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.limits import LimitValues, PeerLimits
+from geotrain.protocol.tensorstream import (
+    NoStream, TensorStreamClient, TensorStreamServer, read_message, write_message,
+)
+from geotrain.protocol.tls import TlsFiles, init_run_tls
+from geotrain.protocol.transport import StatusError, make_channel, make_server
+
+SHAPE = (2, 8, 16)
+REF = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=3, path=["sender"])
+
+
+@dataclass
+class _Receiver:
+    """A node that takes activations of SHAPE (float32, codec none) from the key `sender`, by calls or streams."""
+
+    sender: bytes
+    taken: list = field(default_factory=list)
+    ticket_asks: int = 0
+
+    def check_incoming(self, direction, ref, header, signer) -> None:  # noqa: ANN001, D102
+        if signer != self.sender:
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED, "not signed by the sender's key")
+        check_activation_header(header, list(SHAPE), pb.DTYPE_FLOAT32, {pb.CODEC_NONE}, 1 << 20)
+
+    def accept(self, direction, ref, tensor, wire_bytes) -> None:  # noqa: ANN001, D102
+        self.taken.append((direction, ref.microbatch, tensor))
+
+    def may_overflow(self, direction) -> bool:  # noqa: ANN001, D102
+        return False
+
+    def check_tensor_stream(self, signer) -> None:  # noqa: ANN001, D102
+        self.ticket_asks += 1
+        if signer != self.sender:
+            raise FrameError(grpc.StatusCode.PERMISSION_DENIED, "tensor streams open only to this node's neighbours")
+
+
+@dataclass
+class _Node:
+    token: str
+    address: str
+    key: NodeKey  # the sender's
+    receiver: _Receiver
+    streams: TensorStreamServer
+
+
+@contextmanager
+def receiving_node(tls: TlsFiles | None = None, streams_per_peer: int = 16) -> Iterator[_Node]:
+    """A receiving node's Stage server and tensor stream port on loopback, always stopped."""
+    token, key = new_token(), NodeKey.generate()
+    receiver = _Receiver(key.public)
+    limits = PeerLimits(LimitValues(streams_per_peer=streams_per_peer))
+    server, port = make_server(token, "127.0.0.1:0", limits, tls=tls)
+    streams = TensorStreamServer("127.0.0.1", 0, tls, limits, 1 << 20)
+    servicer = StageServicer(receiver, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "r"),
+                             streams)
+    add_stage_service(servicer, server)
+    server.start()
+    streams.start(servicer)
+    try:
+        yield _Node(token, f"127.0.0.1:{port}", key, receiver, streams)
+    finally:
+        streams.close()
+        server.stop(grace=0.5).wait(2)
+
+
+@contextmanager
+def sending_plane(node: _Node, tls: TlsFiles | None = None) -> Iterator[DataPlane]:
+    plane = DataPlane(node.token, lambda: "sender", tls, key=node.key)
+    plane.use_tensor_streams(True)
+    try:
+        yield plane
+    finally:
+        plane.close()
+
+
+def _send(plane: DataPlane, node: _Node, tensor: torch.Tensor) -> None:
+    encoded = plane.encode("receiver", node.address, "forward", get_codec("none"), tensor)
+    plane.send("receiver", node.address, "forward", REF, encoded)
+
+
+def _ticket(node: _Node, key: NodeKey | None = None) -> pb.TensorStreamTicket:
+    channel = make_channel(node.address, node.token, lambda: "sender", key=key or node.key)
+    try:
+        return rpc.StageStub(channel).OpenTensorStream(pb.TensorStreamRequest(), timeout=10)
+    finally:
+        channel.close()
+
+
+@contextmanager
+def bare_stream(node: _Node) -> Iterator[socket.socket]:
+    """A plaintext socket to the node's stream port, past its hello with a fresh ticket."""
+    ticket = _ticket(node)
+    with socket.create_connection(("127.0.0.1", ticket.port), timeout=10) as sock:
+        write_message(sock, pb.TensorStreamHello(ticket=ticket.ticket))
+        assert read_message(sock, pb.TensorStreamReply).code == 0
+        yield sock
+
+
+def _frame(sock: socket.socket, tensor: torch.Tensor, crc: int | None = None) -> bytes:
+    """Write a tensor's frame (its header says tensor's shape; crc: a wrong checksum); its payload, not sent."""
+    payload = framing.raw_payload(tensor)
+    header = framing.make_header("", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
+    if crc is not None:
+        header.crc32 = crc
+    write_message(sock, pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF, header=header))
+    return payload
+
+
+def _status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
+    reply = read_message(sock, pb.TensorStreamReply)
+    return next(c for c in grpc.StatusCode if c.value[0] == reply.code), reply.detail
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would():
+    with receiving_node() as node, sending_plane(node) as plane:
+        tensor = torch.randn(SHAPE)
+        _send(plane, node, tensor)
+        assert node.streams.open_connections() == 1  # it came over the stream, which stays open
+        (direction, microbatch, taken), = node.receiver.taken
+        assert (direction, microbatch) == ("forward", 3) and torch.equal(taken, tensor)
+        with pytest.raises(StatusError) as err:
+            _send(plane, node, torch.randn(2, 8, 17))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected shape" in err.value.details()
+        with pytest.raises(StatusError) as err:
+            _send(plane, node, torch.full(SHAPE, float("nan")))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in err.value.details()
+        # Both were refused on the same connection, which goes on: the next tensor decodes into memory of its own.
+        _send(plane, node, tensor + 1)
+        assert node.streams.open_connections() == 1 and node.receiver.ticket_asks == 1
+        assert len(node.receiver.taken) == 2 and torch.equal(taken, tensor)
+        assert torch.equal(node.receiver.taken[1][2], tensor + 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_header_the_plan_does_not_expect_is_refused_before_its_payload_is_sent():
+    with receiving_node() as node, bare_stream(node) as sock:
+        payload = _frame(sock, torch.randn(2, 8, 17))
+        code, detail = _status(sock)  # answered while the payload has not left the sender
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected shape" in detail
+        sock.sendall(payload)  # skipped by the receiver, which then reads the next tensor
+        good = torch.randn(SHAPE)
+        sock.sendall(_frame(sock, good, crc=zlib.crc32(b"other")))
+        assert _status(sock) == (grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
+        sock.sendall(_frame(sock, good))
+        assert _status(sock)[0] == grpc.StatusCode.OK
+        assert [torch.equal(t, good) for _, _, t in node.receiver.taken] == [True]
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing():
+    with receiving_node() as node, bare_stream(node) as sock:
+        payload = _frame(sock, torch.randn(SHAPE))
+        sock.sendall(payload[: len(payload) // 2])
+        sock.shutdown(socket.SHUT_WR)
+        code, detail = _status(sock)
+        assert code == grpc.StatusCode.DATA_LOSS and "truncated" in detail
+        assert sock.recv(1) == b""  # and the receiver closed the connection
+        assert not node.receiver.taken
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_stream_opens_only_with_a_fresh_ticket_given_to_a_neighbour_s_key():
+    with receiving_node(streams_per_peer=2) as node:
+        ticket = _ticket(node)
+
+        def hello(ticket_bytes: bytes) -> tuple[grpc.StatusCode, str]:
+            with socket.create_connection(("127.0.0.1", ticket.port), timeout=10) as sock:
+                write_message(sock, pb.TensorStreamHello(ticket=ticket_bytes))
+                return _status(sock)
+
+        assert hello(bytes(32))[0] == grpc.StatusCode.UNAUTHENTICATED
+        with socket.create_connection(("127.0.0.1", ticket.port), timeout=10) as used:
+            write_message(used, pb.TensorStreamHello(ticket=ticket.ticket))
+            assert _status(used)[0] == grpc.StatusCode.OK
+            assert hello(ticket.ticket) == (grpc.StatusCode.UNAUTHENTICATED, "an unknown, used or expired ticket")
+            # One connection open and one ticket out hold the key's two streams.
+            _ticket(node)
+            with pytest.raises(grpc.RpcError) as err:
+                _ticket(node)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as err:
+            _ticket(node, NodeKey.generate())  # a key the plan does not give a neighbour
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "neighbours" in err.value.details()
+
+
+@pytest.fixture(scope="module")
+def run_files(tmp_path_factory) -> tuple[TlsFiles, TlsFiles]:
+    """Two runs' TLS files."""
+    files = []
+    for name in ("a", "b"):
+        directory = tmp_path_factory.mktemp(f"tls-{name}")
+        init_run_tls(directory)
+        files.append(TlsFiles.load(directory))
+    return files[0], files[1]
+
+
+@pytest.mark.timeout(30)
+def test_a_tls_run_s_tensor_streams_are_tls_with_its_files(run_files):
+    run_a, run_b = run_files
+    with receiving_node(tls=run_a) as node:
+        with sending_plane(node, tls=run_a) as plane:
+            tensor = torch.randn(SHAPE)
+            _send(plane, node, tensor)
+            assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
+        # A plaintext hello never gets an answer; another run's files fail the handshake.
+        port = node.streams.port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            write_message(sock, pb.TensorStreamHello(ticket=node.streams.ticket(node.key.public)))
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass  # closed with the hello unread
+        ticket = pb.TensorStreamTicket(port=port, ticket=node.streams.ticket(node.key.public))
+        with pytest.raises(NoStream) as err:
+            TensorStreamClient(run_b).send(node.address, lambda: ticket, pb.DIRECTION_FORWARD, REF,
+                                           pb.TensorHeader(), b"", 10)
+        assert err.value.lasting and "cannot be reached" in str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_once(caplog):
+    with receiving_node() as node, sending_plane(node) as plane:
+        node.streams.close()  # the port refuses connections, the Stage server still answers calls
+        caplog.set_level(logging.INFO, logger="geotrain.node.dataplane")
+        for i in range(3):
+            _send(plane, node, torch.full(SHAPE, float(i)))
+        assert [t[0, 0, 0].item() for _, _, t in node.receiver.taken] == [0.0, 1.0, 2.0]
+        assert node.receiver.ticket_asks == 1  # the first tensor found the port closed; the others did not try
+        said = [r.getMessage() for r in caplog.records if "go by gRPC calls" in r.getMessage()]
+        assert len(said) == 1 and "cannot be reached" in said[0], said
