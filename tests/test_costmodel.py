@@ -59,11 +59,12 @@ def test_data_heads_window_paces_when_round_trip_is_long():
     # Four in flight: the whole step starts at once, and the window never holds one back: the unbounded step time.
     four = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=4))
     assert four.step_seconds(stages) == pytest.approx(model_for(nodes).step_seconds(stages)) == pytest.approx(7.0)
-    # Two data heads hold twice the window: 4 / (1 * 2) = 2 s; their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
+    # Two data heads hold twice the window: the 4 microbatches go in two waves, one 4 s round trip after the first;
+    # their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
     three = [*nodes, node("c", [0.5, 2.0])]
     cm = CostModel(nodes=three, model=TINY, network=SLOW_NET, shape=shape4(inflight=1))
     # Stage 0: c = 0.25, h = 0.5; the link term is unchanged (one pair at a time), 1 s.
-    assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(3 * 2 + 4 + 1.1)
+    assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(4 + 4 + 1.1)
     with pytest.raises(ValueError, match="inflight"):
         CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=0))
 

@@ -138,7 +138,8 @@ def test_a_node_ten_times_faster_joins_and_layers_move_to_it(tmp_path):
         events = store.events()
         shown = [e for e in cluster.coordinator.status().events if e.kind == "moved"]
 
-    assert [sorted(s.node_ids) for s in plans[0].stages] == [["node-1"], ["node-2"], ["node-3"]]
+    assert sorted(n for s in plans[0].stages for n in s.node_ids) == ["node-1", "node-2", "node-3"]
+    assert len(plans[0].stages) == 3
     taken = next(i for i, p in enumerate(plans) if "node-4" in placement.plan_nodes(p))
     assert plans[taken].steps_done <= profiled_at[0] + 2, (plans[taken].steps_done, profiled_at)
     before, after = plans[taken - 1], plans[taken]
