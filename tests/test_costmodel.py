@@ -56,14 +56,15 @@ def test_data_heads_window_paces_when_round_trip_is_long():
     one = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=1))
     assert one.step_seconds(stages) == pytest.approx(16.0)
     assert one.plan(stages, {}).bottleneck.startswith("data heads' window: 1 microbatches in flight")
-    # Four in flight: 4 / 4 = 1 s per microbatch, no slower than the link: the unbounded step time.
+    # Four in flight: the whole step starts at once, and the window never holds one back: the unbounded step time.
     four = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=4))
     assert four.step_seconds(stages) == pytest.approx(model_for(nodes).step_seconds(stages)) == pytest.approx(7.0)
-    # Two data heads hold twice the window: 4 / (1 * 2) = 2 s; their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
+    # Two data heads hold twice the window: the 4 microbatches go in two waves, one 4 s round trip after the first;
+    # their all-reduce 2 * 1/2 * 800 / 8000 + 2 * 0.5 = 1.1.
     three = [*nodes, node("c", [0.5, 2.0])]
     cm = CostModel(nodes=three, model=TINY, network=SLOW_NET, shape=shape4(inflight=1))
     # Stage 0: c = 0.25, h = 0.5; the link term is unchanged (one pair at a time), 1 s.
-    assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(3 * 2 + 4 + 1.1)
+    assert cm.step_seconds([(0, 1, [0, 2]), (1, 2, [1])]) == pytest.approx(4 + 4 + 1.1)
     with pytest.raises(ValueError, match="inflight"):
         CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=0))
 
@@ -248,16 +249,45 @@ def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
     plan = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
     assert plan.inflight == 4 and plan.step_seconds == pytest.approx(7.0)
     # A stage-0 replica holds 400 bytes of state and 10 per microbatch in flight: with 425 bytes, 2 fit, so the
-    # window is 2 and paces (4 / 2 = 2 s per microbatch): T = 3 * 2 + 4 = 10, and the stage reports 420 bytes.
+    # window is 2 and paces: microbatches 2 and 3 start a 4 s round trip after 0 and 1, later than the link's 3 * 1 s
+    # would have them: T = 4 + 4 = 8, and the stage reports 420 bytes.
     tight = [node("a", [0.5, 2.0], memory=425), node("b", [2.0, 0.5])]
     plan = CostModel(nodes=tight, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
-    assert plan.inflight == 2 and plan.step_seconds == pytest.approx(10.0)
+    assert plan.inflight == 2 and plan.step_seconds == pytest.approx(8.0)
     assert plan.stages[0].memory_bytes == 420
     # A fixed window is the plan's window; unbounded has none.
     assert CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=3)).plan(stages, {}).inflight == 3
     assert model_for(nodes).plan(stages, {}).inflight is None
     with pytest.raises(ValueError, match="inflight"):
         shape4(inflight="some")
+
+
+def test_a_running_plan_is_priced_at_its_own_window():
+    # The plan was made with 1 microbatch in flight (before profiles priced it); its estimate is the window's 16 s
+    # (test_data_heads_window_paces_when_round_trip_is_long), while "auto" would now choose 4 and 7 s.
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
+    running = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {}, 1)
+    assert (running.inflight, running.chosen_inflight) == (1, 4)
+    assert running.step_seconds == pytest.approx(16.0)
+
+
+def test_the_live_all_reduce_is_priced_at_the_bytes_it_sends():
+    # A run's replicas all-reduce float64 sums (8 bytes a value, twice fp32's), or int16 under diloco.
+    assert StepShape.from_config(load_config(None, []), param_shapes_known=True).sync_bytes_per_value == 8
+    diloco = load_config(None, ["compression.replica_sync=diloco"])
+    assert StepShape.from_config(diloco, param_shapes_known=True).sync_bytes_per_value == 2
+    assert TINY.replica_sync_bytes(None, 8) == [[200, 200]]
+    nodes = [node("a", [1, 1]), node("b", [1, 1])]
+    seconds = {
+        wire: CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(sync_bytes_per_value=wire))
+        .sync_seconds(np.arange(2), 0, 2)
+        for wire in (None, 8)
+    }
+    # Two replicas: 2 * 1/2 * bits / 8000 + 2 * 0.5.
+    assert seconds[None] == pytest.approx(200 * 8 / 8000 + 1) and seconds[8] == pytest.approx(400 * 8 / 8000 + 1)
+    with pytest.raises(ValueError, match="sync_bytes_per_value"):
+        shape4(sync_bytes_per_value=3)
 
 
 def test_a_plan_whose_window_is_far_from_its_estimates_is_replanned():

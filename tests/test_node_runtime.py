@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.identity import NodeKey
+from geotrain.scheduler.checkpoint import CheckpointStore
+from geotrain.scheduler.recovery import Recovery
+from geotrain.scheduler.state import RunStore, StepRecord
 
 NODE = Path(__file__).resolve().parent.parent / "geotrain" / "node"
 
@@ -254,6 +258,42 @@ def test_a_replica_without_averaging_reports_it_at_its_first_commit(make_agent):
     report = coordinator.reports.get(timeout=20)
     assert report.reason == pb.FAILURE_REASON_AVERAGING and report.peer == "node-1"
     assert "not available" in report.detail
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("diloco", [False, True], ids=["gradients", "diloco"])
+def test_layers_moved_through_a_checkpoint_load_to_the_checksum_the_coordinator_checks(tmp_path, diloco):
+    # The coordinator writes a checkpoint from a holder of each stage only when the holder's parameters (under diloco
+    # its anchor) have the checksum the stage's replicas reported; a layer range the next plan moves is loaded against
+    # a checksum computed from that checkpoint.
+    cfg = load_config(None, ["compression.replica_sync=diloco"] if diloco else [])
+    total = cfg.model.total_layers
+    stages = [StageRuntime(cfg, 0, 2), StageRuntime(cfg, 2, total)]
+    with torch.no_grad():  # stands for trained steps: state that differs from the seed's
+        for stage in stages:
+            for p in [*stage.parameters(), *(stage.sync.anchor if diloco else [])]:
+                p.add_(0.25)
+    store = RunStore()
+    store.commit_step(StepRecord(step=0, loss=1.0, val_loss=None, tokens_per_s=1.0, seconds=1.0, plan_epoch=1),
+                      {i: stage.checksum() for i, stage in enumerate(stages)})
+    holders = [SimpleNamespace(node_id=f"node-{i}", held=(s.start, s.end), applied_steps=1, unreachable=False)
+               for i, s in enumerate(stages)]
+    plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(index=i, layer_start=s.start, layer_end=s.end)
+                                    for i, s in enumerate(stages)])
+    sent = {holder.node_id: dict(stage.full_state()) for holder, stage in zip(holders, stages)}
+    recovery = Recovery(CheckpointStore(tmp_path, keep=2), lambda m, rng, steps: sent[m.node_id], store,
+                        lambda kind, data: None, diloco)
+    manifest = recovery.checkpoint(plan, 1, holders)
+    assert manifest is not None
+
+    moved = StageRuntime(cfg, 1, total - 1)
+    moved.load_full_state(recovery.checkpoints.load_layers(manifest, 1, total - 1), 1)
+    assert recovery.checkpoints.checksum(manifest, 1, total - 1, diloco) == moved.checksum()
+    assert recovery.checkpoints.checksum(manifest, 0, 2, diloco) == stages[0].checksum()
+    # A holder that sends other parameters than its replicas reported leaves no checkpoint.
+    covered = next(k for k in sent["node-1"] if k.startswith("sync.anchor.layers." if diloco else "layers."))
+    sent["node-1"][covered] = sent["node-1"][covered] + 1.0
+    assert recovery.checkpoint(plan, 1, holders) is None
 
 
 @pytest.mark.timeout(60)

@@ -3,9 +3,12 @@
 import itertools
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler import placement
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 from geotrain.scheduler.planner import Planner, PlannerConfig, plan
 
@@ -159,6 +162,21 @@ def test_replan_without_change_moves_nothing():
     kwargs = dict(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=40, microbatch_size=2))
     first = plan(**kwargs)
     assert moved_layers(first, plan(previous=first, **kwargs)) == 0
+
+
+def test_what_a_new_layout_moves_is_named_by_runs_of_layers():
+    # Before: a holds 0-2, b holds 3-5. After: a keeps 0-1, the newcomer c takes 2-4 (2 from a, 3-4 from b), b keeps
+    # 5 and gains a replica, d. The event log says so, one run of layers per holders and gainers.
+    before = pb.Plan(stages=[pb.StageAssignment(layer_start=0, layer_end=3, node_ids=["a"]),
+                             pb.StageAssignment(layer_start=3, layer_end=6, node_ids=["b"])])
+    groups = [[SimpleNamespace(node_id=n) for n in ids] for ids in (["a"], ["c"], ["b", "d"])]
+    moves = placement.moves(before, [(0, 2), (2, 5), (5, 6)], groups)
+    assert [str(m) for m in moves] == [
+        "layer 2 from a to c", "layers 3-4 from b to c", "layer 5 from b to d",
+    ]
+    assert placement.moves(before, placement.plan_ranges(before), [[SimpleNamespace(node_id="a")],
+                                                                   [SimpleNamespace(node_id="b")]]) == []
+    assert placement.moves(None, [(0, 6)], [[SimpleNamespace(node_id="a")]]) == []
 
 
 def test_dealt_stages_span_every_region_with_even_compute():

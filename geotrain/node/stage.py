@@ -20,7 +20,6 @@ before backward; the clip factor of `apply` divides it out again.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
 from geotrain.node.diloco import OuterSync
 from geotrain.node.family import call_layer
 from geotrain.node.model import build_layer, family_of, loss_fn
+from geotrain.protocol import framing
 
 MicrobatchKey = tuple[int, int]  # (step, microbatch id)
 
@@ -279,15 +279,11 @@ class StageRuntime:
         self.loss_scale = scale
 
     def checksum(self) -> str:
-        """sha256 of the parameters' bytes: replicas that applied the same steps agree bit for bit. Under diloco,
-        of the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
-        h = hashlib.sha256()
+        """The parameters' checksum (framing.parameters_checksum): replicas that applied the same steps agree bit for
+        bit. Under diloco, the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
         names = [name for name, _ in self.named_state()]
         tensors = self.sync.anchor if self.sync is not None else self.parameters()
-        for name, p in zip(names, tensors):
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return framing.parameters_checksum(zip(names, tensors, strict=True))
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""

@@ -13,6 +13,7 @@ message and out again on each side, and the tensor path's CPU was mostly such co
 
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -287,3 +288,14 @@ def state_chunks(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[pb.Tenso
 def read_state(chunks: Iterable[pb.TensorChunk], max_bytes: int = MAX_TENSOR_BYTES) -> dict[str, torch.Tensor]:
     """The named tensors of a state-transfer stream."""
     return {r.header.name: raw_tensor(r.header, r.payload) for r in read_tensors(chunks, max_bytes)}
+
+
+def parameters_checksum(params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over named parameters in name order, each name then its raw bytes. A stage's replicas that applied the
+    same steps agree on it bit for bit, and the coordinator computes it from a checkpoint for any layer range: the
+    order in which a node, a transfer or a checkpoint file holds the tensors does not change it."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(params, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from geotrain.durable import fsync
+from geotrain.protocol import framing
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ class Manifest:
     steps_done: int
     plan_epoch: int
     stages: list[dict]
+
+
+def stage_checksum(state: dict[str, torch.Tensor], diloco: bool) -> str:
+    """The checksum a stage's replicas report (node.stage: framing.parameters_checksum) of a state as transfers and
+    checkpoints hold it: over its parameters (`layers.…`), or under diloco over its anchor (`sync.anchor.layers.…`)
+    under the parameters' names."""
+    prefix = "sync.anchor." if diloco else ""
+    return framing.parameters_checksum(
+        (name.removeprefix(prefix), t) for name, t in state.items() if name.startswith(prefix + "layers.")
+    )
 
 
 def layer_of(name: str) -> int:
@@ -121,12 +132,14 @@ class CheckpointStore:
                     state[name] = tensor
         return state
 
-    def checksum(self, manifest: Manifest, layer_start: int, layer_end: int) -> str:
-        """The recorded parameter checksum of a stage with exactly this layer range, or '' if none."""
+    def checksum(self, manifest: Manifest, layer_start: int, layer_end: int, diloco: bool) -> str:
+        """The checksum a node that loads layers [layer_start, layer_end) from this checkpoint must find: the one
+        recorded for a stage of exactly this range, else computed from the checkpoint's tensors (layers the plan
+        moved), which were checked against the recorded ones when it was written (scheduler.recovery)."""
         for entry in manifest.stages:
-            if (entry["layer_start"], entry["layer_end"]) == (layer_start, layer_end):
+            if (entry["layer_start"], entry["layer_end"]) == (layer_start, layer_end) and entry["checksum"]:
                 return entry["checksum"]
-        return ""
+        return stage_checksum(self.load_layers(manifest, layer_start, layer_end), diloco)
 
     def _prune(self) -> None:
         complete = self.complete()

@@ -116,7 +116,8 @@ class Coordinator:
         self.uploads = StateUploads(self.orders)
         self._dial_state = fetch_state  # (address, steps_done) -> the state of the stage the node there serves
         self.recovery = Recovery(
-            checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event
+            checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event,
+            cfg.compression.diloco,
         )
         self.planning = Planning(
             cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers,

@@ -26,14 +26,16 @@ For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n 
   where bw_x and lat_x range over pairs of replicas in different regions; g_s = min(flat, h_s) with
   allreduce="auto", either one alone with "flat" or "hierarchical".
 The data heads' window (train.inflight = W; None: unbounded): each replica of stage 0 keeps at most W microbatches
-in flight and launches the next only when one has come back, so by Little's law
-    w = (sum_s h_s + sum_s x_s) / (W * |R_0|)                   one microbatch's round trip over all windows
-Under train.inflight = "auto" plans are searched unbounded and each plan gets the smallest window that keeps its pace,
+in flight and launches the next only when one has come back: the first K = W |R_0| start at once, each later one a
+round trip after the one it replaces, so the M microbatches go in ceil(M / K) waves of one round trip each,
+    w = (ceil(M / K) - 1) * (sum_s h_s + sum_s x_s)             the waves after the first (none when K >= M)
+Under train.inflight = "auto" plans are searched unbounded and each plan gets the smallest window that keeps its pace
+(by Little's law: a round trip's worth of microbatches at the pace),
     W = ceil((sum_s h_s + sum_s x_s) / (max(max_s c_s, max_s o_s) * |R_0|))
 lowered where a replica's memory cannot hold its share of the W |R_0| microbatches in flight (below).
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
-    beta = max(max_s c_s, max_s o_s, w)
-    T = (M - 1) * beta + sum_s h_s + sum_s x_s + max_s g_s
+    beta = max(max_s c_s, max_s o_s)
+    T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s
     samples/s = M * microbatch_size / T
 
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
@@ -44,9 +46,10 @@ W |R_0| microbatches the data heads keep in flight, and the plan reports that.
 A link between two nodes nobody can dial goes through a relay, which receives every byte and sends it again: its
 bandwidth counts twice and its latency once per hop, so such a pair's link is priced at half its bandwidth and twice
 its latency (the pair's own link stands for both of the relay's; which node relays is chosen after planning).
-Not modelled: contention of several pairs on one region's uplink, the all-reduce overlapping the drain, and that
-the live all-reduce sends float64 copies of fp32 gradients (node.averaging: replicas end bit-identical), twice the
-bytes P_s counts.
+P_s counts the bytes each replica puts on the all-reduce's wire: the stage's parameter count times
+StepShape.sync_bytes_per_value, which a live run sets to 8 (node.averaging adds the replicas' float64 gradient sums
+exactly, so replicas end bit-identical; PowerSGD's factors are float64 too), or 2 under diloco (int16).
+Not modelled: contention of several pairs on one region's uplink, and the all-reduce overlapping the drain.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
 """How replicas average (scheduler.allreduce): the faster estimate per stage, or one way wherever it applies."""
 
 FP32_BYTES = 4
+EXACT_SUM_BYTES = 8  # node.averaging all-reduces replicas' float64 gradient sums: exact in any order
+DILOCO_WIRE_BYTES = 2  # node.diloco's pseudo-gradients cross the wire as int16
 ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, kept in fp32 whatever the training dtype
 
 
@@ -129,15 +134,18 @@ class ModelProfile:
         if self.layer_param_shapes is not None and len(self.layer_param_shapes) != n:
             raise ValueError(f"layer_param_shapes has {len(self.layer_param_shapes)} entries, the model has {n} layers")
 
-    def replica_sync_bytes(self, rank: int | None) -> list[list[int]]:
-        """Bytes each layer puts into each all-reduce round when replicas average: one round of the raw gradients
-        (rank None), or PowerSGD's two (node.lowrank): the left factors with the tensors too small to gain from a
-        low-rank form, then the right factors. A tensor is a rows x (the rest) matrix and goes low-rank when
-        rank x (rows + cols) < rows x cols (compression.PowerSgdCodec's rule); factors travel as fp32."""
+    def replica_sync_bytes(self, rank: int | None, wire_bytes: int | None = None) -> list[list[int]]:
+        """Bytes each layer puts into each all-reduce round when replicas average, at wire_bytes per value (None: the
+        training dtype's): one round of the raw gradients (rank None), or PowerSGD's two (node.lowrank): the left
+        factors with the tensors too small to gain from a low-rank form, then the right factors. A tensor is a
+        rows x (the rest) matrix and goes low-rank when rank x (rows + cols) < rows x cols
+        (compression.PowerSgdCodec's rule)."""
+        per_value = wire_bytes or self.bytes_per_value
         if rank is None:
-            return [list(self.layer_param_bytes)]
+            return [[p * per_value // self.bytes_per_value for p in self.layer_param_bytes]]
         if self.layer_param_shapes is None:
             raise ValueError("low-rank replica averaging needs the model's parameter shapes")
+        factor_bytes = wire_bytes or FP32_BYTES
         rounds: list[list[int]] = [[], []]
         for shapes in self.layer_param_shapes:
             left = right = 0
@@ -145,9 +153,9 @@ class ModelProfile:
                 rows, cols = shape[0], math.prod(shape[1:])
                 r = min(rank, rows, cols)
                 if r * (rows + cols) < rows * cols:
-                    left, right = left + r * rows * FP32_BYTES, right + r * cols * FP32_BYTES
+                    left, right = left + r * rows * factor_bytes, right + r * cols * factor_bytes
                 else:
-                    left += rows * cols * self.bytes_per_value
+                    left += rows * cols * per_value
             rounds[0].append(left)
             rounds[1].append(right)
         return rounds
@@ -308,6 +316,10 @@ class StepShape:
     recompute: bool = False
     """Stages keep only each layer's input per microbatch and recompute one layer at a time in backward
     (train.recompute)."""
+    sync_bytes_per_value: int | None = None
+    """Bytes per gradient value each replica puts on the all-reduce's wire; None: the training dtype's. A live run
+    (from_config) sends 8, the float64 sums node.averaging adds exactly (PowerSGD's factors are float64 too), or 2
+    under diloco, whose pseudo-gradients cross as int16."""
 
     def __post_init__(self) -> None:
         # Frozen: the one normalisation goes through object.__setattr__.
@@ -324,6 +336,8 @@ class StepShape:
             raise ValueError(f"replica_sync_every must be an integer >= 1, got {self.replica_sync_every!r}")
         if self.compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
+        if self.sync_bytes_per_value not in (None, 1, 2, 4, 8):
+            raise ValueError(f"sync_bytes_per_value must be 1, 2, 4, 8 or None, got {self.sync_bytes_per_value!r}")
 
     @classmethod
     def from_config(cls, cfg: RunConfig, *, param_shapes_known: bool) -> StepShape:
@@ -339,6 +353,7 @@ class StepShape:
             replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
             compute_bytes=4 if cfg.train.precision == "fp32" else 2,
             recompute=cfg.train.recompute,
+            sync_bytes_per_value=DILOCO_WIRE_BYTES if cfg.compression.diloco else EXACT_SUM_BYTES,
         )
 
 
@@ -386,8 +401,11 @@ class Plan:
     compute_bound_samples_per_s: float
     """Sum of the full-model speeds of every node with memory for some stage: no plan beats it."""
     inflight: int | None = None
-    """Microbatches each data head keeps in flight under this plan (train.inflight, or the plan's own under "auto");
-    None: unbounded."""
+    """Microbatches each data head keeps in flight under this plan, the window it is priced at (train.inflight, the
+    plan's own under "auto", or the one a running plan was made with); None: unbounded."""
+    chosen_inflight: int | None = None
+    """The window train.inflight gives this layout now (under "auto" from these profiles): a running plan priced at
+    the window it was made with may run another."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -409,7 +427,7 @@ class _Terms:
     transfer: np.ndarray  # x_s, one per boundary
     link_occupancy: np.ndarray  # o_s, one per boundary
     allreduce: np.ndarray  # g_s
-    window: float  # w
+    window: float  # w, the seconds the data heads' window paces the step
     step_s: float
 
 
@@ -446,7 +464,7 @@ class CostModel:
         # Bits of each all-reduce round of replica averaging, summed over layers: [round][b] = bits of layers [0, b).
         self.sync_prefix = [
             np.concatenate([[0.0], np.cumsum(round_, dtype=np.float64) * 8])
-            for round_ in model.replica_sync_bytes(shape.replica_rank)
+            for round_ in model.replica_sync_bytes(shape.replica_rank, shape.sync_bytes_per_value)
         ]
         acts = np.asarray(model.layer_activation_bytes, dtype=np.float64)
         self.act_prefix = np.concatenate([[0.0], np.cumsum(acts)])
@@ -722,10 +740,14 @@ class CostModel:
         (and under "auto", whose window each plan gets once chosen: auto_window)."""
         return self.shape.inflight if isinstance(self.shape.inflight, int) else None
 
-    def window_seconds(self, round_trip_s: float, data_heads: int, window: int | None) -> float:
-        """w: a window of that many microbatches per data head (None: unbounded) as seconds per microbatch, for one
-        microbatch's round trip over all stages."""
-        return round_trip_s / (window * data_heads) if window else 0.0
+    def window_paced_seconds(
+        self, round_trip_s: np.ndarray | float, data_heads: int, window: int | None
+    ) -> np.ndarray | float:
+        """w: the seconds a window of that many microbatches per data head (None: unbounded) paces the step, for one
+        microbatch's round trip over all stages: a round trip for each wave of microbatches after the first."""
+        if not window:
+            return 0.0 * round_trip_s
+        return (math.ceil(self.shape.microbatches / (window * data_heads)) - 1) * round_trip_s
 
     def paced_seconds(self, per_microbatch_s: np.ndarray | float) -> np.ndarray | float:
         """The step's pace term: seconds of the M - 1 microbatches after the first at this pace."""
@@ -738,7 +760,7 @@ class CostModel:
     def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
         sync_s = max_s g_s; the data heads' window paces instead where it is slower."""
-        return max(paced_s, self.paced_seconds(self.window_seconds(fill_s, data_heads, window))) + fill_s + sync_s
+        return np.maximum(paced_s, self.window_paced_seconds(fill_s, data_heads, window)) + fill_s + sync_s
 
     def occupancy(self, start: int, end: int, nodes: Sequence[int]) -> float:
         """c_s of the replicas nodes serving layers [start, end)."""
@@ -789,7 +811,7 @@ class CostModel:
             transfer=transfer,
             link_occupancy=link_occ,
             allreduce=allreduce,
-            window=self.window_seconds(round_trip, terms[0][5], window),
+            window=self.window_paced_seconds(round_trip, terms[0][5], window),
             step_s=step,
         )
 
@@ -814,12 +836,14 @@ class CostModel:
             return math.inf
         return self._terms(stages, self.fixed_window).step_s
 
-    def plan(self, stages: Stages, excluded: dict[str, str]) -> Plan:
-        """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list."""
+    def plan(self, stages: Stages, excluded: dict[str, str], inflight: int | None = None) -> Plan:
+        """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list; priced at the window
+        `inflight` where given (a running plan's), else at the one train.inflight gives it."""
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages, self.fixed_window)
-        window = self.auto_window(stages, t) if self.shape.inflight == "auto" else self.fixed_window
+        chosen = self.auto_window(stages, t) if self.shape.inflight == "auto" else self.fixed_window
+        window = chosen if inflight is None else inflight
         if window != self.fixed_window:
             t = self._terms(stages, window)
         m = self.shape.microbatches
@@ -847,6 +871,7 @@ class CostModel:
             bottleneck=self._bottleneck(stages, t, window),
             compute_bound_samples_per_s=self.compute_bound(self.usable),
             inflight=window,
+            chosen_inflight=chosen,
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
@@ -891,7 +916,7 @@ class CostModel:
 
     def _bottleneck(self, stages: Stages, t: _Terms, window: int | None) -> str:
         m = self.shape.microbatches
-        pace = (m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0, t.window)
+        pace = max((m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0), t.window)
         fill = t.latency.sum() + t.transfer.sum()
         sync = t.allreduce.max()
 
@@ -908,7 +933,7 @@ class CostModel:
         if fill > pace:
             return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
         s = int(np.argmax(t.occupancy))
-        if t.window > max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
+        if t.window > (m - 1) * max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
             return (
                 f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
                 f" replicas over a {fill:.3g} s round trip, {share(pace)}"

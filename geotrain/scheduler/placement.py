@@ -89,8 +89,9 @@ def step_shape(cfg: RunConfig, model: costmodel.ModelProfile) -> costmodel.StepS
     return costmodel.StepShape.from_config(cfg, param_shapes_known=model.layer_param_shapes is not None)
 
 
-def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan | None:
-    """The cost model's estimate of a layout, once every node in it has reported a profile."""
+def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups, window: int | None = None) -> costmodel.Plan | None:
+    """The cost model's estimate of a layout, once every node in it has reported a profile: at the data heads'
+    window `window` where the layout runs with one already (a plan's), else at the one train.inflight gives it."""
     members = [m for g in groups for m in g]
     if any(m.profile is None for m in members):
         return None
@@ -98,7 +99,7 @@ def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups) -> costmodel.Plan |
     index = {n.node_id: i for i, n in enumerate(nodes)}
     cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=step_shape(cfg, model))
     stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
-    return cm.plan(stages, {}) if cm.feasible(stages) else None
+    return cm.plan(stages, {}, window) if cm.feasible(stages) else None
 
 
 def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> int:
@@ -106,7 +107,7 @@ def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> 
     the pace, shared among the stage-0 replicas), and one microbatch per stage until profiles price the plan."""
     if cfg.train.inflight != AUTO_INFLIGHT:
         return cfg.train.inflight
-    return estimate.inflight if estimate is not None and estimate.inflight else n_stages
+    return estimate.chosen_inflight if estimate is not None and estimate.chosen_inflight else n_stages
 
 
 def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | None, tolerance: float) -> bool:
@@ -114,9 +115,46 @@ def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | Non
     plan's: the plan took its window from the profiles it had, and links measured since (a probe runs once the
     neighbours are known) can put the round trip over the pace far from it; too small a window idles the links, too
     large a one holds memory for nothing."""
-    if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.inflight or not plan.inflight:
+    if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
-    return abs(estimate.inflight / plan.inflight - 1) > tolerance
+    return abs(estimate.chosen_inflight / plan.inflight - 1) > tolerance
+
+
+@dataclass(frozen=True)
+class Move:
+    """Layers [start, end) that nodes take on under a new layout: who held them under the plan before, who gains them."""
+
+    start: int
+    end: int
+    holders: tuple[str, ...]
+    to: tuple[str, ...]
+
+    def __str__(self) -> str:
+        layers = f"layer {self.start}" if self.end - self.start == 1 else f"layers {self.start}-{self.end - 1}"
+        return f"{layers} from {', '.join(self.holders) or 'no node'} to {', '.join(self.to)}"
+
+
+def moves(plan: pb.Plan | None, ranges: Ranges, groups: Groups) -> list[Move]:
+    """What the layout (ranges, groups) moves from `plan`: for each run of layers with the same holders before and
+    the same nodes gaining them, one Move. A node that keeps a layer moves nothing; a new replica gains its stage."""
+    if plan is None:
+        return []
+    held: dict[int, tuple[str, ...]] = {}
+    for s in plan.stages:
+        for layer in range(s.layer_start, s.layer_end):
+            held[layer] = tuple(sorted(s.node_ids))
+    found: list[Move] = []
+    for (start, end), group in zip(ranges, groups):
+        for layer in range(start, end):
+            holders = held.get(layer, ())
+            gaining = tuple(sorted(m.node_id for m in group if m.node_id not in holders))
+            if not gaining:
+                continue
+            if found and (found[-1].end, found[-1].holders, found[-1].to) == (layer, holders, gaining):
+                found[-1] = Move(found[-1].start, layer + 1, holders, gaining)
+            else:
+                found.append(Move(layer, layer + 1, holders, gaining))
+    return found
 
 
 def slowdown(estimate_s: float, planned_s: float) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
-from geotrain.scheduler.checkpoint import CheckpointStore, Manifest, StageState
+from geotrain.scheduler.checkpoint import CheckpointStore, Manifest, StageState, stage_checksum
 from geotrain.scheduler.membership import EventSink, Member
 from geotrain.scheduler.state import RunStore
 
@@ -23,16 +23,23 @@ class Recovery:
     """Writes checkpoints from live holders and decides where every node's state comes from after a re-plan."""
 
     def __init__(
-        self, checkpoints: CheckpointStore | None, fetch_state: StateFetcher | None, store: RunStore, on_event: EventSink
+        self,
+        checkpoints: CheckpointStore | None,
+        fetch_state: StateFetcher | None,
+        store: RunStore,
+        on_event: EventSink,
+        diloco: bool = False,
     ) -> None:
         self.checkpoints = checkpoints
         self._fetch_state = fetch_state
         self.store = store
         self._on_event = on_event
+        self._diloco = diloco  # a stage's checksum covers its anchor (node.stage)
 
     def checkpoint(self, plan: pb.Plan, steps_done: int, alive: list[Member]) -> Manifest | None:
-        """Write a checkpoint of the committed state, fetched from a live holder of each stage; None (and no
-        checkpoint) when a stage has none or a download fails."""
+        """Write a checkpoint of the committed state, fetched from a live holder of each stage and checked against
+        the checksum its replicas reported; None (and no checkpoint) when a stage has none, a download fails, or a
+        holder sends other parameters."""
         assert self.checkpoints is not None and self._fetch_state is not None
         checksums = self.store.checksums(steps_done - 1)
         stages = []
@@ -42,7 +49,10 @@ class Recovery:
                 if not have:
                     raise LookupError(f"no live node holds stage {s.index}")
                 state = self._fetch_state(have[0], (s.layer_start, s.layer_end), steps_done)
-                stages.append(StageState(s.layer_start, s.layer_end, checksums.get(s.index, ""), state))
+                recorded = checksums.get(s.index, "")
+                if recorded and stage_checksum(state, self._diloco) != recorded:
+                    raise ValueError(f"{have[0].node_id} sent stage {s.index} with another checksum than its replicas'")
+                stages.append(StageState(s.layer_start, s.layer_end, recorded, state))
         except Exception as e:  # a node lost mid-download: the next checkpoint will do
             log.warning("checkpoint of step %d skipped: %s", steps_done, e)
             return None
@@ -102,7 +112,7 @@ class Recovery:
             self.store.rollback_to(back_to)
             steps_done, reshaped, sources = back_to, list(range(len(ranges))), {}
         for i in reshaped:
-            checksum = self.checkpoints.checksum(manifest, *ranges[i]) if manifest else ""
+            checksum = self.checkpoints.checksum(manifest, *ranges[i], self._diloco) if manifest else ""
             for m in groups[i]:
                 sources[m.node_id] = ("", checksum)
         return sources, steps_done

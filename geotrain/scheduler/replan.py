@@ -55,6 +55,12 @@ def _beyond_reach(groups: list[list[Member]], stranded: list[str]) -> list[str]:
             found.append(f"replicas {', '.join(behind)} would average with no replica anyone can dial")
     return found
 
+
+def _seconds(estimate: costmodel.Plan | None) -> str:
+    """An estimate's step time for the event log; "n/a" for a layout without one (a node lost, or not profiled)."""
+    return f"{estimate.step_seconds:.3g} s" if estimate is not None else "n/a"
+
+
 class Planning:
     """The current plan, the cost model's view of it, and the making of the next one."""
 
@@ -122,7 +128,8 @@ class Planning:
         if self.plan is None or not self._profiles_changed():
             return
         members = self.membership.members
-        self.update_estimate(placement.plan_ranges(self.plan), [[members[n] for n in s.node_ids] for s in self.plan.stages])
+        groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
+        self.update_estimate(placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
         self.dirty |= self.drifted() or self.averaging_changed() or self.window_changed()
 
     def _profiles_changed(self) -> bool:
@@ -130,10 +137,11 @@ class Planning:
         members = self.membership.members
         return any(members[n].profile is not self._estimated_from.get(n) for n in placement.plan_nodes(self.plan))
 
-    def update_estimate(self, ranges: placement.Ranges, groups: placement.Groups) -> None:
-        """Price a layout with the cost model (None until every node of it has reported a profile)."""
+    def update_estimate(self, ranges: placement.Ranges, groups: placement.Groups, window: int | None = None) -> None:
+        """Price a layout with the cost model (None until every node of it has reported a profile), at the window
+        it runs with where it has one."""
         self._estimated_from = {m.node_id: m.profile for g in groups for m in g}
-        self.estimate = placement.estimate(self.cfg, ranges, groups)
+        self.estimate = placement.estimate(self.cfg, ranges, groups, window)
         if self.estimate is not None:
             self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
 
@@ -160,7 +168,7 @@ class Planning:
         if not placement.window_changed(self.cfg, self.plan, self.estimate, _DRIFT_REPLAN):
             return False
         assert self.estimate is not None
-        why = f"the estimate's window is {self.estimate.inflight} microbatches, the plan's {self.plan.inflight}"
+        why = f"the estimate's window is {self.estimate.chosen_inflight} microbatches, the plan's {self.plan.inflight}"
         log.info("re-planning: %s", why)
         self.store.event("window", detail=why)
         return True
@@ -316,6 +324,8 @@ class Planning:
                 lambda: all(self._assign(ranges)), "a node for every stage", self.cfg.scheduler.rejoin_timeout_s
             )
             groups = self._assign(ranges)
+        moved = placement.moves(self.plan, ranges, groups)
+        before = self._estimate_while_whole() if moved else None
         self.update_estimate(ranges, groups)
         self._planned_step_s = self.estimate.step_seconds if self.estimate is not None else None
         loads, steps_done = self.recovery.sources(ranges, groups, self.plan, self.membership.alive(), steps_done)
@@ -398,5 +408,20 @@ class Planning:
         )
         window = f"{plan.inflight} microbatches in flight per data head"
         self.store.event("plan", detail=f"epoch {epoch}: {detail}; {window}")
+        if moved:
+            what = (f"epoch {epoch}: {'; '.join(map(str, moved))}; estimated step {_seconds(before)} before, "
+                    f"{_seconds(self.estimate)} after")
+            log.info("layers moved: %s", what)
+            self.store.event("moved", detail=what)
         self._on_event("plan", {"plan": plan})
         return steps_done
+
+    def _estimate_while_whole(self) -> costmodel.Plan | None:
+        """The current plan's estimate from its nodes' latest profiles at its window, while every node of it lives
+        (a plan that lost one has no step time to compare)."""
+        assert self.plan is not None
+        members = self.membership.members
+        groups = [[members.get(n) for n in s.node_ids] for s in self.plan.stages]
+        if any(m is None or not m.alive for g in groups for m in g):
+            return None
+        return placement.estimate(self.cfg, placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
