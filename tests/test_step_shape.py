@@ -6,7 +6,17 @@ import random
 import pytest
 
 from geotrain.config import load_config
-from geotrain.scheduler.costmodel import CodecRatio, CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
+from geotrain.scheduler.costmodel import (
+    DILOCO_WIRE_BYTES,
+    EXACT_SUM_BYTES,
+    CodecRatio,
+    CostModel,
+    Link,
+    ModelProfile,
+    Network,
+    NodeProfile,
+    StepShape,
+)
 from geotrain.scheduler.planner import Planner, PlannerConfig
 
 MODEL = ModelProfile.gpt(n_layers=4, d_model=256, n_heads=4, seq_len=128, vocab=4000, microbatch_size=2)
@@ -43,14 +53,16 @@ def test_from_config_maps_every_field():
         "train.recompute=true",
     ])
     expected = dict(microbatches=6, microbatch_size=3, codec_ratio=CodecRatio(), inflight=2, allreduce="hierarchical",
-                    replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1)
+                    replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1,
+                    sync_bytes_per_value=EXACT_SUM_BYTES)
     # A field added to StepShape must be added here, and to from_config.
     assert {f.name for f in dataclasses.fields(StepShape)} == set(expected)
     assert StepShape.from_config(cfg, param_shapes_known=True) == StepShape(**expected)
     # Without the parameter shapes PowerSGD's factors cannot be sized: replicas are priced averaging raw gradients.
     assert StepShape.from_config(cfg, param_shapes_known=False) == StepShape(**{**expected, "replica_rank": None})
     diloco = load_config(None, ["compression.replica_sync=diloco", "compression.replica_sync_every=16"])
-    assert StepShape.from_config(diloco, param_shapes_known=True).replica_sync_every == 16
+    diloco_shape = StepShape.from_config(diloco, param_shapes_known=True)
+    assert (diloco_shape.replica_sync_every, diloco_shape.sync_bytes_per_value) == (16, DILOCO_WIRE_BYTES)
 
 
 def nodes(seed, n=9):
