@@ -42,7 +42,8 @@ With the raw tensor stream, 300 messages, lock held (the machine slower than the
   {"path": "grpc-unary", "cpu_ms_per_mib": 5.121, "wall_ms_per_mib": 5.261, "messages": 300}
   {"path": "raw", "cpu_ms_per_mib": 1.404, "wall_ms_per_mib": 1.704, "messages": 300}
 geotrain-tcp is 2.39x raw (the goal: 3x) and 0.48x the gRPC path, below bare gRPC's own floor with every check
-made. A second run (--paths geotrain,geotrain-tcp,raw): 7.608, 3.203, 1.237 (2.59x raw, 0.42x the gRPC path). What it adds to raw is mostly the crc32 on both ends and the decode's copy and finiteness check; reverse and
+made. A second run (--paths geotrain,geotrain-tcp,raw): 7.608, 3.203, 1.237 (2.59x raw, 0.42x the gRPC path).
+What it adds to raw is mostly the crc32 on both ends and the decode's copy and finiteness check; reverse and
 relayed links (nodes behind NAT) still go through gRPC.
 """
 
