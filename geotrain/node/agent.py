@@ -55,6 +55,8 @@ class NodeOptions:
     """host:port the Stage service binds; port 0 picks a free one."""
     tensor_port: int = 0
     """Port of the raw tensor stream (transport.tensor_stream = "tcp") on the listen host; 0 picks a free one."""
+    dht_port: int = 0
+    """Port of the hivemind DHT a stage replica averages through, on the advertised host; 0 picks a free one."""
     advertise: str = ""
     """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
     node_id: str = ""
@@ -87,8 +89,9 @@ class NodeOptions:
             raise ValueError(f"--slowdown must be at least 1, got {self.slowdown}")
         if self.bandwidth_mbps < 0 or self.latency_ms < 0:
             raise ValueError("--bandwidth-mbps and --latency-ms must not be negative")
-        if not 0 <= self.tensor_port < 65536:
-            raise ValueError(f"--tensor-port must be in 0..65535, got {self.tensor_port}")
+        for flag, port in (("--tensor-port", self.tensor_port), ("--dht-port", self.dht_port)):
+            if not 0 <= port < 65536:
+                raise ValueError(f"{flag} must be in 0..65535, got {port}")
 
 
 class RateMeter:
