@@ -188,7 +188,8 @@ def _writable_file(path: str | None, flag: str) -> None:
 
 def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> None:
     """Refuse a state dir that holds a run unless resuming, and a resume whose [model] differs from the saved
-    run's (its checkpoints cannot load: the run would wait forever); record this run's [model] otherwise."""
+    run's (its checkpoints cannot load: the run would wait forever); record this run's [model] otherwise, and bring
+    the checkpoints of an older geotrain up to date."""
     from geotrain.scheduler.state import STORE_FILE, RunStore
 
     if not state_dir:
@@ -209,6 +210,13 @@ def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> Non
             f"--resume: the run in {state_dir} was started with another [model]: "
             + ", ".join(f"model.{key} {saved} there, {ours} here" for key, saved, ours in differing)
         )
+    if resume:
+        from geotrain.upgrade import UpgradeError, upgrade_checkpoints
+
+        try:
+            upgrade_checkpoints(state_dir, cfg)
+        except UpgradeError as e:
+            raise UsageError(f"--resume: {e}") from None
 
 
 def _out(as_json: bool):

@@ -30,7 +30,7 @@ from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.probe import ProbeCount
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel, multiaddr_host
-from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
+from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
@@ -444,6 +444,13 @@ class CoordinatorProcess:
         checkpoints = (
             CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
         )
+        older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
+        if older:  # their checksums would fail every node that loads them, plan after plan
+            self.store.close()
+            raise ValueError(
+                f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
+                "which converts it"
+            )
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
