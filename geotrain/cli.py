@@ -894,7 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--tensor-port", type=_count(0, 65535), default=0,
                    help="port of the raw tensor stream on the listen host and the advertised one (default any free "
-                   "port); neighbours that cannot reach it send by gRPC calls")
+                   "port), opened when the run says transport.tensor_stream = \"tcp\" (its default); neighbours that "
+                   "cannot reach it send by gRPC calls")
     p.add_argument("--dht-port", type=_count(0, 65535), default=0,
                    help="TCP port of this node's hivemind DHT, through which it averages with its stage's other "
                    "replicas (default any free port); with --advertise, it listens on every interface and announces "

@@ -13,13 +13,14 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from geotrain.compression import FeedbackState
 from geotrain.cli import EXIT_USAGE, main
-from geotrain.config import RunConfig, load_config
+from geotrain.config import RunConfig, load_config, to_proto
 from geotrain.node.agent import Agent, NodeOptions
 from geotrain.node.dataplane import DataPlane, Encoded
 from geotrain.node.stage import StageRuntime
@@ -132,6 +133,10 @@ class _FakeCoordinator:
     def __init__(self, checkpoint: list[tuple[str, torch.Tensor]] | None = None) -> None:
         self.reports: queue.Queue[pb.FailureReport] = queue.Queue()
         self.checkpoint = checkpoint or []
+        self.config = pb.RunConfig()  # the run's, handed out at registration
+
+    def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:  # noqa: N802
+        return pb.RegisterReply(accepted=True, node_id=request.node_id, config=self.config, heartbeat_interval_s=1.0)
 
     def ReportFailure(self, request: pb.FailureReport, timeout: float) -> pb.Ack:  # noqa: N802
         self.reports.put(request)
@@ -150,8 +155,8 @@ def make_agent():
     token, agents = new_token(), []
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
 
-    def make(node_id: str, coordinator: _FakeCoordinator) -> Agent:
-        agent = Agent(NodeOptions(coordinator="127.0.0.1:9", token=token, node_id=node_id))
+    def make(node_id: str, coordinator: _FakeCoordinator, **options: Any) -> Agent:
+        agent = Agent(NodeOptions(coordinator="127.0.0.1:9", token=token, node_id=node_id, **options))
         agents.append(agent)
         agent.cfg, agent.coordinator = cfg, coordinator
         agent._server.start()
@@ -175,6 +180,35 @@ def _plan(epoch: int, steps_done: int, total: int, stages: list[tuple[int, int, 
 
 def _start_worker(agent: Agent) -> None:
     threading.Thread(target=agent._work_loop, name="worker", daemon=True).start()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_a_node_listens_for_tensor_streams_only_once_its_run_sends_tensors_over_them(make_agent, transport):
+    import grpc
+
+    from geotrain.protocol import geotrain_pb2_grpc as rpc
+    from geotrain.protocol.transport import make_channel
+    from tests.conftest import expect_status, free_ports
+
+    coordinator = _FakeCoordinator()
+    coordinator.config = to_proto(load_config(None, [f"transport.tensor_stream={transport}"]))
+    (port,) = free_ports(1)
+    agent = make_agent("node-1", coordinator, tensor_port=port)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)  # the run's transport is not known yet
+    agent._register()
+    if transport == "tcp":
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    channel = make_channel(agent.address, agent.options.token, lambda: "node-2", key=NodeKey.generate())
+    try:
+        expect_status(grpc.StatusCode.UNIMPLEMENTED, "this node takes tensors by calls only",
+                      lambda: rpc.StageStub(channel).OpenTensorStream(pb.TensorStreamRequest(), timeout=10))
+    finally:
+        channel.close()
 
 
 @pytest.mark.timeout(30)
@@ -480,7 +514,7 @@ def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_o
                           lambda: forward(iter(tensor_chunks(torch.randn(*rows, width), ref)), timeout=10))
         assert forward(iter(tensor_chunks(torch.randn(*rows, 4), ref)), timeout=10) == pb.Ack()
         # Over a raw tensor stream, the same checks against the plan (the stream opens for a, b's neighbour).
-        b.tensor_streams.start(b._servicer)
+        b.listen_for_tensor_streams()
         a.dataplane.use_tensor_streams(True)
 
         def send(width: int) -> None:

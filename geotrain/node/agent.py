@@ -174,12 +174,10 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         )
         self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
         self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)
-        self.tensor_streams = TensorStreamServer(
-            options.listen.rpartition(":")[0], options.tensor_port, options.tls, self.limits, options.max_tensor_bytes
-        )
+        # Opened at registration, where the run says whether tensors come over raw streams (listen_for_tensor_streams).
+        self.tensor_streams: TensorStreamServer | None = None
         servicer = StageServicer(
-            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse,
-            self.tensor_streams,
+            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
         )
         add_stage_service(servicer, self._server)
         self._servicer = servicer
@@ -204,7 +202,6 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
     def run(self) -> None:
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
         self._server.start()
-        self.tensor_streams.start(self._servicer)
         self.address = _advertise_address(self.options, self.port)
         try:
             self._register()
@@ -218,6 +215,22 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
             self._orders_loop()
         finally:
             self.close()
+
+    def listen_for_tensor_streams(self) -> None:
+        """Take tensors over raw tensor streams too, from now on (the run's transport.tensor_stream is "tcp"): listen
+        on --tensor-port, once. NodeError when that port cannot be had."""
+        if self.tensor_streams is not None:
+            return
+        try:
+            streams = TensorStreamServer(
+                self.options.listen.rpartition(":")[0], self.options.tensor_port, self.options.tls, self.limits,
+                self.options.max_tensor_bytes,
+            )
+        except OSError as e:
+            raise NodeError(f"cannot listen for tensor streams on --tensor-port {self.options.tensor_port}: "
+                            f"{e.strerror}") from None
+        streams.start(self._servicer)
+        self.tensor_streams = self._servicer.tensor_streams = streams
 
     def _keepalive_s(self) -> float:
         """Seconds between keepalives on this node's reverse streams: well within the run's idle-stream cut."""
@@ -235,7 +248,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._tasks.put((-1, -1, None, None))
         self.profiler.close()
         self._server.stop(grace=1.0).wait(2.0)
-        self.tensor_streams.close()
+        if self.tensor_streams is not None:
+            self.tensor_streams.close()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.reverse_links.close()
         self.dataplane.close()
