@@ -56,7 +56,8 @@ class NodeOptions:
     tensor_port: int = 0
     """Port of the raw tensor stream (transport.tensor_stream = "tcp") on the listen host; 0 picks a free one."""
     dht_port: int = 0
-    """Port of the hivemind DHT a stage replica averages through, on the advertised host; 0 picks a free one."""
+    """Port of the hivemind DHT a stage replica averages through (averaging.dht_maddrs: on the advertised host, or,
+    advertised with this port fixed, on every interface); 0 picks a free one."""
     advertise: str = ""
     """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
     node_id: str = ""
