@@ -104,6 +104,20 @@ def _listen(listen: str, flag: str) -> str:
         raise UsageError(f"{flag}: {e}") from None
 
 
+def _fixed_ports(listen: str, ports: dict[str, int]) -> None:
+    """Refuse the fixed ports other flags give beside a checked --listen address, on its host: one taken, or one
+    that two flags share (each would take it from the other once they start). Port 0 picks a free one."""
+    host, _, listen_port = listen.rpartition(":")
+    claimed = {int(listen_port): "--listen"} if int(listen_port) else {}
+    for flag, port in ports.items():
+        if not port:
+            continue
+        if port in claimed:
+            raise UsageError(f"{flag} {port} is {claimed[port]}'s port too: give each its own")
+        _listen(f"{host}:{port}", flag)
+        claimed[port] = flag
+
+
 def _resolvable(address: str, flag: str) -> None:
     """Refuse an address that is not HOST:PORT; fail when its host has no address (a typo, or no network)."""
     import socket
@@ -174,7 +188,8 @@ def _writable_file(path: str | None, flag: str) -> None:
 
 def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> None:
     """Refuse a state dir that holds a run unless resuming, and a resume whose [model] differs from the saved
-    run's (its checkpoints cannot load: the run would wait forever); record this run's [model] otherwise."""
+    run's (its checkpoints cannot load: the run would wait forever); record this run's [model] otherwise, and bring
+    the checkpoints of an older geotrain up to date."""
     from geotrain.scheduler.state import STORE_FILE, RunStore
 
     if not state_dir:
@@ -195,6 +210,13 @@ def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> Non
             f"--resume: the run in {state_dir} was started with another [model]: "
             + ", ".join(f"model.{key} {saved} there, {ours} here" for key, saved, ours in differing)
         )
+    if resume:
+        from geotrain.upgrade import UpgradeError, upgrade_checkpoints
+
+        try:
+            upgrade_checkpoints(state_dir, cfg)
+        except UpgradeError as e:
+            raise UsageError(f"--resume: {e}") from None
 
 
 def _out(as_json: bool):
@@ -284,6 +306,7 @@ def _run_coordinator(
     on_listening: Callable[[int, threading.Event], None] | None = None,
     stop_reason: Callable[[], str | None] = lambda: None,
     advertise: str = "",
+    dht_port: int = 0,
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (preload: what the forkserver the
     DHT process is forked from imports, unless the command started it already; stop_reason: why the command set
@@ -291,6 +314,8 @@ def _run_coordinator(
     out = _out(args.json)
     tls = _tls(args)
     listen = _listen(listen, "--listen")
+    # Where the replicas' DHT will listen (service.dht_listen_maddr): every interface when advertised elsewhere.
+    _fixed_ports(f"0.0.0.0:{listen.rpartition(':')[2]}" if advertise else listen, {"--dht-port": dht_port})
     http_listen = _listen(args.http, "--http") if args.http != "off" else None
     _writable_file(args.save_final, "--save-final")
     _check_state_dir(cfg, args.state_dir, args.resume)
@@ -307,7 +332,7 @@ def _run_coordinator(
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls,
-        advertise=advertise,
+        advertise=advertise, dht_port=dht_port,
     )
     coordinator = process.coordinator
     http = StatusPageProcess(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
@@ -356,7 +381,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
     # Its forkserver imports nothing: this command forks no node, and the DHT process (once a plan has replicas) and
     # the status page's process import what they need.
-    return _run_coordinator(cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise))
+    return _run_coordinator(
+        cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise), dht_port=args.dht_port
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -372,8 +399,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     token, tls = _token(args), _tls(args)
     _resolvable(args.coordinator, "--coordinator")
     listen = _listen(args.listen, "--listen")
-    if args.tensor_port:
-        _listen(f"{listen.rpartition(':')[0]}:{args.tensor_port}", "--tensor-port")
+    _fixed_ports(listen, {"--tensor-port": args.tensor_port, "--dht-port": args.dht_port})
     # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     from geotrain.node.agent import Agent, NodeError, NodeOptions
     from geotrain.node.progress import ProgressReporter
@@ -384,6 +410,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         token=token,
         listen=listen,
         tensor_port=args.tensor_port,
+        dht_port=args.dht_port,
         advertise=args.advertise,
         node_id=args.node_id,
         region=args.region,
@@ -849,6 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", metavar="HOST",
                    help="address or name nodes reach this machine at, if not the listen host (behind a relay or NAT); "
                    "the replicas' DHT listens on every interface and is announced there")
+    p.add_argument("--dht-port", type=_count(0, 65535), default=0,
+                   help="TCP port of the hivemind DHT that stage replicas find each other through (default any free "
+                   "port, chosen when a plan first has replicas): open it to the nodes as you open --listen's")
     p.add_argument("--min-nodes", type=int, help="same as --set scheduler.min_nodes=N")
     p.add_argument("--state-dir", help="directory for run state (SQLite) and checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
@@ -864,7 +894,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port peers should dial, if not the listen address")
     p.add_argument("--tensor-port", type=_count(0, 65535), default=0,
                    help="port of the raw tensor stream on the listen host and the advertised one (default any free "
-                   "port); neighbours that cannot reach it send by gRPC calls")
+                   "port), opened when the run says transport.tensor_stream = \"tcp\" (its default); neighbours that "
+                   "cannot reach it send by gRPC calls")
+    p.add_argument("--dht-port", type=_count(0, 65535), default=0,
+                   help="TCP port of this node's hivemind DHT, through which it averages with its stage's other "
+                   "replicas (default any free port); with --advertise, it listens on every interface and announces "
+                   "the advertised host with this port")
     p.add_argument("--node-id", default="", help="stable identity (default: assigned by the coordinator)")
     p.add_argument(
         "--state-dir", default="",

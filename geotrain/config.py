@@ -547,7 +547,7 @@ class TransportSection:
             "doc": "tcp: activations and gradients to a node that can be dialled go over a raw TCP stream (TLS when "
             "the run has it) that a signed gRPC call opens, half the gRPC path's CPU per MiB "
             "(bench/tensor_path.py); links over reverse streams or relays, and peers whose stream port cannot be "
-            "reached, stay on gRPC. grpc: every tensor goes over gRPC calls"
+            "reached, stay on gRPC. grpc: every tensor goes over gRPC calls, and nodes open no stream port"
         },
     )
 

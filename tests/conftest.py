@@ -4,13 +4,14 @@ settings, polling with a deadline, and the comparisons and RPC checks several te
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,16 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(interval)
     return result
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free a moment ago (bound together at port 0, then released), for a flag that
+    takes a fixed port."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def geotrain_env() -> dict[str, str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, geotrain_env, run_cli
-from geotrain.cli import EXIT_FAILED, EXIT_INTERNAL, EXIT_USAGE
+from tests.conftest import REPO, free_ports, geotrain_env, run_cli
+from geotrain.cli import EXIT_FAILED, EXIT_INTERNAL, EXIT_USAGE, main
 from geotrain.config import ConfigError, RunConfig, build_config, load_config, saved_model_config
 from geotrain.protocol import probe
 from geotrain.protocol.auth import RefusalLog, peer_host
@@ -124,6 +124,38 @@ def test_taken_listen_port_is_one_line_exit_2():
         port = sock.getsockname()[1]
         result = run_cli("coordinator", "--token", TOKEN, "--listen", f"127.0.0.1:{port}")
     one_line_error(result, EXIT_USAGE, f"cannot listen on 127.0.0.1:{port}: the port is in use")
+
+
+@pytest.mark.timeout(30)
+def test_fixed_ports_are_checked_before_anything_starts(capsys, monkeypatch):
+    # In this process: each refusal comes before the command imports or starts anything.
+    monkeypatch.setenv("GRPC_VERBOSITY", "NONE")  # what main sets for gRPC's C core, undone after the test
+    join = ["join", "--coordinator", "127.0.0.1:1", "--token", TOKEN, "--listen", "127.0.0.1:0"]
+    coordinator = ["coordinator", "--token", TOKEN]
+    free, other = free_ports(2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+        cases = [
+            ([*join, "--dht-port", "65536"], "argument --dht-port: expected"),
+            ([*join, "--dht-port", str(taken)], f"--dht-port: cannot listen on 127.0.0.1:{taken}: the port is in use"),
+            ([*join, "--tensor-port", str(free), "--dht-port", str(free)], f"--dht-port {free} is --tensor-port's port"),
+            ([*coordinator, "--listen", "127.0.0.1:0", "--dht-port", str(taken)], "the port is in use"),
+            # Advertised elsewhere, the DHT listens on every interface: a port taken on one of them is taken.
+            ([*coordinator, "--listen", f"127.0.0.1:{other}", "--advertise", "10.1.0.2", "--dht-port", str(taken)],
+             f"--dht-port: cannot listen on 0.0.0.0:{taken}: the port is in use"),
+            ([*coordinator, "--listen", f"127.0.0.1:{free}", "--dht-port", str(free)], f"--dht-port {free} is --listen's"),
+        ]
+        for args, text in cases:
+            capsys.readouterr()
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's way out
+                code = e.code
+            err = capsys.readouterr().err
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert code == EXIT_USAGE and len(lines) == 1 and text in lines[0], (args, code, err)
 
 
 @pytest.mark.cluster

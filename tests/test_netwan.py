@@ -280,6 +280,10 @@ def test_nodes_behind_nat_serve_over_reverse_and_relayed_links_exactly(tmp_path)
     wan, joins = _run_behind_nat(tmp_path, (1, 2))
     assert "reverse link to r1n0 open" in joins[0], joins[0][-3000:]
     assert "tensors to r1n0 go by gRPC calls, not a raw tensor stream: over the stream it opened" in joins[0]
+    # r1n0's gradients to r0n0, which can be dialled, cross the WAN over r0n0's raw tensor stream, which its region's
+    # relay forwards beside its gRPC port.
+    assert "tensors to r0n0 go over a raw tensor stream" in joins[1], joins[1][-3000:]
+    assert "tensors to r0n0 go by gRPC calls" not in joins[1], joins[1][-3000:]
     assert "not reachable from outside: links with r2n0 go through relay r0n0" in joins[1], joins[1][-3000:]
     assert "not reachable from outside: links with r1n0 go through relay r0n0" in joins[2], joins[2][-3000:]
     assert f"reachable at {wan.node_address(0, 0)}" in joins[0]

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import hashlib
+import json
 import queue
 import socket
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from geotrain.compression import FeedbackState
-from geotrain.config import load_config
+from geotrain.cli import EXIT_USAGE, main
+from geotrain.config import RunConfig, load_config, to_proto
 from geotrain.node.agent import Agent, NodeOptions
 from geotrain.node.dataplane import DataPlane, Encoded
 from geotrain.node.stage import StageRuntime
@@ -24,9 +28,13 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.identity import NodeKey
-from geotrain.scheduler.checkpoint import CheckpointStore
+from geotrain.scheduler.checkpoint import (
+    CHECKPOINT_VERSION, CHECKPOINTS_DIR, MANIFEST, CheckpointStore, Manifest, StageState,
+)
 from geotrain.scheduler.recovery import Recovery
-from geotrain.scheduler.state import RunStore, StepRecord
+from geotrain.scheduler.service import CoordinatorProcess
+from geotrain.scheduler.state import STORE_FILE, RunStore, StepRecord
+from geotrain.upgrade import upgrade_checkpoints
 
 NODE = Path(__file__).resolve().parent.parent / "geotrain" / "node"
 
@@ -125,6 +133,10 @@ class _FakeCoordinator:
     def __init__(self, checkpoint: list[tuple[str, torch.Tensor]] | None = None) -> None:
         self.reports: queue.Queue[pb.FailureReport] = queue.Queue()
         self.checkpoint = checkpoint or []
+        self.config = pb.RunConfig()  # the run's, handed out at registration
+
+    def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:  # noqa: N802
+        return pb.RegisterReply(accepted=True, node_id=request.node_id, config=self.config, heartbeat_interval_s=1.0)
 
     def ReportFailure(self, request: pb.FailureReport, timeout: float) -> pb.Ack:  # noqa: N802
         self.reports.put(request)
@@ -143,8 +155,8 @@ def make_agent():
     token, agents = new_token(), []
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
 
-    def make(node_id: str, coordinator: _FakeCoordinator) -> Agent:
-        agent = Agent(NodeOptions(coordinator="127.0.0.1:9", token=token, node_id=node_id))
+    def make(node_id: str, coordinator: _FakeCoordinator, **options: Any) -> Agent:
+        agent = Agent(NodeOptions(coordinator="127.0.0.1:9", token=token, node_id=node_id, **options))
         agents.append(agent)
         agent.cfg, agent.coordinator = cfg, coordinator
         agent._server.start()
@@ -168,6 +180,35 @@ def _plan(epoch: int, steps_done: int, total: int, stages: list[tuple[int, int, 
 
 def _start_worker(agent: Agent) -> None:
     threading.Thread(target=agent._work_loop, name="worker", daemon=True).start()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_a_node_listens_for_tensor_streams_only_once_its_run_sends_tensors_over_them(make_agent, transport):
+    import grpc
+
+    from geotrain.protocol import geotrain_pb2_grpc as rpc
+    from geotrain.protocol.transport import make_channel
+    from tests.conftest import expect_status, free_ports
+
+    coordinator = _FakeCoordinator()
+    coordinator.config = to_proto(load_config(None, [f"transport.tensor_stream={transport}"]))
+    (port,) = free_ports(1)
+    agent = make_agent("node-1", coordinator, tensor_port=port)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)  # the run's transport is not known yet
+    agent._register()
+    if transport == "tcp":
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    channel = make_channel(agent.address, agent.options.token, lambda: "node-2", key=NodeKey.generate())
+    try:
+        expect_status(grpc.StatusCode.UNIMPLEMENTED, "this node takes tensors by calls only",
+                      lambda: rpc.StageStub(channel).OpenTensorStream(pb.TensorStreamRequest(), timeout=10))
+    finally:
+        channel.close()
 
 
 @pytest.mark.timeout(30)
@@ -260,6 +301,22 @@ def test_a_replica_without_averaging_reports_it_at_its_first_commit(make_agent):
     assert "not available" in report.detail
 
 
+def _trained_stages(cfg: RunConfig) -> list[StageRuntime]:
+    """The model in two stages, layers [0, 2) and the rest, with state that differs from the seed's (as trained
+    steps leave it; under diloco its anchor too)."""
+    stages = [StageRuntime(cfg, 0, 2), StageRuntime(cfg, 2, cfg.model.total_layers)]
+    with torch.no_grad():
+        for stage in stages:
+            for p in [*stage.parameters(), *(stage.sync.anchor if stage.sync is not None else [])]:
+                p.add_(0.25)
+    return stages
+
+
+def _first_step(checksums: dict[int, str]) -> tuple[StepRecord, dict[int, str]]:
+    """Step 0 committed with these stage checksums (its other figures made up)."""
+    return StepRecord(step=0, loss=1.0, val_loss=None, tokens_per_s=1.0, seconds=1.0, plan_epoch=1), checksums
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("diloco", [False, True], ids=["gradients", "diloco"])
 def test_layers_moved_through_a_checkpoint_load_to_the_checksum_the_coordinator_checks(tmp_path, diloco):
@@ -268,14 +325,9 @@ def test_layers_moved_through_a_checkpoint_load_to_the_checksum_the_coordinator_
     # a checksum computed from that checkpoint.
     cfg = load_config(None, ["compression.replica_sync=diloco"] if diloco else [])
     total = cfg.model.total_layers
-    stages = [StageRuntime(cfg, 0, 2), StageRuntime(cfg, 2, total)]
-    with torch.no_grad():  # stands for trained steps: state that differs from the seed's
-        for stage in stages:
-            for p in [*stage.parameters(), *(stage.sync.anchor if diloco else [])]:
-                p.add_(0.25)
+    stages = _trained_stages(cfg)
     store = RunStore()
-    store.commit_step(StepRecord(step=0, loss=1.0, val_loss=None, tokens_per_s=1.0, seconds=1.0, plan_epoch=1),
-                      {i: stage.checksum() for i, stage in enumerate(stages)})
+    store.commit_step(*_first_step({i: stage.checksum() for i, stage in enumerate(stages)}))
     holders = [SimpleNamespace(node_id=f"node-{i}", held=(s.start, s.end), applied_steps=1, unreachable=False)
                for i, s in enumerate(stages)]
     plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(index=i, layer_start=s.start, layer_end=s.end)
@@ -294,6 +346,73 @@ def test_layers_moved_through_a_checkpoint_load_to_the_checksum_the_coordinator_
     covered = next(k for k in sent["node-1"] if k.startswith("sync.anchor.layers." if diloco else "layers."))
     sent["node-1"][covered] = sent["node-1"][covered] + 1.0
     assert recovery.checkpoint(plan, 1, holders) is None
+
+
+def _layer_order_checksum(stage: StageRuntime) -> str:
+    """A stage's checksum as geotrain computed it before checkpoint version 2 (StageRuntime.checksum until f33b4b1):
+    its parameters (under diloco its anchor) in the stage's own order."""
+    digest = hashlib.sha256()
+    tensors = stage.sync.anchor if stage.sync is not None else stage.parameters()
+    for (name, _), p in zip(stage.named_state(), tensors, strict=True):
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _as_written_before_version_2(manifest: Manifest) -> None:
+    """Drop the version from a checkpoint's manifest, as geotrain wrote them before checkpoint version 2."""
+    data = json.loads((manifest.path / MANIFEST).read_text())
+    del data["version"]
+    (manifest.path / MANIFEST).write_text(json.dumps(data))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("diloco", [False, True], ids=["gradients", "diloco"])
+def test_resume_converts_an_older_geotrains_checkpoints_whose_files_pass_their_recorded_checksums(
+    tmp_path, diloco, capsys, monkeypatch
+):
+    # Before checkpoint version 2 a stage's checksum was over its parameters in its own order: a node loading such a
+    # checkpoint found another checksum and refused it, plan after plan (about five plan epochs a second, for ever).
+    settings = ["compression.replica_sync=diloco"] if diloco else []
+    cfg = load_config(None, settings)
+    stages = _trained_stages(cfg)
+    older = [_layer_order_checksum(stage) for stage in stages]
+    assert older != [stage.checksum() for stage in stages]  # the orders differ, or this would prove nothing
+    store = RunStore(tmp_path / STORE_FILE)
+    store.commit_step(*_first_step(dict(enumerate(older))))
+    store.close()
+    checkpoints = CheckpointStore(tmp_path / CHECKPOINTS_DIR, keep=3)
+    states = [dict(stage.full_state()) for stage in stages]
+    _as_written_before_version_2(checkpoints.write(
+        1, 1, [StageState(s.start, s.end, checksum, state) for s, checksum, state in zip(stages, older, states)]
+    ))
+    with pytest.raises(ValueError, match="written by an older geotrain: resume with `geotrain coordinator --resume`"):
+        CoordinatorProcess(cfg, new_token(), "127.0.0.1:0", state_dir=tmp_path, resume=True)
+
+    assert upgrade_checkpoints(tmp_path, cfg) == 1
+    (manifest,) = checkpoints.complete()
+    assert manifest.version == CHECKPOINT_VERSION
+    # What each stage's node computes once it loaded the checkpoint, and what the committed step says.
+    assert [checkpoints.checksum(manifest, s.start, s.end, diloco) for s in stages] == [s.checksum() for s in stages]
+    store = RunStore(tmp_path / STORE_FILE)
+    assert store.checksums(0) == {i: stage.checksum() for i, stage in enumerate(stages)}
+    store.close()
+    assert upgrade_checkpoints(tmp_path, cfg) == 0
+
+    # A stage file changed since it was written: resuming refuses it in one line that names it, and converts nothing.
+    covered = next(k for k in states[0] if k.startswith("sync.anchor.layers." if diloco else "layers."))
+    states[0][covered] = states[0][covered] + 1.0
+    _as_written_before_version_2(checkpoints.write(
+        2, 1, [StageState(s.start, s.end, checksum, state) for s, checksum, state in zip(stages, older, states)]
+    ))
+    monkeypatch.setenv("GRPC_VERBOSITY", "NONE")  # what main sets for gRPC's C core, undone after the test
+    capsys.readouterr()
+    code = main(["coordinator", "--token", "t", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--resume",
+                 *(arg for s in settings for arg in ("--set", s))])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and len(lines) == 1, lines
+    assert "stage-0000-0002.safetensors does not match the checksum recorded when it was written" in lines[0]
+    assert [m.version for m in checkpoints.complete()] == [CHECKPOINT_VERSION, 1]
 
 
 @pytest.mark.timeout(60)
@@ -395,7 +514,7 @@ def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_o
                           lambda: forward(iter(tensor_chunks(torch.randn(*rows, width), ref)), timeout=10))
         assert forward(iter(tensor_chunks(torch.randn(*rows, 4), ref)), timeout=10) == pb.Ack()
         # Over a raw tensor stream, the same checks against the plan (the stream opens for a, b's neighbour).
-        b.tensor_streams.start(b._servicer)
+        b.listen_for_tensor_streams()
         a.dataplane.use_tensor_streams(True)
 
         def send(width: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.localnodes import LocalNodes
 from geotrain.scheduler.service import CoordinatorProcess
-from tests.conftest import REPO, descendants, geotrain_env, process_stat, running_of, wait_until
+from tests.conftest import REPO, descendants, free_ports, geotrain_env, process_stat, running_of, wait_until
 
 pytestmark = [
     pytest.mark.cluster,
@@ -119,8 +120,10 @@ def test_sigkilled_coordinator_leaves_no_processes(reaper):
 def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
     cfg = load_config(None, ["scheduler.min_nodes=2", "scheduler.heartbeat_interval_s=0.2"])
     token = new_token()
-    process = CoordinatorProcess(cfg, token, "127.0.0.1:0")
-    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, tmp_path)
+    # Both DHTs on fixed ports (--dht-port), as a firewall rule or a port forward needs them.
+    coordinator_dht, node_dht = free_ports(2)
+    process = CoordinatorProcess(cfg, token, "127.0.0.1:0", dht_port=coordinator_dht)
+    nodes = LocalNodes(f"127.0.0.1:{process.port}", token, tmp_path, {"node-1": ["--dht-port", str(node_dht)]})
     try:
         process.server.start()
         node = nodes.start("node-1")
@@ -129,8 +132,11 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         # heartbeat right after: then the DHT process and p2pd run.
         coordinator = process.coordinator
         wait_until(lambda: "node-1" in coordinator.members or node.poll() is not None, 60, "the node registered")
-        join = pb.JoinAveraging(initial_peers=coordinator.planning.dht_peers())
-        coordinator.orders.send(["node-1"], pb.Order(join_averaging=join))
+        initial_peers = coordinator.planning.dht_peers()
+        assert initial_peers and all(f"/tcp/{coordinator_dht}/p2p/" in m for m in initial_peers), initial_peers
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", node_dht), timeout=5).close()  # nothing there before it joins
+        coordinator.orders.send(["node-1"], pb.Order(join_averaging=pb.JoinAveraging(initial_peers=initial_peers)))
 
         def dht_up_or_node_gone() -> bool:
             member = coordinator.members.get("node-1")
@@ -139,6 +145,7 @@ def test_stopped_node_leaves_no_processes(tmp_path, reaper, sig):
         wait_until(dht_up_or_node_gone, 60, "the node's DHT came up")
         assert node.poll() is None, (tmp_path / "node-1.log").read_text()[-3000:]
         m = coordinator.members["node-1"]
+        socket.create_connection(("127.0.0.1", node_dht), timeout=5).close()  # the node's DHT serves its port
         children = descendants(node.pid)
         reaper.procs.update(children)
         assert "p2pd" in _names(list(children)), (tmp_path / "node-1.log").read_text()[-3000:]

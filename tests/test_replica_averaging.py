@@ -24,7 +24,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.placement import hierarchical_allreduce
 from geotrain.scheduler.service import fetch_model_state
-from tests.conftest import local_cluster
+from tests.conftest import free_ports, local_cluster
 
 
 class _Group:
@@ -170,14 +170,21 @@ def averagers():
     down. Constructing them returns once their DHT and handlers are up, so they are ready when yielded."""
     from hivemind import DHT
 
-    from geotrain.node.averaging import ReplicaAverager
+    from geotrain.node.averaging import ReplicaAverager, dht_maddrs
 
     dhts, started = [], []
+    (fixed,) = free_ports(1)
     try:
-        for _ in range(_PEERS):
+        for i in range(_PEERS):
             initial = [str(a) for d in dhts for a in d.get_visible_maddrs()]
-            dhts.append(DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
+            # The last as a node advertised at a host with --dht-port: it listens on every interface and announces
+            # the advertised host alone; the others reach it there (the 6-replica all-reduces).
+            advertised = i == _PEERS - 1
+            listen, announce = dht_maddrs("127.0.0.1", advertised, fixed if advertised else 0)
+            dhts.append(DHT(initial_peers=initial, host_maddrs=listen, announce_maddrs=announce, start=True))
             started.append(ReplicaAverager(dhts[-1], timeout_s=10.0))
+        visible = [str(a) for a in dhts[-1].get_visible_maddrs()]
+        assert visible == [f"/ip4/127.0.0.1/tcp/{fixed}/p2p/{dhts[-1].peer_id}"], visible
         yield started
     finally:
         for averager in started:
@@ -361,14 +368,22 @@ def test_sites_keep_first_appearance_and_member_order():
 PEER = "12D3KooWCPoqTfMQcUAfAoXoh6ZY5cNiJN63mYHx38Y1E6nKyRhX"
 
 
-def test_the_coordinators_dht_follows_its_advertised_host():
+def test_the_dhts_follow_their_advertised_hosts():
     # Behind the namespace WAN's relay the coordinator listens on 127.0.0.1: its DHT, which the relay does not
     # forward, listens on every interface and is handed out at the advertised host, once per port.
+    from geotrain.node.averaging import dht_maddrs
     from geotrain.scheduler.service import announced_maddrs, dht_listen_maddr
 
-    assert dht_listen_maddr("127.0.0.1", "") == "/ip4/127.0.0.1/tcp/0"
-    assert dht_listen_maddr("::1", "") == "/ip6/::1/tcp/0"
-    assert dht_listen_maddr("127.0.0.1", "10.1.0.2") == "/ip4/0.0.0.0/tcp/0"
+    assert dht_listen_maddr("127.0.0.1", "", 0) == "/ip4/127.0.0.1/tcp/0"
+    assert dht_listen_maddr("::1", "", 0) == "/ip6/::1/tcp/0"
+    assert dht_listen_maddr("127.0.0.1", "10.1.0.2", 0) == "/ip4/0.0.0.0/tcp/0"
+    assert dht_listen_maddr("127.0.0.1", "10.1.0.2", 7001) == "/ip4/0.0.0.0/tcp/7001"  # --dht-port
+    # A node's: on its address's host, unless advertised at a host with a fixed port, which it announces.
+    assert dht_maddrs("127.0.0.1", False, 0) == (["/ip4/127.0.0.1/tcp/0"], None)
+    assert dht_maddrs("10.1.0.2", True, 0) == (["/ip4/10.1.0.2/tcp/0"], None)  # no port to announce
+    assert dht_maddrs("198.51.100.23", True, 7102) == (["/ip4/0.0.0.0/tcp/7102"], ["/ip4/198.51.100.23/tcp/7102"])
+    assert dht_maddrs("home.example.org", True, 7102) == (["/ip4/0.0.0.0/tcp/7102"], ["/dns/home.example.org/tcp/7102"])
+    assert dht_maddrs("fd00::5", False, 7102) == (["/ip6/fd00::5/tcp/7102"], None)
     visible = [f"/ip4/127.0.0.1/tcp/34833/p2p/{PEER}", f"/ip4/192.0.2.2/tcp/34833/p2p/{PEER}"]
     assert announced_maddrs(visible, "") == visible
     assert announced_maddrs(visible, "10.1.0.2") == [f"/ip4/10.1.0.2/tcp/34833/p2p/{PEER}"]

@@ -12,7 +12,9 @@ Arguments after `--` go to `geotrain coordinator`. Wiring, for run id RID and re
 - Each region is one namespace holding its processes: the coordinator (region 0) and the region's nodes. Every
   geotrain process binds 127.0.0.1 and is reached from outside through the region's delay relay on the region
   address with the same port: coordinator 10.1.0.2:7000, node i of region r 10.(r+1).0.2:(7100 + i), which is
-  what the node advertises (`geotrain join --advertise`). The coordinator advertises its region's address too
+  what the node advertises (`geotrain join --advertise`), and its raw tensor stream on 7200 + i (`--tensor-port`),
+  so that tensors between regions cross the WAN over the stream as they would between clouds (a port no relay
+  forwarded would send them by gRPC calls, with a warning per peer). The coordinator advertises its region's address too
   (`geotrain coordinator --advertise`): the hivemind DHT that replicas bootstrap from listens on every interface of
   region 0, and the nodes dial it there, past the relay; each node's own DHT listens on its advertised address.
 - `tbf` at link-mbps shapes both ends of each region's veth (region egress and router egress towards the region),
@@ -56,6 +58,7 @@ log = logging.getLogger("netwan")
 HERE = Path(__file__).resolve().parent
 COORDINATOR_PORT = 7000
 NODE_PORT_BASE = 7100
+TENSOR_PORT_BASE = 7200  # node i's --tensor-port: its relay forwards it beside the node's gRPC port
 READY_TIMEOUT_S = 15.0
 STOP_GRACE_S = 5.0
 DELAYS = ("relay", "router")
@@ -305,7 +308,7 @@ class Wan:
             _run("ip", "-n", rt, "rule", "add", "iif", f"r{r}", "lookup", ROUTER_DELAY_TABLE)
 
     def _start_relay(self, region: int) -> None:
-        ports = [NODE_PORT_BASE + i for i in range(self.spec.nodes_per_region)]
+        ports = [base + i for base in (NODE_PORT_BASE, TENSOR_PORT_BASE) for i in range(self.spec.nodes_per_region)]
         if region == 0:
             ports.append(COORDINATOR_PORT)
         ip = self.region_ip(region)
@@ -353,7 +356,8 @@ class Wan:
         node_id = f"r{region}n{index}"
         port = NODE_PORT_BASE + index
         where = (["--listen", f"0.0.0.0:{port}"] if region in self.spec.behind_nat
-                 else ["--listen", f"127.0.0.1:{port}", "--advertise", self.node_address(region, index)])
+                 else ["--listen", f"127.0.0.1:{port}", "--advertise", self.node_address(region, index),
+                       "--tensor-port", str(TENSOR_PORT_BASE + index)])
         cmd = [sys.executable, "-m", "geotrain", "--log-level", "info", "join",
                "--coordinator", self.coordinator_address, *where, "--node-id", node_id, "--region", f"region-{region}"]
         proc = self._spawn(self.region_ns(region), node_id, cmd)

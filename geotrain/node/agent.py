@@ -55,6 +55,9 @@ class NodeOptions:
     """host:port the Stage service binds; port 0 picks a free one."""
     tensor_port: int = 0
     """Port of the raw tensor stream (transport.tensor_stream = "tcp") on the listen host; 0 picks a free one."""
+    dht_port: int = 0
+    """Port of the hivemind DHT a stage replica averages through (averaging.dht_maddrs: on the advertised host, or,
+    advertised with this port fixed, on every interface); 0 picks a free one."""
     advertise: str = ""
     """host:port peers should dial; empty = the listen host (or the interface that reaches the coordinator)."""
     node_id: str = ""
@@ -87,8 +90,9 @@ class NodeOptions:
             raise ValueError(f"--slowdown must be at least 1, got {self.slowdown}")
         if self.bandwidth_mbps < 0 or self.latency_ms < 0:
             raise ValueError("--bandwidth-mbps and --latency-ms must not be negative")
-        if not 0 <= self.tensor_port < 65536:
-            raise ValueError(f"--tensor-port must be in 0..65535, got {self.tensor_port}")
+        for flag, port in (("--tensor-port", self.tensor_port), ("--dht-port", self.dht_port)):
+            if not 0 <= port < 65536:
+                raise ValueError(f"{flag} must be in 0..65535, got {port}")
 
 
 class RateMeter:
@@ -171,12 +175,10 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         )
         self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
         self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)
-        self.tensor_streams = TensorStreamServer(
-            options.listen.rpartition(":")[0], options.tensor_port, options.tls, self.limits, options.max_tensor_bytes
-        )
+        # Opened at registration, where the run says whether tensors come over raw streams (listen_for_tensor_streams).
+        self.tensor_streams: TensorStreamServer | None = None
         servicer = StageServicer(
-            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse,
-            self.tensor_streams,
+            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
         )
         add_stage_service(servicer, self._server)
         self._servicer = servicer
@@ -201,7 +203,6 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
     def run(self) -> None:
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
         self._server.start()
-        self.tensor_streams.start(self._servicer)
         self.address = _advertise_address(self.options, self.port)
         try:
             self._register()
@@ -215,6 +216,22 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
             self._orders_loop()
         finally:
             self.close()
+
+    def listen_for_tensor_streams(self) -> None:
+        """Take tensors over raw tensor streams too, from now on (the run's transport.tensor_stream is "tcp"): listen
+        on --tensor-port, once. NodeError when that port cannot be had."""
+        if self.tensor_streams is not None:
+            return
+        try:
+            streams = TensorStreamServer(
+                self.options.listen.rpartition(":")[0], self.options.tensor_port, self.options.tls, self.limits,
+                self.options.max_tensor_bytes,
+            )
+        except OSError as e:
+            raise NodeError(f"cannot listen for tensor streams on --tensor-port {self.options.tensor_port}: "
+                            f"{e.strerror}") from None
+        streams.start(self._servicer)
+        self.tensor_streams = self._servicer.tensor_streams = streams
 
     def _keepalive_s(self) -> float:
         """Seconds between keepalives on this node's reverse streams: well within the run's idle-stream cut."""
@@ -232,7 +249,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._tasks.put((-1, -1, None, None))
         self.profiler.close()
         self._server.stop(grace=1.0).wait(2.0)
-        self.tensor_streams.close()
+        if self.tensor_streams is not None:
+            self.tensor_streams.close()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.reverse_links.close()
         self.dataplane.close()

@@ -39,6 +39,7 @@ from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter
 
 from geotrain.node.lowrank import AllReduce
 from geotrain.protocol.auth import RefusalLog
+from geotrain.protocol.transport import multiaddr_host
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,16 @@ def group_id(run: str, stage: int, step: int, epoch: int, round_: int = 0, part:
     of the several all-reduces a hierarchical round runs (its phase, site, shard)."""
     name = f"{run}/{epoch}/{stage}/{step}/{round_}" + (f"/{part}" if part else "")
     return hashlib.sha256(name.encode()).digest()[:16]
+
+
+def dht_maddrs(host: str, advertised: bool, port: int) -> tuple[list[str], list[str] | None]:
+    """Where a node's DHT listens, and the addresses it announces (None: where it listens): on the host of its
+    address at `port` (--dht-port; 0 picks one). A node advertised at a host none of its interfaces may have (a cloud
+    VM's public IP, a router's port forward, a relay) listens on every interface instead, once its port is fixed, and
+    announces the advertised host with that port: the port is the one a firewall or a forward lets through."""
+    if advertised and port:
+        return [f"/ip4/0.0.0.0/tcp/{port}"], [f"{multiaddr_host(host)}/tcp/{port}"]
+    return [f"{multiaddr_host(host)}/tcp/{port}"], None
 
 
 class Job(NamedTuple):

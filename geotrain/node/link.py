@@ -52,6 +52,7 @@ class CoordinatorLink:
     limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
     on_reachability: Callable[[str], None]  # hears that outcome as one line for the node's owner
     behind_nat: bool = False  # the coordinator's dial-back reached this node nowhere
+    listen_for_tensor_streams: Callable[[], None]  # the Agent's: take tensors over raw streams from now on
 
     def _register(self) -> None:
         """Register (again, after a coordinator restart, with the stage this node holds)."""
@@ -74,6 +75,8 @@ class CoordinatorLink:
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
         self.limits.configure(self.cfg.limits.values())
+        if self.cfg.transport.tensor_stream == "tcp":
+            self.listen_for_tensor_streams()
         self.dataplane.use_tensor_streams(self.cfg.transport.tensor_stream == "tcp")
         try:
             self.precision = node_precision(self.device, self.cfg.train)

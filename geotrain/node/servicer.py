@@ -100,7 +100,8 @@ class StageServicer(rpc.StageServicer):
         self.check_finite = check_finite
         self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
         self.reverse = reverse  # the streams unreachable neighbours open to receive over
-        self.tensor_streams = tensor_streams  # where neighbours that can dial this node send tensors; None: calls only
+        # Where neighbours that can dial this node send tensors; None: calls only (a run without raw tensor streams).
+        self.tensor_streams = tensor_streams
 
     def receive(
         self, direction: str, chunks: Iterator[pb.TensorChunk | framing.WireChunk], key: bytes | None, peer: str,

@@ -398,14 +398,16 @@ class StepFlow:
         bootstrapping pings the coordinator's DHT with a 3 s deadline, which a loaded machine can miss."""
         from hivemind import DHT
 
-        from geotrain.node.averaging import ReplicaAverager
+        from geotrain.node.averaging import ReplicaAverager, dht_maddrs
 
-        host = self.address.rsplit(":", 1)[0]
+        listen, announce = dht_maddrs(
+            self.address.rsplit(":", 1)[0].strip("[]"), bool(self.options.advertise), self.options.dht_port
+        )
         tie_children_to_this_process()  # the DHT process and its p2pd must not outlive a killed node
         for attempt in range(1, _DHT_ATTEMPTS + 1):
             try:
                 # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
-                dht = DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+                dht = DHT(initial_peers=initial_peers, host_maddrs=listen, announce_maddrs=announce, start=True,
                           client_mode=self.behind_nat)
                 try:
                     self.averager = ReplicaAverager(dht)

@@ -4,6 +4,7 @@ UNAVAILABLE."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 import time
@@ -112,6 +113,15 @@ def check_listen(listen: str) -> str:
             raise ListenError(f"cannot listen on {listen}: {why}") from None
     address = sockaddr[0]
     return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+
+
+def multiaddr_host(host: str) -> str:
+    """A host as the first part of a multiaddr (hivemind's addresses): /ip4/ or /ip6/ for an address, /dns/ for a
+    name."""
+    try:
+        return f"/ip{ipaddress.ip_address(host).version}/{host}"
+    except ValueError:
+        return f"/dns/{host}"
 
 
 def make_server(

@@ -2,7 +2,9 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
+# 13: a stage's checksum (StepApplied, LoadState.expected_checksum) is over its parameters in name order
+#    (framing.parameters_checksum): an older node's would differ from its replicas' and from every checkpoint's
 # 12: RunConfig.transport (which a node requires), Stage.OpenTensorStream and the raw tensor stream it opens
 # 11: RunConfig.compression.replica_sync (a node that ignored "diloco" would wait in gradient all-reduces its peers
 #    never start), HeartbeatRequest.averaging_bytes_sent

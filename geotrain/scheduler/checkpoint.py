@@ -29,6 +29,9 @@ _DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 """Where a coordinator's --state-dir keeps its checkpoints."""
+CHECKPOINT_VERSION = 2
+"""The manifest's format: 2 records each stage's checksum over its parameters in name order (stage_checksum); 1 (a
+manifest without a version) in the stage's own order, layer by layer, which `--resume` converts (geotrain.upgrade)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Manifest:
     steps_done: int
     plan_epoch: int
     stages: list[dict]
+    version: int
 
 
 def stage_checksum(state: dict[str, torch.Tensor], diloco: bool) -> str:
@@ -93,11 +97,11 @@ class CheckpointStore:
             )
         if before_manifest is not None:
             before_manifest()
-        manifest = {"steps_done": steps_done, "plan_epoch": plan_epoch, "stages": entries, "written_at": time.time()}
-        (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
-        fsync(tmp / (MANIFEST + ".tmp"))
-        os.replace(tmp / (MANIFEST + ".tmp"), tmp / MANIFEST)
-        fsync(tmp)
+        manifest = {
+            "version": CHECKPOINT_VERSION, "steps_done": steps_done, "plan_epoch": plan_epoch, "stages": entries,
+            "written_at": time.time(),
+        }
+        _write_manifest(tmp, manifest)
         final = self.root / f"step-{steps_done:08d}"
         if final.exists():
             shutil.rmtree(final)
@@ -105,7 +109,7 @@ class CheckpointStore:
         fsync(self.root)
         self._prune()
         log.info("checkpoint of step %d written to %s", steps_done, final)
-        return Manifest(final, steps_done, plan_epoch, entries)
+        return Manifest(final, steps_done, plan_epoch, entries, CHECKPOINT_VERSION)
 
     def complete(self) -> list[Manifest]:
         """Every complete checkpoint, oldest first."""
@@ -113,7 +117,9 @@ class CheckpointStore:
         for path in sorted(self.root.iterdir()):
             if _DIR.match(path.name) and (path / MANIFEST).is_file():
                 data = json.loads((path / MANIFEST).read_text())
-                found.append(Manifest(path, data["steps_done"], data["plan_epoch"], data["stages"]))
+                found.append(
+                    Manifest(path, data["steps_done"], data["plan_epoch"], data["stages"], data.get("version", 1))
+                )
         return found
 
     def latest(self, at_most: int | None = None) -> Manifest | None:
@@ -141,6 +147,15 @@ class CheckpointStore:
                 return entry["checksum"]
         return stage_checksum(self.load_layers(manifest, layer_start, layer_end), diloco)
 
+    def convert(self, manifest: Manifest, checksums: dict[tuple[int, int], str]) -> None:
+        """Record `checksums` (layer range -> stage_checksum) in an older checkpoint's manifest, which becomes
+        CHECKPOINT_VERSION's; the caller checked the stage files they are computed from (geotrain.upgrade)."""
+        data = json.loads((manifest.path / MANIFEST).read_text())
+        for entry in data["stages"]:
+            entry["checksum"] = checksums.get((entry["layer_start"], entry["layer_end"]), entry["checksum"])
+        data["version"] = CHECKPOINT_VERSION
+        _write_manifest(manifest.path, data)
+
     def _prune(self) -> None:
         complete = self.complete()
         for old in complete[: max(0, len(complete) - self.keep)]:
@@ -148,3 +163,12 @@ class CheckpointStore:
         for partial in self.root.glob(".step-*.tmp-*"):
             if not partial.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(partial, ignore_errors=True)
+
+
+def _write_manifest(directory: Path, manifest: dict) -> None:
+    """Write a checkpoint's manifest whole or not at all: to a temporary name, fsynced, renamed, the rename fsynced."""
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    fsync(tmp)
+    os.replace(tmp, directory / MANIFEST)
+    fsync(directory)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import multiprocessing
 import secrets
@@ -30,8 +29,8 @@ from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.probe import ProbeCount
-from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel
-from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
+from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel, multiaddr_host
+from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
@@ -328,19 +327,12 @@ def fetch_model_state(
     return state
 
 
-def _maddr_host(host: str) -> str:
-    """A host as the first part of a multiaddr: /ip4/ or /ip6/ for an address, /dns/ for a name."""
-    try:
-        return f"/ip{ipaddress.ip_address(host).version}/{host}"
-    except ValueError:
-        return f"/dns/{host}"
-
-
-def dht_listen_maddr(listen_host: str, advertise_host: str) -> str:
+def dht_listen_maddr(listen_host: str, advertise_host: str, port: int) -> str:
     """Where the coordinator's DHT listens: on its listen host, or, when nodes reach the coordinator at another
-    host, on every interface. The advertised host may be a relay's or a NAT's while the gRPC server listens on
-    127.0.0.1 behind it (the namespace WAN); the DHT has no relay and must be reachable itself."""
-    return f"{_maddr_host('0.0.0.0' if advertise_host else listen_host)}/tcp/0"
+    host, on every interface; on `port` (--dht-port, for a firewall rule or a port forward; 0 picks one). The
+    advertised host may be a relay's or a NAT's while the gRPC server listens on 127.0.0.1 behind it (the namespace
+    WAN); the DHT has no relay and must be reachable itself."""
+    return f"{multiaddr_host('0.0.0.0' if advertise_host else listen_host)}/tcp/{port}"
 
 
 def announced_maddrs(visible: Sequence[str], advertise_host: str) -> list[str]:
@@ -353,7 +345,7 @@ def announced_maddrs(visible: Sequence[str], advertise_host: str) -> list[str]:
         _, tcp, port, p2p, peer = maddr.rsplit("/", 4)  # /ip4/HOST/tcp/PORT/p2p/PEER
         if tcp != "tcp" or p2p != "p2p":
             raise ValueError(f"not a /tcp/PORT/p2p/PEER multiaddr: {maddr}")
-        address = f"{_maddr_host(advertise_host)}/tcp/{port}/p2p/{peer}"
+        address = f"{multiaddr_host(advertise_host)}/tcp/{port}/p2p/{peer}"
         if address not in announced:
             announced.append(address)
     return announced
@@ -368,8 +360,8 @@ class DhtProcess:
     process and p2pd. The DHT ends when this object is closed or its coordinator dies, however it died: its process
     reads a pipe whose other end only the coordinator holds."""
 
-    def __init__(self, listen_host: str, advertise_host: str = "") -> None:
-        self._host_maddr = dht_listen_maddr(listen_host, advertise_host)
+    def __init__(self, listen_host: str, advertise_host: str = "", port: int = 0) -> None:
+        self._host_maddr = dht_listen_maddr(listen_host, advertise_host, port)
         self._advertise_host = advertise_host
         self._lock = threading.Lock()  # the run loop starts it, a test may ask too
         self._started: tuple[BaseProcess, Connection] | None = None
@@ -427,7 +419,7 @@ def _serve_dht(host_maddr: str, conn: Connection) -> None:
 class CoordinatorProcess:
     """A coordinator with everything it runs on: run state, checkpoints, the hivemind DHT replicas bootstrap from,
     and its gRPC server (bound, not yet started). close() releases all of it. `advertise`: the host nodes reach this
-    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr)."""
+    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr), on `dht_port` (0: any free one)."""
 
     def __init__(
         self,
@@ -440,6 +432,7 @@ class CoordinatorProcess:
         on_event: EventSink | None = None,
         tls: TlsFiles | None = None,
         advertise: str = "",
+        dht_port: int = 0,
     ) -> None:
         self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
         committed = self.store.committed_steps()
@@ -451,9 +444,16 @@ class CoordinatorProcess:
         checkpoints = (
             CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
         )
+        older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
+        if older:  # their checksums would fail every node that loads them, plan after plan
+            self.store.close()
+            raise ValueError(
+                f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
+                "which converts it"
+            )
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
-        self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise)
+        self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
         try:
             self.coordinator = Coordinator(
                 cfg,

@@ -151,6 +151,16 @@ class RunStore:
             row = self._db.execute("SELECT checksums FROM steps WHERE step = ?", (step,)).fetchone()
         return {int(k): v for k, v in json.loads(row[0]).items()} if row else {}
 
+    def rename_checksums(self, renamed: dict[str, str]) -> None:
+        """Replace recorded stage checksums (`renamed`: old -> new) in every committed step, in one transaction."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for step, text in self._db.execute("SELECT step, checksums FROM steps").fetchall():
+                checksums = json.loads(text)
+                converted = {stage: renamed.get(checksum, checksum) for stage, checksum in checksums.items()}
+                if converted != checksums:
+                    self._db.execute("UPDATE steps SET checksums = ? WHERE step = ?", (json.dumps(converted), step))
+
     def set_val_loss(self, step: int, val_loss: float) -> None:
         """Attach a validation loss to a committed step."""
         with self._lock:
