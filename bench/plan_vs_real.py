@@ -90,19 +90,22 @@ def run(config: str, strategy: str, state_dir: Path, steps: int) -> dict:
     try:
         epoch = int(db.execute("SELECT value FROM meta WHERE key = 'plan_epoch'").fetchone()[0])
         seconds = [r[0] for r in db.execute("SELECT seconds FROM steps WHERE plan_epoch = ? ORDER BY step", (epoch,))]
-        estimate = db.execute("SELECT value FROM meta WHERE key = 'estimated_step_s'").fetchone()
+        prediction = json.loads(db.execute("SELECT value FROM meta WHERE key = 'predicted_step_s'").fetchone()[0])
         plan = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind = 'plan' ORDER BY id")]
     finally:
         db.close()
     if len(seconds) < 3:
         raise RuntimeError(f"{config}/{strategy}: the last plan ran {len(seconds)} steps; run more (--steps)")
+    if prediction["plan_epoch"] != epoch:
+        raise RuntimeError(f"{config}/{strategy}: the prediction is for plan epoch {prediction['plan_epoch']}, not {epoch}")
     measured = statistics.median(seconds[1:])
-    estimated = float(estimate[0])
+    estimated = float(prediction["step_s"])
     return {
         "measured_step_s": round(measured, 4),
         "estimated_step_s": round(estimated, 4),
         "estimate_error": round(estimated / measured - 1, 3),
         "steps": len(seconds) - 1,
+        "corrections": {k: v for k, v in prediction.items() if k not in ("plan_epoch", "step_s")},
         "plan": plan[-1],
     }
 
