@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler import placement
+from geotrain.scheduler.calibration import Corrections, StepTimings
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.costmodel import StepShape
@@ -208,4 +212,34 @@ def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
     coordinator.planning.update_estimate(ranges, groups)
     assert coordinator.planning.drifted()
     assert any(kind == "drift" for _, kind, _, _ in coordinator.store.events())
+    coordinator.store.close()
+
+
+def test_in_run_times_move_the_estimate_and_a_plans_first_step_fixes_its_prediction():
+    coordinator = Coordinator(CFG)
+    for node_id in ("a", "b"):
+        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1"))
+        coordinator.report_profile(_report(node_id, seconds=0.01))
+    half = LAYERS // 2
+    planning = coordinator.planning
+    planning.plan = pb.Plan(epoch=1, inflight=2, stages=[
+        pb.StageAssignment(index=0, layer_start=0, layer_end=half, node_ids=["a"]),
+        pb.StageAssignment(index=1, layer_start=half, layer_end=LAYERS, node_ids=["b"]),
+    ])
+    ranges, groups = placement.plan_ranges(planning.plan), [[coordinator.members["a"]], [coordinator.members["b"]]]
+    planning.update_estimate(ranges, groups, 2)
+    profiled = planning.estimate.step_seconds
+    # Both stages ran at three times their profiles' layer times, and the commit took 0.05 s.
+    slow = StepTimings(plan_epoch=1, commit_s=0.05, compute_s={"a": 0.03 * half, "b": 0.03 * (LAYERS - half)},
+                       averaging_s={})
+    planning.after_commit(slow)
+    measured = Corrections(scales={"a": 3.0, "b": 3.0}, commit_s=0.05)
+    expected = placement.estimate(CFG, ranges, groups, measured, 2).step_seconds
+    assert planning.estimate.step_seconds == pytest.approx(expected) and expected > 2 * profiled
+    prediction = json.loads(coordinator.store.get("predicted_step_s"))
+    assert prediction["plan_epoch"] == 1 and prediction["step_s"] == pytest.approx(expected)
+    # Later steps move the estimate on, never the plan's prediction: the steps it is measured against come after it.
+    planning.after_commit(replace(slow, compute_s={"a": 0.01 * half, "b": 0.01 * (LAYERS - half)}))
+    assert planning.estimate.step_seconds < expected
+    assert json.loads(coordinator.store.get("predicted_step_s"))["step_s"] == pytest.approx(expected)
     coordinator.store.close()

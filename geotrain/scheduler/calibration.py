@@ -6,10 +6,15 @@ tensors, add float64 gradient sums and share the host with the node's other thre
 spread 40% from run to run (bench/plan_vs_real.py). With each step's gradient norm a node reports its stage's
 forward + backward seconds per microbatch and the seconds its replica averaging took (GradNormRequest), and the
 coordinator times the commit phase itself. Over the last _RECENT committed steps (medians: one slow step moves
-little):
+little), and only those after a plan's first once there are some (a plan's first step pays for starting it: new
+neighbours' connections and probes, fresh buffers; its tasks took up to twice as long as the next steps' on the
+bench's loopback runs):
 - a node's compute scale: its in-run seconds per microbatch over its profile's seconds for the same layers; estimates
   and the planner read its layer times times the scale, for whatever layers they give it (within SCALE_BOUNDS: a
-  node that reports nonsense moves its own figures at most that far);
+  node that reports nonsense moves its own figures at most that far). The run's scale (the median of the nodes') counts
+  as one more observation of every node, which steadies a replica that computed one or two microbatches a step, and
+  stands for a node not measured yet: measured nodes would otherwise look slower than unmeasured ones, and the
+  planner would move layers to nodes for no better reason than that;
 - the fixed seconds of an all-reduce round: a stage's averaging (its slowest replica) beyond what the cost model
   prices for its bytes, per round, of the stage where that is most (the step waits for the slowest averaging; hivemind's
   matchmaking and message costs: 0.1-0.2 s a round on loopback where the bytes over the probed bandwidth are 0.03 s);
@@ -33,6 +38,21 @@ SCALE_BOUNDS = (0.25, 4.0)
 _RECENT = 5  # committed steps the corrections are medians over
 
 
+class _Recent:
+    """The last _RECENT observations of one quantity, those of a plan's first step apart."""
+
+    def __init__(self) -> None:
+        self._after_first: deque[float] = deque(maxlen=_RECENT)
+        self._first: deque[float] = deque(maxlen=_RECENT)
+
+    def add(self, value: float, first_of_plan: bool) -> None:
+        (self._first if first_of_plan else self._after_first).append(value)
+
+    def values(self) -> list[float]:
+        """The observations after a plan's first step where there are some, else those of first steps."""
+        return list(self._after_first or self._first)
+
+
 @dataclass(frozen=True)
 class StepTimings:
     """What one committed step measured: the coordinator's commit phase and the nodes' checked reports."""
@@ -51,7 +71,9 @@ class Corrections:
     """The cost model's inputs as committed steps measured them; no measurement corrects nothing."""
 
     scales: Mapping[str, float] = field(default_factory=dict)
-    """Node -> in-run compute seconds over its profile's (1 where not measured)."""
+    """Node -> in-run compute seconds over its profile's."""
+    run_scale: float = 1.0
+    """The scale of a node not measured yet: the median of the measured ones' (1 before any)."""
     averaging_round_s: float = 0.0
     """Fixed seconds of each all-reduce round (costmodel.StepShape.averaging_round_s)."""
     commit_s: float = 0.0
@@ -59,7 +81,7 @@ class Corrections:
 
     def scale(self, node_id: str) -> float:
         """The factor on node_id's profiled layer times."""
-        return self.scales.get(node_id, 1.0)
+        return self.scales.get(node_id, self.run_scale)
 
 
 class Calibration:
@@ -69,9 +91,9 @@ class Calibration:
         # Under diloco replicas sync once every H steps, which the cost model spreads over them: a sync's seconds
         # are no step's, so only gradient averaging (every step) measures the rounds' fixed cost.
         self._averages_each_step = averages_each_step
-        self._scales: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=_RECENT))
-        self._round_s: deque[float] = deque(maxlen=_RECENT)
-        self._commit_s: deque[float] = deque(maxlen=_RECENT)
+        self._scales: dict[str, _Recent] = defaultdict(_Recent)
+        self._round_s = _Recent()
+        self._commit_s = _Recent()
         self.corrections = Corrections()
 
     def observe(
@@ -80,9 +102,11 @@ class Calibration:
         plan: pb.Plan,
         profiles: Mapping[str, pb.NodeProfileReport | None],
         estimate: costmodel.Plan | None,
+        *,
+        first_of_plan: bool,
     ) -> None:
-        """Take a committed step's timings under `plan`, whose current estimate (made with self.corrections) is
-        `estimate`; timings of another plan epoch are ignored."""
+        """Take a committed step's timings under `plan` (its first step: first_of_plan), whose current estimate (made
+        with self.corrections) is `estimate`; timings of another plan epoch are ignored."""
         if timings.plan_epoch != plan.epoch:
             return
         lo, hi = SCALE_BOUNDS
@@ -92,7 +116,7 @@ class Calibration:
                 if profile is None or measured <= 0:
                     continue
                 profiled = math.fsum(profile.layer_seconds[stage.layer_start : stage.layer_end])
-                self._scales[node_id].append(min(max(measured / profiled, lo), hi))
+                self._scales[node_id].add(min(max(measured / profiled, lo), hi), first_of_plan)
         averaging = [max(timings.averaging_s.get(n, 0.0) for n in s.node_ids) for s in plan.stages]
         if self._averages_each_step and estimate is not None:
             # The estimate priced each stage's averaging at its bytes plus the rounds' fixed cost as known so far.
@@ -103,10 +127,14 @@ class Calibration:
                 if priced.allreduce_rounds and measured > 0
             ]
             if per_round:  # the slowest stage's: the step waits for it
-                self._round_s.append(max(0.0, *per_round))
-        self._commit_s.append(max(0.0, timings.commit_s - max(averaging)))
+                self._round_s.add(max(0.0, *per_round), first_of_plan)
+        self._commit_s.add(max(0.0, timings.commit_s - max(averaging)), first_of_plan)
+        own = {n: statistics.median(seen.values()) for n, seen in self._scales.items()}
+        run_scale = statistics.median(own.values()) if own else 1.0
+        rounds = self._round_s.values()
         self.corrections = Corrections(
-            scales={n: statistics.median(seen) for n, seen in self._scales.items()},
-            averaging_round_s=statistics.median(self._round_s) if self._round_s else 0.0,
-            commit_s=statistics.median(self._commit_s),
+            scales={n: statistics.median([*seen.values(), run_scale]) for n, seen in self._scales.items()},
+            run_scale=run_scale,
+            averaging_round_s=statistics.median(rounds) if rounds else 0.0,
+            commit_s=statistics.median(self._commit_s.values()),
         )

@@ -102,7 +102,7 @@ def estimate(
     members = [m for g in groups for m in g]
     if any(m.profile is None for m in members):
         return None
-    nodes, model, network = planner_inputs(members, cfg, corrections.scales)
+    nodes, model, network = planner_inputs(members, cfg, corrections.scale)
     index = {n.node_id: i for i, n in enumerate(nodes)}
     shape = step_shape(cfg, model, corrections)
     cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=shape)

@@ -95,7 +95,7 @@ class Planning:
         self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
         self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
         self.calibration = Calibration(averages_each_step=not cfg.compression.diloco)
-        self._predicted_epoch = 0  # the plan epoch whose estimate after its first step is stored
+        self._committed_epoch = 0  # the plan epoch of the last committed step
 
     # -- is the plan still right? ---------------------------------------------------------------------------------
 
@@ -139,16 +139,17 @@ class Planning:
         # The step as priced before its timings (profiles may have come in since the plan's estimate), which the
         # averaging's fixed cost is measured beyond.
         self.update_estimate(ranges, groups, window)
-        self.calibration.observe(timings, self.plan, profiles, self.estimate)
+        first_of_plan = self._committed_epoch != self.plan.epoch
+        self._committed_epoch = self.plan.epoch
+        self.calibration.observe(timings, self.plan, profiles, self.estimate, first_of_plan=first_of_plan)
         log.debug("step timings %s; corrections now %s", timings, self.calibration.corrections)
         self.update_estimate(ranges, groups, window)
-        if self.estimate is not None and self._predicted_epoch != self.plan.epoch:
-            self._predicted_epoch = self.plan.epoch
+        if first_of_plan and self.estimate is not None:
             corrections = self.calibration.corrections
             prediction = {
                 "plan_epoch": self.plan.epoch, "step_s": self.estimate.step_seconds,
                 "commit_s": corrections.commit_s, "averaging_round_s": corrections.averaging_round_s,
-                "scales": dict(corrections.scales),
+                "scales": dict(corrections.scales), "run_scale": corrections.run_scale,
             }
             self.store.put("predicted_step_s", json.dumps(prediction))
         self.dirty |= self.drifted() or self.averaging_changed() or self.window_changed()
@@ -226,7 +227,7 @@ class Planning:
             candidates = [m for m in self._placeable() if m.profile is not None]
             try:
                 corrections = self.calibration.corrections
-                nodes, model, network = planner_inputs(candidates, self.cfg, corrections.scales)
+                nodes, model, network = planner_inputs(candidates, self.cfg, corrections.scale)
                 planned = plan_stages(
                     nodes=nodes,
                     model=model,
