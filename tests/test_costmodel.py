@@ -308,6 +308,10 @@ def test_a_plan_whose_window_is_far_from_its_estimates_is_replanned():
     near = dataclasses.replace(estimate, chosen_inflight=3, window_need=2.01)
     assert not window_changed(auto, pb.Plan(inflight=2), near, 0.25)
     assert window_changed(auto, pb.Plan(inflight=2), dataclasses.replace(near, window_need=2.6), 0.25)
+    below = dataclasses.replace(estimate, chosen_inflight=2, window_need=1.9)  # and back under 2.0
+    assert not window_changed(auto, pb.Plan(inflight=3), below, 0.25)
+    # A window memory lowered is kept to, however close the need.
+    assert window_changed(auto, pb.Plan(inflight=3), dataclasses.replace(below, chosen_inflight=1), 0.25)
     # A fixed window stays, and so does any window before profiles price the plan.
     assert not window_changed(load_config(None, ["train.inflight=3"]), pb.Plan(inflight=3), estimate, 0.25)
     assert not window_changed(auto, pb.Plan(inflight=3), None, 0.25)

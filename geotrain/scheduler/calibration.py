@@ -46,6 +46,7 @@ class _Recent:
         self._first: deque[float] = deque(maxlen=_RECENT)
 
     def add(self, value: float, first_of_plan: bool) -> None:
+        """Keep an observation of a plan's first step (first_of_plan) or of a later one."""
         (self._first if first_of_plan else self._after_first).append(value)
 
     def values(self) -> list[float]:

@@ -5,6 +5,7 @@ keeps block selection pure the same way); scheduler.replan acts on what these de
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from geotrain.config import AUTO_INFLIGHT, RunConfig
@@ -122,14 +123,16 @@ def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | Non
     """Under train.inflight = "auto", whether the estimate's window is more than `tolerance` (a fraction) away from the
     plan's: the plan took its window from the profiles it had, and links measured since (a probe runs once the
     neighbours are known) or in-run times can put the round trip over the pace far from it; too small a window idles
-    the links, too large a one holds memory for nothing. A plan's window below the estimate's but within the
-    tolerance of the unrounded need stays: a need near a whole number, rounded up, would flip the window between
-    two plans at every step's new measurements."""
+    the links, too large a one holds memory for nothing. A plan's window within the tolerance of the unrounded need
+    stays (above the estimate's only where memory did not lower that): a need near a whole number, rounded up, would
+    flip the window between two plans as each step's measurements move it."""
     if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
     chosen, need = estimate.chosen_inflight, estimate.window_need
-    if need is not None and min(need, chosen) / (1 + tolerance) <= plan.inflight <= chosen:
-        return False
+    if need is not None and need / (1 + tolerance) <= plan.inflight <= math.ceil(need * (1 + tolerance)):
+        uncapped = math.ceil(need - 1e-9)
+        if plan.inflight <= chosen or chosen == uncapped:
+            return False
     return abs(chosen / plan.inflight - 1) > tolerance
 
 

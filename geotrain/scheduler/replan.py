@@ -162,8 +162,10 @@ class Planning:
             self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
 
     def drifted(self) -> bool:
-        """Whether re-measured profiles put the current plan's estimate so far above what it was when the plan was
-        made that the planner should look again (it moves layers only where that pays: _REPLAN_TOLERANCE)."""
+        """Whether re-measured profiles or in-run times put the current plan's estimate so far above what it was when
+        the plan was made that the planner should look again (it moves layers only where that pays:
+        _REPLAN_TOLERANCE), and it does not keep the plan's layout: then the plan stands, priced anew (a new epoch
+        would only drop the step in between; in-run times move most estimates that far after a plan's first step)."""
         if not self._replans_measured() or self.estimate is None:
             return False
         if self._planned_step_s is None:  # the plan's profiles came in after it was made
@@ -173,9 +175,23 @@ class Planning:
         if slower <= _DRIFT_REPLAN:
             return False
         why = f"re-measured profiles and in-run times put the plan {100 * slower:.0f}% slower than estimated when made"
+        if self._planner_keeps_layout():
+            self._planned_step_s = self.estimate.step_seconds
+            log.info("%s; the planner keeps its layout", why)
+            self.store.event("drift", detail=f"{why}; the planner keeps its layout")
+            return False
         log.info("re-planning: %s", why)
         self.store.event("drift", detail=why)
         return True
+
+    def _planner_keeps_layout(self) -> bool:
+        """Whether the planner, asked now, lays the layers out as the running plan does (ranges and nodes)."""
+        if self.plan is None:
+            return False
+        ranges, groups = self._planned_layout()
+        return ranges == placement.plan_ranges(self.plan) and all(
+            {m.node_id for m in group} == set(stage.node_ids) for group, stage in zip(groups, self.plan.stages)
+        )
 
     def window_changed(self) -> bool:
         """Whether the plan's data-head window is far from the one its latest estimate gives (train.inflight =
