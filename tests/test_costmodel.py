@@ -1,6 +1,7 @@
 """Cost model: hand-computed step times, memory feasibility, the link matrices plans are priced with, and when a
 plan's window is far enough from its estimate's to re-plan."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -301,6 +302,16 @@ def test_a_plan_whose_window_is_far_from_its_estimates_is_replanned():
     assert window_changed(auto, pb.Plan(inflight=8), estimate, 0.25)  # twice what it needs: memory for nothing
     assert not window_changed(auto, pb.Plan(inflight=4), estimate, 0.25)
     assert not window_changed(auto, pb.Plan(inflight=5), estimate, 0.25)  # within the tolerance
+    # A need just above a whole number rounds up: a window one below stays (it is within the tolerance of the need),
+    # and in-run measurements that move the need across 2.0 and back do not flip the plan between 2 and 3.
+    assert estimate.window_need == pytest.approx(4.0)
+    near = dataclasses.replace(estimate, chosen_inflight=3, window_need=2.01)
+    assert not window_changed(auto, pb.Plan(inflight=2), near, 0.25)
+    assert window_changed(auto, pb.Plan(inflight=2), dataclasses.replace(near, window_need=2.6), 0.25)
+    below = dataclasses.replace(estimate, chosen_inflight=2, window_need=1.9)  # and back under 2.0
+    assert not window_changed(auto, pb.Plan(inflight=3), below, 0.25)
+    # A window memory lowered is kept to, however close the need.
+    assert window_changed(auto, pb.Plan(inflight=3), dataclasses.replace(below, chosen_inflight=1), 0.25)
     # A fixed window stays, and so does any window before profiles price the plan.
     assert not window_changed(load_config(None, ["train.inflight=3"]), pb.Plan(inflight=3), estimate, 0.25)
     assert not window_changed(auto, pb.Plan(inflight=3), None, 0.25)
@@ -325,3 +336,33 @@ def test_a_sync_every_h_steps_is_priced_once_per_h_steps():
     assert seconds[1] > 0 and seconds[32] == pytest.approx(seconds[1] / 32)
     with pytest.raises(ValueError, match="replica_sync_every"):
         shape4(replica_sync_every=0)
+
+
+def test_measured_fixed_costs_are_priced_per_round_and_per_step():
+    # A run measured 0.2 s per hivemind round beyond the bytes, and 0.05 s of commit per step (scheduler.calibration).
+    nodes = [node("a", [1, 1]), node("b", [1, 1])]
+    both = [(0, 1, [0, 1]), (1, 2, [0])]
+    plain = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4())
+    measured = CostModel(nodes=nodes, model=TINY, network=SLOW_NET,
+                         shape=shape4(averaging_round_s=0.2, commit_s=0.05))
+    pair = np.arange(2)
+    assert measured.sync_seconds(pair, 0, 1) == pytest.approx(plain.sync_seconds(pair, 0, 1) + 0.2)
+    assert measured.sync_seconds(np.array([0]), 0, 1) == 0.0  # one replica averages with nobody
+    assert measured.step_seconds(both) == pytest.approx(plain.step_seconds(both) + 0.2 + 0.05)
+    rounds = [s.allreduce_rounds for s in measured.plan(both, {}).stages]
+    assert rounds == [1, 0]
+    # PowerSGD's two rounds pay it twice; a hierarchical all-reduce runs three rounds.
+    shaped = ModelProfile(layer_param_bytes=[400, 400], boundary_bytes=[10, 0], layer_activation_bytes=[1, 1],
+                          layer_flops=[1.0, 1.0], layer_param_shapes=[[(10, 10)], [(10, 10)]])
+    low_rank = {s: CostModel(nodes=nodes, model=shaped, network=SLOW_NET,
+                             shape=shape4(replica_rank=1, averaging_round_s=s)) for s in (0.0, 0.2)}
+    assert low_rank[0.2].sync_seconds(pair, 0, 1) == pytest.approx(low_rank[0.0].sync_seconds(pair, 0, 1) + 0.4)
+    assert low_rank[0.2].plan(both, {}).stages[0].allreduce_rounds == 2
+    regions = [node("a1", [1, 1], region="a"), node("a2", [1, 1], region="a"), node("b1", [1, 1], region="b")]
+    net = Network(intra_region=Link(bandwidth_bps=8000, latency_s=0.01),
+                  default_inter_region=Link(bandwidth_bps=800, latency_s=0.1))
+    forced = {s: CostModel(nodes=regions, model=TINY, network=net,
+                           shape=shape4(allreduce="hierarchical", averaging_round_s=s)) for s in (0.0, 0.2)}
+    trio = np.arange(3)
+    assert forced[0.2].sync_seconds(trio, 0, 1) == pytest.approx(forced[0.0].sync_seconds(trio, 0, 1) + 3 * 0.2)
+    assert forced[0.2].plan([(0, 1, [0, 1, 2]), (1, 2, [0])], {}).stages[0].allreduce_rounds == 3

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.version import PROTOCOL_VERSION
+from geotrain.scheduler import placement
+from geotrain.scheduler.calibration import Corrections, StepTimings
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.costmodel import StepShape
@@ -208,4 +212,43 @@ def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
     coordinator.planning.update_estimate(ranges, groups)
     assert coordinator.planning.drifted()
     assert any(kind == "drift" for _, kind, _, _ in coordinator.store.events())
+    coordinator.store.close()
+
+
+def test_in_run_times_move_the_estimate_and_a_plans_first_step_fixes_its_prediction(tmp_path):
+    coordinator = Coordinator(CFG, checkpoints=CheckpointStore(tmp_path, keep=1))  # measured placement re-plans
+    for node_id in ("a", "b"):
+        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1"))
+        coordinator.report_profile(_report(node_id, seconds=0.01))
+    planning = coordinator.planning
+    ranges, groups = planning._planned_layout()  # the planner's, as replan() installs it
+    planning.update_estimate(ranges, groups)
+    window = planning.estimate.chosen_inflight
+    planning.plan = pb.Plan(epoch=1, inflight=window, stages=[
+        pb.StageAssignment(index=i, layer_start=start, layer_end=end, node_ids=[m.node_id for m in group])
+        for i, ((start, end), group) in enumerate(zip(ranges, groups))
+    ])
+    assert not planning.drifted()  # the estimate when the plan was made
+    profiled = planning.estimate.step_seconds
+
+    def timings(factor: float) -> StepTimings:
+        """Every node's stage at `factor` times its profile's layer times, and a commit of 0.05 s."""
+        compute = {m.node_id: factor * 0.01 * (end - start) for (start, end), group in zip(ranges, groups) for m in group}
+        return StepTimings(plan_epoch=1, commit_s=0.05, compute_s=compute, averaging_s={})
+
+    planning.after_commit(timings(3.0))
+    measured = Corrections(scales={m.node_id: 3.0 for group in groups for m in group}, run_scale=3.0, commit_s=0.05)
+    expected = placement.estimate(CFG, ranges, groups, measured, window).step_seconds
+    assert planning.estimate.step_seconds == pytest.approx(expected) and expected > 2 * profiled
+    prediction = json.loads(coordinator.store.get("predicted_step_s"))
+    assert prediction["plan_epoch"] == 1 and prediction["step_s"] == pytest.approx(expected)
+    # Far slower than when the plan was made, but every node is as much slower: the planner keeps the layout, and the
+    # plan stands (no new epoch), its new estimate the one drift is measured from.
+    drift = [detail for _, kind, _, detail in coordinator.store.events() if kind == "drift"]
+    assert len(drift) == 1 and drift[0].endswith("slower than estimated when made; the planner keeps its layout")
+    assert not planning.drifted()
+    # Later steps move the estimate on, never the plan's prediction: the steps it is measured against come after it.
+    planning.after_commit(timings(1.0))
+    assert planning.estimate.step_seconds < expected
+    assert json.loads(coordinator.store.get("predicted_step_s"))["step_s"] == pytest.approx(expected)
     coordinator.store.close()

@@ -157,6 +157,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.held = HeldStates()
         self._newest_epoch = 0
         self._reported_epoch = 0
+        self._timed = (0, {})
+        self._held_sends = None
         self.run_id = ""
         self._state_lock = threading.Lock()
         self._tasks = queue.PriorityQueue()

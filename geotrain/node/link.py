@@ -241,7 +241,10 @@ class CoordinatorLink:
                 elif peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._report_failure(peer, f"{what}: {e.code().name}")
 
-        self._sender.submit(run)
+        if self._held_sends is not None:  # a stretched task sends it (only worker tasks send, on the worker thread)
+            self._held_sends.append(run)
+        else:
+            self._sender.submit(run)
 
     def _report(self, method: Callable, request: object) -> None:
         """Send a report to the coordinator off the worker thread, retrying while it is unavailable."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import family_of, loss_fn
 from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.node.stage import StageRuntime
-from geotrain.node.worker import BACKWARD, FORWARD
+from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
 
@@ -220,7 +221,7 @@ class StepFlow:
         sender, _ = _sender(direction, ref, self.stage_index)
         self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
         if direction == "forward":
-            self._submit(FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
+            self._submit(EVAL if ref.eval else FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
         else:
             self.router.returned(sender, ref.step, ref.microbatch)
             self._submit(BACKWARD, lambda: self._on_backward(ref, tensor), ref.plan_epoch)
@@ -286,41 +287,48 @@ class StepFlow:
         if order.plan_epoch != plan.epoch:
             return
         stage = plan.stages[self.stage_index]
+        compute_s = self.take_compute_s(plan.epoch)
+        averaging_s = 0.0
         if runtime.sync is not None:
             runtime.mean_gradients(order.step)  # this replica's own: under diloco replicas average no gradients
             if runtime.sync.due(order.step):
-                self._sync_replicas(runtime, plan, stage, order.step)
+                averaging_s = self._sync_replicas(runtime, plan, stage, order.step)
         elif len(stage.node_ids) == 1:
             runtime.mean_gradients(order.step)
         else:
-            self._with_replicas(stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step))
+            averaging_s = self._with_replicas(
+                stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step)
+            )
         parts = runtime.grad_sq_norm_parts()
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
+            compute_s_per_microbatch=compute_s, averaging_s=averaging_s,
         )
         self._report(self.coordinator.GradNorm, request)
 
-    def _with_replicas(self, stage: pb.StageAssignment, average: Callable[[], None]) -> None:
-        """Run `average` once this node can average with its stage's replicas; StageFailure if it cannot or fails
-        (the plan epoch is abandoned, and the survivors redo the step)."""
+    def _with_replicas(self, stage: pb.StageAssignment, average: Callable[[], None]) -> float:
+        """Run `average` once this node can average with its stage's replicas, and return the seconds it took;
+        StageFailure if it cannot or fails (the plan epoch is abandoned, and the survivors redo the step)."""
         if not self._averaging_ready.wait(RPC_DEADLINE_S) or self.averager is None:
             raise StageFailure(pb.FAILURE_REASON_AVERAGING, "replica averaging is not available on this node")
         # diloco's syncs as well as gradient averaging: replicas nobody can dial take part as clients.
         self.averager.clients = frozenset(p for p, behind in zip(stage.peer_ids, stage.unreachable) if behind)
+        started = time.monotonic()
         try:
             average()
         except Exception as e:
             why = f"averaging with the stage's replicas failed: {e!r}"
             raise StageFailure(pb.FAILURE_REASON_AVERAGING, why) from e
+        return time.monotonic() - started
 
-    def _sync_replicas(self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int) -> None:
+    def _sync_replicas(self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int) -> float:
         """diloco: average the replicas' pseudo-gradients and keep the mean for this step's apply (node.diloco); a
-        stage with one replica averages nothing."""
+        stage with one replica averages nothing. Returns the seconds the averaging took."""
         assert runtime.sync is not None
         if len(stage.node_ids) == 1:
             runtime.sync.stage(step, None)
-            return
+            return 0.0
         pseudo = runtime.sync.pseudo_gradient(runtime.parameters())
         replicas = len(stage.peer_ids)
 
@@ -341,9 +349,10 @@ class StepFlow:
             self.averager.average_all([Job(gid(1, ""), list(stage.peer_ids), sums, 1.0, presummed="sum")])
             pseudo[:] = from_grid(sums, steps, replicas)  # every replica counts once, as DiLoCo's mean over workers
 
-        self._with_replicas(stage, average)
+        seconds = self._with_replicas(stage, average)
         runtime.sync.stage(step, pseudo)
         log.info("step %d: replicas of stage %d synced (%s)", step, stage.index, self.cfg.compression.inexact_replicas)
+        return seconds
 
     def _average_with_replicas(
         self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int

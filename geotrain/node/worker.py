@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import statistics
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -18,8 +19,9 @@ from geotrain.protocol import geotrain_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Task priorities: lower runs first.
-CONTROL, BACKWARD, FORWARD = 0, 1, 2
+# Task priorities: lower runs first. Validation forwards come last and are not timed: the stage's compute time per
+# training microbatch is what the codec policy and the coordinator's cost model read.
+CONTROL, BACKWARD, FORWARD, EVAL = 0, 1, 2, 3
 _TIMED = {FORWARD: "forward", BACKWARD: "backward"}
 
 
@@ -32,6 +34,8 @@ class Worker:
     compute: StageTimer
     _newest_epoch: int  # newest plan epoch ordered (the worker may not have applied it yet)
     _reported_epoch: int  # plan epoch this node last reported itself failing in: one report fails it
+    _timed: tuple[int, dict[str, list[float]]]  # (plan epoch, its timed tasks' seconds by kind since the commit)
+    _held_sends: list[Callable[[], None]] | None  # what the stretched task running now sends, once it is stretched
 
     def _submit(self, priority: int, task: Callable[[], None], epoch: int | None = None) -> None:
         """Queue a task; one tagged with a plan epoch is dropped if the epoch has changed by the time it runs."""
@@ -45,14 +49,35 @@ class Worker:
             if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
                 continue
             started = time.monotonic()
+            # Emulated slower hardware stretches every compute task, not the control ones, and what the task sends
+            # leaves when the stretched task ends, as it would from a machine that slow (sent at once, a slow stage's
+            # tensors would reach its neighbours a stretch early, and the pipeline would outrun the emulated one).
+            stretched = epoch is not None and self.options.slowdown > 1.0
+            self._held_sends = [] if stretched else None
             try:
                 task()
             except Exception as e:
                 self._task_failed(e)
-            if epoch is not None:  # emulated slower hardware stretches every compute task, not the control ones
+            if stretched:
                 stretch(started, self.options.slowdown)
+                held, self._held_sends = self._held_sends or [], None
+                for send in held:
+                    self._sender.submit(send)
             if priority in _TIMED:
-                self.compute.observe(_TIMED[priority], time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self.compute.observe(_TIMED[priority], seconds)
+                if self._timed[0] != epoch:  # an abandoned epoch's tasks count not
+                    self._timed = (epoch, {})
+                self._timed[1].setdefault(_TIMED[priority], []).append(seconds)
+
+    def take_compute_s(self, epoch: int) -> float:
+        """Seconds of training compute per microbatch (the median forward task plus the median backward task,
+        emulated slowdown included) since the last call in plan epoch `epoch`, 0 for none; read by the commit, on the
+        worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones reuse
+        (connections, buffers), which a mean would spread over them all."""
+        tasks = self._timed[1] if self._timed[0] == epoch else {}
+        self._timed = (epoch, {})
+        return sum(statistics.median(seconds) for seconds in tasks.values())
 
     def _task_failed(self, error: Exception) -> None:
         """Tell the coordinator at once that this node cannot take part in the current epoch (rather than let the

@@ -597,20 +597,24 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_PARTS_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
     plan_epoch: int
     sq_norm_parts: _containers.RepeatedScalarFieldContainer[float]
     clipped_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    compute_s_per_microbatch: float
+    averaging_s: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ...) -> None: ...
 
 class StepAppliedRequest(_message.Message):
     __slots__ = ("node_id", "step", "checksum")

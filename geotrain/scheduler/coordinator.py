@@ -430,8 +430,9 @@ class Coordinator:
         self._on_event("failure", {"step": self.step, "why": why})
 
     def _after_commit(self, record: StepRecord) -> StepRecord:
-        """Validation and checkpoints due after a committed step; the plan's estimate once its profiles are in."""
-        self.planning.after_commit()
+        """The plan's estimate corrected by what the step measured; validation and checkpoints due after it."""
+        assert self.driver.timings is not None  # the committed step's
+        self.planning.after_commit(self.driver.timings)
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
         if last or (every and self.step % every == 0):

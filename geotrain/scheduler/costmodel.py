@@ -35,8 +35,12 @@ Under train.inflight = "auto" plans are searched unbounded and each plan gets th
 lowered where a replica's memory cannot hold its share of the W |R_0| microbatches in flight (below).
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
     beta = max(max_s c_s, max_s o_s)
-    T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s
+    T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s + f
     samples/s = M * microbatch_size / T
+where f is the commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
+and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top of its bytes (matchmaking, message
+overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUNDS); a live run measures both
+(scheduler.calibration), a plan from profiles alone counts them 0.
 
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
 copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes per parameter, fp32 too)
@@ -72,6 +76,7 @@ FP32_BYTES = 4
 EXACT_SUM_BYTES = 8  # node.averaging all-reduces replicas' float64 gradient sums: exact in any order
 DILOCO_WIRE_BYTES = 2  # node.diloco's pseudo-gradients cross the wire as int16
 ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, kept in fp32 whatever the training dtype
+HIERARCHICAL_ROUNDS = 3  # a hierarchical all-reduce: inside each region, the shards across regions, inside again
 
 
 @dataclass(kw_only=True)
@@ -320,6 +325,10 @@ class StepShape:
     """Bytes per gradient value each replica puts on the all-reduce's wire; None: the training dtype's. A live run
     (from_config) sends 8, the float64 sums node.averaging adds exactly (PowerSGD's factors are float64 too), or 2
     under diloco, whose pseudo-gradients cross as int16."""
+    averaging_round_s: float = 0.0
+    """Fixed seconds of each hivemind all-reduce round beyond its bytes over the bandwidth (measured in the run)."""
+    commit_s: float = 0.0
+    """Fixed seconds each step's commit adds to the pipeline's (measured in the run)."""
 
     def __post_init__(self) -> None:
         # Frozen: the one normalisation goes through object.__setattr__.
@@ -338,12 +347,18 @@ class StepShape:
             raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
         if self.sync_bytes_per_value not in (None, 1, 2, 4, 8):
             raise ValueError(f"sync_bytes_per_value must be 1, 2, 4, 8 or None, got {self.sync_bytes_per_value!r}")
+        for name in ("averaging_round_s", "commit_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, *, param_shapes_known: bool) -> StepShape:
-        """The step of a run config. Low-rank averaging is priced only where the model's parameter shapes are known
-        (they size PowerSGD's factors), raw averaging elsewhere. Boundaries are priced at their raw size whatever the
-        codecs, as the coordinator always has: "auto" picks a link's codec only after the plan is made."""
+    def from_config(
+        cls, cfg: RunConfig, *, param_shapes_known: bool, averaging_round_s: float = 0.0, commit_s: float = 0.0
+    ) -> StepShape:
+        """The step of a run config, with the fixed costs a live run measured. Low-rank averaging is priced only where
+        the model's parameter shapes are known (they size PowerSGD's factors), raw averaging elsewhere. Boundaries are
+        priced at their raw size whatever the codecs, as the coordinator always has: "auto" picks a link's codec only
+        after the plan is made."""
         return cls(
             microbatches=cfg.train.microbatches,
             microbatch_size=cfg.train.microbatch_size,
@@ -354,6 +369,8 @@ class StepShape:
             compute_bytes=4 if cfg.train.precision == "fp32" else 2,
             recompute=cfg.train.recompute,
             sync_bytes_per_value=DILOCO_WIRE_BYTES if cfg.compression.diloco else EXACT_SUM_BYTES,
+            averaging_round_s=averaging_round_s,
+            commit_s=commit_s,
         )
 
 
@@ -376,6 +393,8 @@ class StagePlan:
     hierarchical_allreduce: bool = False
     """Replicas average inside each region first, then across regions shard by shard, then share the shards
     inside each region again (set where the estimate says it beats one flat all-reduce)."""
+    allreduce_rounds: int = 0
+    """hivemind all-reduce rounds of the replicas' averaging in a step that averages (0: one replica)."""
     memory_bytes: int
     """Memory each replica needs."""
 
@@ -406,6 +425,9 @@ class Plan:
     chosen_inflight: int | None = None
     """The window train.inflight gives this layout now (under "auto" from these profiles): a running plan priced at
     the window it was made with may run another."""
+    window_need: float | None = None
+    """Under "auto": the microbatches in flight per data head that keep the unbounded pace, before chosen_inflight
+    rounds them up and caps them."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -648,14 +670,15 @@ class CostModel:
         """Seconds of one flat and one hierarchical all-reduce of bits (a number or an array of sizes) among the
         replicas idx; inf where that way does not apply or is not allowed."""
         (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)  # no hierarchical terms under "flat"
+        round_s = self.shape.averaging_round_s
         if hierarchical is None:
-            return flat_per_bit * bits + flat_s, math.inf
-        flat = flat_per_bit * bits + flat_s if self.shape.allreduce == "auto" else math.inf
+            return flat_per_bit * bits + flat_s + round_s, math.inf
+        flat = flat_per_bit * bits + flat_s + round_s if self.shape.allreduce == "auto" else math.inf
         (inside_per_bit, inside_s), (shard_per_bit, shard_s) = hierarchical
         region_rounds = np.max(
             np.multiply.outer(inside_per_bit, bits) + inside_s.reshape((-1,) + (1,) * np.ndim(bits)), axis=0
         )
-        return flat, 2 * region_rounds + shard_per_bit * bits + shard_s
+        return flat, 2 * region_rounds + shard_per_bit * bits + shard_s + HIERARCHICAL_ROUNDS * round_s
 
     def _sync_both(self, idx: np.ndarray, start: np.ndarray | int, end: np.ndarray | int) -> tuple:
         """Seconds per step of the replicas idx averaging layers [start, end) (numbers or arrays), every round flat
@@ -759,8 +782,9 @@ class CostModel:
 
     def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
-        sync_s = max_s g_s; the data heads' window paces instead where it is slower."""
-        return np.maximum(paced_s, self.window_paced_seconds(fill_s, data_heads, window)) + fill_s + sync_s
+        sync_s = max_s g_s; the data heads' window paces instead where it is slower; the commit's fixed seconds on top."""
+        paced = np.maximum(paced_s, self.window_paced_seconds(fill_s, data_heads, window))
+        return paced + fill_s + sync_s + self.shape.commit_s
 
     def occupancy(self, start: int, end: int, nodes: Sequence[int]) -> float:
         """c_s of the replicas nodes serving layers [start, end)."""
@@ -842,6 +866,7 @@ class CostModel:
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages, self.fixed_window)
+        need = self.window_need(t, len(stages[0][2])) if self.shape.inflight == "auto" else None
         chosen = self.auto_window(stages, t) if self.shape.inflight == "auto" else self.fixed_window
         window = chosen if inflight is None else inflight
         if window != self.fixed_window:
@@ -849,6 +874,8 @@ class CostModel:
         m = self.shape.microbatches
         out = []
         for s, (start, end, nodes) in enumerate(stages):
+            hierarchical = self.hierarchical_allreduce(np.asarray(nodes, dtype=np.int64), start, end)
+            rounds = len(self.sync_prefix) * (HIERARCHICAL_ROUNDS if hierarchical else 1) if len(nodes) > 1 else 0
             out.append(
                 StagePlan(
                     start=start,
@@ -857,7 +884,8 @@ class CostModel:
                     compute_s=float(m * t.occupancy[s]),
                     transfer_s=float(m * t.link_occupancy[s]) if s < len(stages) - 1 else 0.0,
                     allreduce_s=float(t.allreduce[s]),
-                    hierarchical_allreduce=self.hierarchical_allreduce(np.asarray(nodes, dtype=np.int64), start, end),
+                    hierarchical_allreduce=hierarchical,
+                    allreduce_rounds=rounds,
                     memory_bytes=int(max(self._replica_memory(stages, s, window))),
                 )
             )
@@ -872,6 +900,7 @@ class CostModel:
             compute_bound_samples_per_s=self.compute_bound(self.usable),
             inflight=window,
             chosen_inflight=chosen,
+            window_need=need,
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
@@ -896,10 +925,8 @@ class CostModel:
         trip over the pace, shared among the stage-0 replicas), at most enough for the whole step and MAX_INFLIGHT, and
         lowered (to 1 at least) until every replica's memory holds its share of the microbatches in flight."""
         heads = len(stages[0][2])
-        pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
-        round_trip = unbounded.latency.sum() + unbounded.transfer.sum()
         enough = math.ceil(self.shape.microbatches / heads)  # the whole step in flight at once
-        window = min(math.ceil(round_trip / (pace * heads) - 1e-9), enough, MAX_INFLIGHT)
+        window = min(math.ceil(self.window_need(unbounded, heads) - 1e-9), enough, MAX_INFLIGHT)
         for s, (start, end, nodes) in enumerate(stages):
             idx = np.asarray(nodes, dtype=np.int64)
             fixed = self.stage_memory_bytes(start, end, len(stages), 0)
@@ -913,6 +940,13 @@ class CostModel:
                 share = heads * inv[short] / inv.sum()  # of the window, in microbatches per replica
                 window = min(window, int(np.floor(room[short] / share + 1e-9).min()))
         return max(window, 1)
+
+    @staticmethod
+    def window_need(unbounded: _Terms, heads: int) -> float:
+        """Microbatches in flight per data head that keep the unbounded pace: one microbatch's round trip over the
+        pace, shared among the `heads` stage-0 replicas (Little's law)."""
+        pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
+        return float((unbounded.latency.sum() + unbounded.transfer.sum()) / (pace * heads))
 
     def _bottleneck(self, stages: Stages, t: _Terms, window: int | None) -> str:
         m = self.shape.microbatches

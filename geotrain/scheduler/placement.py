@@ -5,11 +5,13 @@ keeps block selection pure the same way); scheduler.replan acts on what these de
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from geotrain.config import AUTO_INFLIGHT, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel
+from geotrain.scheduler.calibration import Corrections
 from geotrain.scheduler.membership import Member
 from geotrain.scheduler.profiles import planner_inputs
 
@@ -83,21 +85,28 @@ def can_grow(plan: pb.Plan | None, alive: list[Member], excluded: set[str], meas
     return spare and (measured or any(len(s.node_ids) < cap for s in plan.stages))
 
 
-def step_shape(cfg: RunConfig, model: costmodel.ModelProfile) -> costmodel.StepShape:
-    """A step as the planner and the cost model see it; PowerSGD's rank only where the nodes reported the parameter
-    shapes that size its factors."""
-    return costmodel.StepShape.from_config(cfg, param_shapes_known=model.layer_param_shapes is not None)
+def step_shape(cfg: RunConfig, model: costmodel.ModelProfile, corrections: Corrections) -> costmodel.StepShape:
+    """A step as the planner and the cost model see it, with the fixed costs the run measured; PowerSGD's rank only
+    where the nodes reported the parameter shapes that size its factors."""
+    return costmodel.StepShape.from_config(
+        cfg, param_shapes_known=model.layer_param_shapes is not None,
+        averaging_round_s=corrections.averaging_round_s, commit_s=corrections.commit_s,
+    )
 
 
-def estimate(cfg: RunConfig, ranges: Ranges, groups: Groups, window: int | None = None) -> costmodel.Plan | None:
-    """The cost model's estimate of a layout, once every node in it has reported a profile: at the data heads'
-    window `window` where the layout runs with one already (a plan's), else at the one train.inflight gives it."""
+def estimate(
+    cfg: RunConfig, ranges: Ranges, groups: Groups, corrections: Corrections, window: int | None = None
+) -> costmodel.Plan | None:
+    """The cost model's estimate of a layout with the run's corrections, once every node in it has reported a
+    profile: at the data heads' window `window` where the layout runs with one already (a plan's), else at the one
+    train.inflight gives it."""
     members = [m for g in groups for m in g]
     if any(m.profile is None for m in members):
         return None
-    nodes, model, network = planner_inputs(members, cfg)
+    nodes, model, network = planner_inputs(members, cfg, corrections.scale)
     index = {n.node_id: i for i, n in enumerate(nodes)}
-    cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=step_shape(cfg, model))
+    shape = step_shape(cfg, model, corrections)
+    cm = costmodel.CostModel(nodes=nodes, model=model, network=network, shape=shape)
     stages = [(start, end, [index[m.node_id] for m in g]) for (start, end), g in zip(ranges, groups)]
     return cm.plan(stages, {}, window) if cm.feasible(stages) else None
 
@@ -113,11 +122,18 @@ def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> 
 def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | None, tolerance: float) -> bool:
     """Under train.inflight = "auto", whether the estimate's window is more than `tolerance` (a fraction) away from the
     plan's: the plan took its window from the profiles it had, and links measured since (a probe runs once the
-    neighbours are known) can put the round trip over the pace far from it; too small a window idles the links, too
-    large a one holds memory for nothing."""
+    neighbours are known) or in-run times can put the round trip over the pace far from it; too small a window idles
+    the links, too large a one holds memory for nothing. A plan's window within the tolerance of the unrounded need
+    stays (above the estimate's only where memory did not lower that): a need near a whole number, rounded up, would
+    flip the window between two plans as each step's measurements move it."""
     if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
-    return abs(estimate.chosen_inflight / plan.inflight - 1) > tolerance
+    chosen, need = estimate.chosen_inflight, estimate.window_need
+    if need is not None and need / (1 + tolerance) <= plan.inflight <= math.ceil(need * (1 + tolerance)):
+        uncapped = math.ceil(need - 1e-9)
+        if plan.inflight <= chosen or chosen == uncapped:
+            return False
+    return abs(chosen / plan.inflight - 1) > tolerance
 
 
 @dataclass(frozen=True)

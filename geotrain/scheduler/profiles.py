@@ -12,7 +12,7 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from geotrain.config import PRECISIONS, RunConfig
@@ -174,10 +174,11 @@ def measured_network(
 
 
 def planner_inputs(
-    members: Sequence[Profiled], cfg: RunConfig
+    members: Sequence[Profiled], cfg: RunConfig, scale: Callable[[str], float] = lambda node_id: 1.0
 ) -> tuple[list[NodeProfile], ModelProfile, Network]:
     """The planner's nodes, model and network from the members that have reported a profile (the others are left
-    out); ValueError when none has."""
+    out), each node's layer times times scale(node id) (scheduler.calibration: in-run over profiled); ValueError when
+    none has."""
     profiled = [m for m in members if m.profile is not None]
     if not profiled:
         raise ValueError("no node has reported a profile yet")
@@ -185,7 +186,7 @@ def planner_inputs(
         NodeProfile(
             node_id=m.node_id,
             region=m.region,
-            layer_seconds=list(m.profile.layer_seconds),
+            layer_seconds=[t * scale(m.node_id) for t in m.profile.layer_seconds],
             memory_bytes=m.profile.memory_bytes,
             unreachable=m.unreachable,
         )

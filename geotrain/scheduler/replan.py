@@ -10,6 +10,7 @@ plan runs it with the committed state.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +18,7 @@ from dataclasses import replace
 from geotrain.config import RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel, placement
+from geotrain.scheduler.calibration import Calibration, StepTimings
 from geotrain.scheduler.errors import RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
@@ -91,8 +93,9 @@ class Planning:
         self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
         self._planned_step_s: float | None = None  # its estimated step time when the plan was made
         self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
-        self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
         self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
+        self.calibration = Calibration(averages_each_step=not cfg.compression.diloco)
+        self._committed_epoch = 0  # the plan epoch of the last committed step
 
     # -- is the plan still right? ---------------------------------------------------------------------------------
 
@@ -122,32 +125,47 @@ class Planning:
             )
         )
 
-    def after_commit(self) -> None:
-        """Re-estimate the plan once newer profiles of its nodes are in; a drifted estimate, or averaging that
-        ought to switch, makes the next step re-plan."""
-        if self.plan is None or not self._profiles_changed():
+    def after_commit(self, timings: StepTimings) -> None:
+        """Correct the cost model with what the committed step measured and re-estimate the plan with that (and
+        with its nodes' latest profiles); a drifted estimate, or averaging or a window that ought to change, makes
+        the next step re-plan. The estimate after a plan's first step is kept as its prediction ("predicted_step_s":
+        the plan's later steps are measured against it, and it knows nothing of them)."""
+        if self.plan is None:
             return
         members = self.membership.members
+        profiles = {n: members[n].profile for n in placement.plan_nodes(self.plan)}
         groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
-        self.update_estimate(placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
+        ranges, window = placement.plan_ranges(self.plan), self.plan.inflight or None
+        # The step as priced before its timings (profiles may have come in since the plan's estimate), which the
+        # averaging's fixed cost is measured beyond.
+        self.update_estimate(ranges, groups, window)
+        first_of_plan = self._committed_epoch != self.plan.epoch
+        self._committed_epoch = self.plan.epoch
+        self.calibration.observe(timings, self.plan, profiles, self.estimate, first_of_plan=first_of_plan)
+        log.debug("step timings %s; corrections now %s", timings, self.calibration.corrections)
+        self.update_estimate(ranges, groups, window)
+        if first_of_plan and self.estimate is not None:
+            corrections = self.calibration.corrections
+            prediction = {
+                "plan_epoch": self.plan.epoch, "step_s": self.estimate.step_seconds,
+                "commit_s": corrections.commit_s, "averaging_round_s": corrections.averaging_round_s,
+                "scales": dict(corrections.scales), "run_scale": corrections.run_scale,
+            }
+            self.store.put("predicted_step_s", json.dumps(prediction))
         self.dirty |= self.drifted() or self.averaging_changed() or self.window_changed()
-
-    def _profiles_changed(self) -> bool:
-        """A node of the plan reported a newer profile (e.g. a link it measured) than the estimate used."""
-        members = self.membership.members
-        return any(members[n].profile is not self._estimated_from.get(n) for n in placement.plan_nodes(self.plan))
 
     def update_estimate(self, ranges: placement.Ranges, groups: placement.Groups, window: int | None = None) -> None:
         """Price a layout with the cost model (None until every node of it has reported a profile), at the window
-        it runs with where it has one."""
-        self._estimated_from = {m.node_id: m.profile for g in groups for m in g}
-        self.estimate = placement.estimate(self.cfg, ranges, groups, window)
+        it runs with where it has one, corrected by what the run has measured so far."""
+        self.estimate = placement.estimate(self.cfg, ranges, groups, self.calibration.corrections, window)
         if self.estimate is not None:
             self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
 
     def drifted(self) -> bool:
-        """Whether re-measured profiles put the current plan's estimate so far above what it was when the plan was
-        made that the planner should look again (it moves layers only where that pays: _REPLAN_TOLERANCE)."""
+        """Whether re-measured profiles or in-run times put the current plan's estimate so far above what it was when
+        the plan was made that the planner should look again (it moves layers only where that pays:
+        _REPLAN_TOLERANCE), and it does not keep the plan's layout: then the plan stands, priced anew (a new epoch
+        would only drop the step in between; in-run times move most estimates that far after a plan's first step)."""
         if not self._replans_measured() or self.estimate is None:
             return False
         if self._planned_step_s is None:  # the plan's profiles came in after it was made
@@ -156,10 +174,24 @@ class Planning:
         slower = placement.slowdown(self.estimate.step_seconds, self._planned_step_s)
         if slower <= _DRIFT_REPLAN:
             return False
-        why = f"re-measured profiles put the plan {100 * slower:.0f}% slower than estimated when it was made"
+        why = f"re-measured profiles and in-run times put the plan {100 * slower:.0f}% slower than estimated when made"
+        if self._planner_keeps_layout():
+            self._planned_step_s = self.estimate.step_seconds
+            log.info("%s; the planner keeps its layout", why)
+            self.store.event("drift", detail=f"{why}; the planner keeps its layout")
+            return False
         log.info("re-planning: %s", why)
         self.store.event("drift", detail=why)
         return True
+
+    def _planner_keeps_layout(self) -> bool:
+        """Whether the planner, asked now, lays the layers out as the running plan does (ranges and nodes)."""
+        if self.plan is None:
+            return False
+        ranges, groups = self._planned_layout()
+        return ranges == placement.plan_ranges(self.plan) and all(
+            {m.node_id for m in group} == set(stage.node_ids) for group, stage in zip(groups, self.plan.stages)
+        )
 
     def window_changed(self) -> bool:
         """Whether the plan's data-head window is far from the one its latest estimate gives (train.inflight =
@@ -210,12 +242,13 @@ class Planning:
         while True:
             candidates = [m for m in self._placeable() if m.profile is not None]
             try:
-                nodes, model, network = planner_inputs(candidates, self.cfg)
+                corrections = self.calibration.corrections
+                nodes, model, network = planner_inputs(candidates, self.cfg, corrections.scale)
                 planned = plan_stages(
                     nodes=nodes,
                     model=model,
                     network=network,
-                    shape=placement.step_shape(self.cfg, model),
+                    shape=placement.step_shape(self.cfg, model, corrections),
                     config=PlannerConfig(stages=self.cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
                     previous=previous,
                 )
@@ -424,4 +457,5 @@ class Planning:
         groups = [[members.get(n) for n in s.node_ids] for s in self.plan.stages]
         if any(m is None or not m.alive for g in groups for m in g):
             return None
-        return placement.estimate(self.cfg, placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
+        ranges = placement.plan_ranges(self.plan)
+        return placement.estimate(self.cfg, ranges, groups, self.calibration.corrections, self.plan.inflight or None)

@@ -20,6 +20,7 @@ from typing import NoReturn
 from geotrain.config import LossScale, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
+from geotrain.scheduler.calibration import StepTimings
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
@@ -109,6 +110,8 @@ class StepProgress:
     norm_parts: dict[str, list[float]] = field(default_factory=dict)  # each gradient tensor's squared norm
     checksums: dict[str, str] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
+    compute_s: dict[str, float] = field(default_factory=dict)  # node -> its stage's seconds per microbatch (reported)
+    averaging_s: dict[str, float] = field(default_factory=dict)  # node -> its replica averaging's seconds (reported)
 
 
 class StepDriver:
@@ -124,6 +127,7 @@ class StepDriver:
         self._on_event = on_event
         self.progress = StepProgress(step=-1)
         self.phase = StepPhase.IDLE
+        self.timings: StepTimings | None = None  # what the last committed step measured
 
     def _enter(self, phase: StepPhase, step: int) -> None:
         self.phase = phase
@@ -194,7 +198,13 @@ class StepDriver:
             earlier = (progress.norms.get(request.node_id), progress.norm_parts.get(request.node_id))
             if earlier[0] is not None and earlier != reported:
                 _refuse(request.node_id, f"a second, different gradient norm for step {request.step}")
+            # Measurements, not state: bounded by the step timeout (a step that took longer would have failed).
+            timeout = self.cfg.scheduler.step_timeout_s
+            if not all(0 <= v <= timeout for v in (request.compute_s_per_microbatch, request.averaging_s)):
+                _refuse(request.node_id, f"its compute or averaging seconds are not in [0, {timeout:g}]")
             progress.norms[request.node_id], progress.norm_parts[request.node_id] = reported
+            progress.compute_s[request.node_id] = request.compute_s_per_microbatch
+            progress.averaging_s[request.node_id] = request.averaging_s
             self.membership.cond.notify_all()
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
@@ -239,10 +249,18 @@ class StepDriver:
         self._enter(StepPhase.DISPATCHED, step)
         wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
         self._enter(StepPhase.MICROBATCHES_DONE, step)
+        commit_started = time.monotonic()
 
         self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
         wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
         self._enter(StepPhase.NORMS_IN, step)
+        with self.membership.cond:
+            timings = StepTimings(
+                plan_epoch=plan.epoch,
+                commit_s=time.monotonic() - commit_started,
+                compute_s=dict(self.progress.compute_s),
+                averaging_s=dict(self.progress.averaging_s),
+            )
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
         clip, skip, scale = self.cfg.train.decide(
             (p for s in plan.stages for p in self._stage_norm_parts(s)), current_loss_scale(self.cfg, self.store)
@@ -276,6 +294,7 @@ class StepDriver:
         )
         self._enter(StepPhase.APPLIED, step)
         self.store.commit_step(record, self._stage_checksums(plan))
+        self.timings = timings
         self._enter(StepPhase.COMMITTED, step)
         return record
 
