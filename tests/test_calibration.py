@@ -81,8 +81,13 @@ def test_averaging_is_measured_beyond_what_the_estimate_priced_per_round():
     assert calibration.corrections.averaging_round_s == pytest.approx(0.3)
     # A low-rank stage runs two rounds: its 0.6 s beyond the bytes is 0.3 a round; faster than priced is no cost.
     calibration = Calibration(averages_each_step=True)
-    _observe(calibration, _timings(a=(0.0, 0.7), b=(0.0, 0.7)), _stage(0.1, 2), _stage(0, 0))
+    _observe(calibration, _timings(commit_s=0.8, a=(0.0, 0.7), b=(0.0, 0.7)), _stage(0.1, 2), _stage(0, 0))
     assert calibration.corrections.averaging_round_s == pytest.approx(0.3)
+    # Averaging happens within the commit phase the coordinator timed: a node that claims longer is held to it.
+    calibration = Calibration(averages_each_step=True)
+    _observe(calibration, _timings(commit_s=0.4, a=(0.0, 30.0), b=(0.0, 0.2)), _stage(0.05, 1), _stage(0, 0))
+    assert calibration.corrections.averaging_round_s == pytest.approx(0.35)
+    assert calibration.corrections.commit_s == 0.0
     calibration = Calibration(averages_each_step=True)
     _observe(calibration, _timings(a=(0.0, 0.01), b=(0.0, 0.01)), _stage(0.1, 1), _stage(0, 0))
     assert calibration.corrections.averaging_round_s == 0.0

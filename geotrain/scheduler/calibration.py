@@ -118,7 +118,11 @@ class Calibration:
                     continue
                 profiled = math.fsum(profile.layer_seconds[stage.layer_start : stage.layer_end])
                 self._scales[node_id].add(min(max(measured / profiled, lo), hi), first_of_plan)
-        averaging = [max(timings.averaging_s.get(n, 0.0) for n in s.node_ids) for s in plan.stages]
+        # A node's averaging happens inside the commit phase the coordinator timed itself: a report beyond it is
+        # false, and one volunteer's would price every replica of the run out of the plans.
+        averaging = [
+            min(timings.commit_s, max(timings.averaging_s.get(n, 0.0) for n in s.node_ids)) for s in plan.stages
+        ]
         if self._averages_each_step and estimate is not None:
             # The estimate priced each stage's averaging at its bytes plus the rounds' fixed cost as known so far.
             known = self.corrections.averaging_round_s
