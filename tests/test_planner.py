@@ -1,5 +1,6 @@
 """Planner: near the brute-force optimum on small clusters, memory exclusions, determinism, re-plan stability."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -246,3 +247,22 @@ def test_stage_counts_without_a_plan_do_not_end_the_sweep():
     with pytest.raises(ValueError, match="no feasible plan"):
         plan(**kwargs, config=PlannerConfig(stages=4))
     assert plan(**kwargs, config=PlannerConfig(stages=6)).step_seconds > planned.step_seconds
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_local_search_ends_where_no_single_move_improves(seed):
+    # The local search resumes each pass after its last improving node move; it still stops only where no boundary
+    # shift, node move or stage swap of the whole list improves the step.
+    nodes = [dataclasses.replace(n, memory_bytes=8 * 10**9) for n in random_nodes(seed, 12)]
+    cm = CostModel(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=16, microbatch_size=2))
+    planner = Planner(cm, PlannerConfig(max_refine_passes=1000))
+    usable = cm.usable
+    cuts = [0, 1, 2, cm.model.n_layers - 1, cm.model.n_layers]
+    start = tuple((cuts[s], cuts[s + 1], tuple(usable[s::4])) for s in range(4))
+    assert cm.feasible(start)
+    refined = planner._refine(start)
+    best = cm.step_seconds(refined)
+    assert best < cm.step_seconds(start)
+    neighbours = [*planner._boundary_moves(refined), *planner._node_moves(refined), *planner._swap_moves(refined)]
+    assert len(neighbours) > len(usable)
+    assert min(cm.step_seconds(trial) for trial in neighbours) >= best * (1 - 1e-9)

@@ -18,7 +18,7 @@ How it searches (every candidate is scored by CostModel, the same model that sco
    region's nodes are dealt again among its stages by load (a stage's compute, or a slow link it feeds with fewer
    parallel pairs than its neighbour), and a local search moves chunks of nodes between neighbouring stages; both
    split the layers again. Then all of them get a local search: shift a stage boundary by one layer and, on small
-   clusters, move a node to another stage or out.
+   clusters, move a node to another stage or out (each pass goes on after the last node move that improved).
 6. Re-planning from a previous plan adds that plan, with departed nodes removed and new ones added where they
    relieve most, as a candidate; among plans within `replan_tolerance` of the best, the one moving the fewest
    layers wins. Ties break on stable keys, so the same inputs give the same plan.
@@ -605,13 +605,20 @@ class Planner:
         one node's layers before those that shift a whole stage's."""
         cm = self.cm
         best, best_cost = stages, cm.step_seconds(stages)
+        at = 0  # where the last improving node move stood among the node moves
         for _ in range(self.config.max_refine_passes):
             improved = False
-            moves = (self._boundary_moves(best), self._node_moves(best), self._swap_moves(best))
+            # Node moves go on from the last improving one, round the list: the moves before it were just tried and
+            # rarely improve after one node moved, and trying them again every pass was most of the search's work.
+            node_moves = list(self._node_moves(best))
+            at = min(at, len(node_moves))
+            moves = [self._boundary_moves(best), node_moves[at:] + node_moves[:at], self._swap_moves(best)]
             for trial in itertools.chain(*(moves[::-1] if nodes_first else moves)):
                 cost = cm.step_seconds(trial)
                 if cost < best_cost * (1 - 1e-9):
                     best, best_cost, improved = trial, cost, True
+                    if trial in node_moves:
+                        at = node_moves.index(trial)
                     break
             if not improved:
                 break
