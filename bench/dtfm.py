@@ -19,9 +19,9 @@ What this implementation simplifies or changes, and why:
 - Budget: DT-FM's own, per D_PP: its scheduler runs GCMA(population_size=100, trails=4900) (DS3Lab/DT-FM,
   scheduler/heuristic_evolutionary_solver/scheduler.py, the __main__ block calling GCMA): 100 random balanced
   partitions, then 4,900 offspring, each a five-point crossover of two parents improved by one round of cyclic
-  partitioning and scored once, 5,000 scorings in all. An offspring takes the place of the worse parent unless it is
-  worse than both, as that code means it (its test, `offspring_score > max(score1, offspring_score > score2)`,
-  compares with the first parent only, a slip).
+  partitioning and scored once, 5,000 scorings in all (31.5-148.7 s a pair in bench/planner.py's run). An offspring
+  takes the place of the worse parent unless it is worse than both, as that code means it (its test,
+  `offspring_score > max(score1, offspring_score > score2)`, compares with the first parent only, a slip).
 - Local search: one round of cyclic partitioning, with its gains from DT-FM's pairwise communication costs (the
   delay plus one activation's bits over the bandwidth between two devices), never from the cost model; its cycles of
   moves are swaps (cycles through two groups), made where they lower the groups' summed pairwise costs; first moves
@@ -203,8 +203,8 @@ class _Search:
             cheapest, second = np.partition(joining, 1, axis=0)[:2]
             gains = (leaving / np.maximum(sizes - 1, 1) - np.where(joining == cheapest, second, cheapest)).ravel()
             # The best first moves in turn, until one has a move back that makes the swap pay.
-            best = np.argpartition(-gains, SWAP_TRIES)[:SWAP_TRIES] if len(gains) > SWAP_TRIES else np.arange(len(gains))
-            for first in best[np.argsort(-gains[best], kind="stable")]:
+            best = np.argpartition(-gains, SWAP_TRIES)[:SWAP_TRIES] if len(gains) > SWAP_TRIES else range(len(gains))
+            for first in sorted(best, key=lambda g: -gains[g]):
                 src, out = divmod(int(first), n_classes)
                 to_other = joining[:, out].copy()
                 to_other[src] = math.inf
