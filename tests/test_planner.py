@@ -1,6 +1,7 @@
 """Planner: near the brute-force optimum on small clusters, memory exclusions, determinism, re-plan stability."""
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 import random
@@ -12,6 +13,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
 from geotrain.scheduler.planner import Planner, PlannerConfig, plan
+from tests.conftest import REPO
 
 MODEL = ModelProfile.gpt(n_layers=4, d_model=512, n_heads=8, seq_len=256, vocab=8000, microbatch_size=2)
 NET = Network(
@@ -186,7 +188,7 @@ def test_dealt_stages_span_every_region_with_even_compute():
     net = Network(intra_region=NET.intra_region, default_inter_region=Link(bandwidth_bps=2e8, latency_s=0.05))
     cm = CostModel(nodes=nodes, model=MODEL, network=net, shape=StepShape(microbatches=48, microbatch_size=2))
     planner = Planner(cm, PlannerConfig())
-    groups = planner._groups(cm.usable, 3, planner._region_chain(), "deal")
+    groups = planner._groups(cm.usable, 3, planner._region_chain(planner.region_cost), "deal")
     assert sorted(i for g in groups for i in g) == sorted(cm.usable)
     for region in {"a", "b", "c", "d"}:
         counts = [sum(nodes[i].region == region for i in g) for g in groups]
@@ -266,3 +268,23 @@ def test_local_search_ends_where_no_single_move_improves(seed):
     neighbours = [*planner._boundary_moves(refined), *planner._node_moves(refined), *planner._swap_moves(refined)]
     assert len(neighbours) > len(usable)
     assert min(cm.step_seconds(trial) for trial in neighbours) >= best * (1 - 1e-9)
+
+
+def test_regions_are_also_chained_by_the_links_that_pace_the_step(monkeypatch):
+    # bench/planner.py's dtfm_regional at 16 V100s, 4 per region: by one transfer (latency-heavy) the cheapest chain
+    # is Virginia-Ohio-Oregon-California, whose Ohio-Oregon link (1.10 Gbit/s) paces the step; DT-FM's order,
+    # California-Oregon-Virginia-Ohio, crosses faster links, and the planner must do at least as well as it.
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_planner", REPO / "bench" / "planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = ModelProfile.gpt(**bench.MODEL)
+    nodes, network = bench.SCENARIOS["dtfm_regional"][0](16, model)
+    cm = CostModel(nodes=nodes, model=model, network=network, shape=StepShape(microbatches=256, microbatch_size=1))
+    planner = Planner(cm, PlannerConfig())
+    ours = planner.plan(None)
+    # DT-FM's plan there: 8 stages of 2 V100s, two per region, the regions in its order.
+    order = ("California", "Oregon", "Virginia", "Ohio")
+    pairs = [[i for i in range(16) if nodes[i].region == r][half::2] for r in order for half in (0, 1)]
+    stages, _ = planner.split_layers(pairs)
+    assert ours.step_seconds <= cm.step_seconds(stages) * (1 + 1e-9)
