@@ -28,24 +28,27 @@ best, and drop a node whose memory cannot hold its stage: the most generous hone
 --strategies names which of them run (empty: geotrain and bound only, e.g. --sizes 4096 --strategies "").
 
 Measured (issue 19, part 4; all 36 scenario x size pairs, every strategy, raw averaging, one run under the CPU lock
-on 2 December; dtfm at DT-FM's own budget, GCMA(population_size=100, trails=4900) per D_PP, see bench/dtfm.py):
+on 2 December; dtfm at DT-FM's own budget, GCMA(population_size=100, trails=4900) per D_PP, see bench/dtfm.py). That
+run found geotrain 0.03% below dtfm in dtfm_regional 16 (41.444 samples/s against 41.455); the planner then also
+chained the regions by the links that pace the step, and four_regions_wan, dtfm_two_universities and dtfm_regional
+were planned again (every strategy but dtfm, whose lines are the run's; sizes 16-1024 and 4,096), so their geotrain
+figures below are from that second run:
 - samples/s, geotrain over dtfm: 1.06-1.12 homogeneous_datacenter, 1.01-1.16 mixed_one_region, 1.06-1.41
-  four_regions_wan, 3.86-7.12 volunteers_worldwide, 1.00-1.45 dtfm_datacenter (64: the same samples/s, 256: 0.03% more),
-  1.11-1.24 dtfm_spot, 1.14-1.42 dtfm_two_universities, 0.9997-1.40 dtfm_regional, 1.23-1.97 dtfm_worldwide; min
-  0.9997, median 1.174, max 7.12; the median over the 20 multi-region pairs is 1.40. geotrain is at or above every
-  other strategy in 35 pairs; in dtfm_regional 16 it is 0.03% below dtfm (41.444 samples/s against 41.455), so "never
-  below" does not hold against the full-budget peer. At the full budget dtfm gains most where its old search was
-  short (four_regions_wan 64: 169.4 against 89.2 before, dtfm_worldwide 16: 27.5 against 20.6); geotrain's samples/s
-  are those of the earlier runs or above (volunteers_worldwide 64: 12.10 against 11.69, four_regions_wan 64: 180.22
-  against 180.19).
-- plan time, geotrain over dtfm: 0.008-0.077, median 0.024, a tenth or less in every pair. The worst is
+  four_regions_wan, 3.86-7.12 volunteers_worldwide, 1.00-1.45 dtfm_datacenter (64: the same samples/s), 1.11-1.24
+  dtfm_spot, 1.14-1.42 dtfm_two_universities, 1.006-1.40 dtfm_regional, 1.23-1.97 dtfm_worldwide; min 1.000, median
+  1.174, max 7.12; the median over the 20 multi-region pairs is 1.40. geotrain is at or above every other strategy in
+  all 36 pairs. At the full budget dtfm gains most where its old search was short (four_regions_wan 64: 169.4
+  against 89.2 before, dtfm_worldwide 16: 27.5 against 20.6, dtfm_regional 16: 41.46 against 36.40); geotrain's
+  samples/s are those of the earlier runs or above (volunteers_worldwide 64: 12.10 against 11.69, dtfm_regional 16:
+  41.69 against 41.44).
+- plan time, geotrain over dtfm: 0.008-0.077, median 0.022, a tenth or less in every pair. The worst is
   volunteers_worldwide 64 (5.46 s against 70.5 s), then 0.062 at volunteers_worldwide 256 (4.16 s against 67.5 s);
-  by scenario the largest ratio is 0.021 homogeneous_datacenter, 0.051 mixed_one_region, 0.031 four_regions_wan,
-  0.077 volunteers_worldwide, 0.033 dtfm_datacenter, 0.027 dtfm_spot, 0.029 dtfm_two_universities, 0.051
+  by scenario the largest ratio is 0.021 homogeneous_datacenter, 0.051 mixed_one_region, 0.025 four_regions_wan,
+  0.077 volunteers_worldwide, 0.033 dtfm_datacenter, 0.027 dtfm_spot, 0.025 dtfm_two_universities, 0.058
   dtfm_regional, 0.044 dtfm_worldwide. dtfm plans a pair in 31.5-148.7 s (dtfm_spot 1024 the longest), geotrain in
   0.31-5.46 s.
-- 4,096 nodes (--sizes 4096 --strategies "", right after, under the same lock): every scenario plans in 1.9-7.2 s,
-  dtfm_spot 7.20 s, volunteers_worldwide 6.30 s, mixed_one_region 3.22 s, dtfm_worldwide 3.02 s.
+- 4,096 nodes (--sizes 4096 --strategies ""; the three re-planned scenarios from the second run): every scenario
+  plans in 2.1-7.2 s, dtfm_spot 7.20 s, volunteers_worldwide 6.30 s, dtfm_regional 4.05 s, mixed_one_region 3.22 s.
 How the plan time came down (earlier runs, dtfm at a budget of 465 scorings per D_PP): 0.13-3.0x dtfm's at first;
 0.12-2.3x once the cost model read the default link and the few class pairs that differ from it; 0.09-1.39x (median
 0.375) with memos in the cost model and the planner and a stage-count sweep that stops where it stops paying. Then
