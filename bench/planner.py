@@ -27,32 +27,34 @@ uniform and proportional get every stage count from 1 to the layer count and kee
 best, and drop a node whose memory cannot hold its stage: the most generous honest reading of them.
 --strategies names which of them run (empty: geotrain and bound only, e.g. --sizes 4096 --strategies "").
 
-Measured (issue 19; all 36 scenario x size pairs, raw averaging, one run under the CPU lock): geotrain is at or above
-every other strategy everywhere; its samples/s over dtfm's is 1.04-1.16 in homogeneous_datacenter and
-mixed_one_region, 1.12-1.45 in dtfm_datacenter, dtfm_spot, dtfm_two_universities and dtfm_regional, 1.76-2.80 in
-dtfm_worldwide, 1.20-2.16 in four_regions_wan, 3.85-7.13 for volunteers; the median over the 20 multi-region pairs
-is 1.61.
-Its plan time is 0.13 to 3.0 times dtfm's at dtfm's budget here (population 16, 64 offspring per D_PP, a few seconds),
-not the tenth the issue asks. At 4,096 nodes geotrain plans dtfm_worldwide in 7.1 s, volunteers_worldwide in
-10.5-12.1 s and dtfm_spot (2,560 machines as regions) in 32.5 s.
-Issue 19, part 2 (the cost model reads the default link and the few class pairs that differ from it; a node pool whose
-compute bound reaches the best step is skipped): every samples/s of the 36 pairs is unchanged, and the plan time is
-0.12 to 2.3 times dtfm's (median 0.6; volunteers_worldwide at 64-1024 nodes is the slowest, 1.2-2.3x), still not the
-tenth; dtfm's budget is the one above, unchanged. dtfm_spot 1,024 plans in 4.4 s instead of 15 s. At 4,096 nodes, the
-same plans as before: dtfm_spot in 5.9 s, volunteers_worldwide in 7.2 s, dtfm_worldwide in 4.8 s.
-Issue 19, part 3 (memos in the cost model and the planner, a stage-count sweep that stops where it stops paying; the
-36 pairs planned by geotrain alone in one run under the CPU lock, against dtfm's plan times of the part-2 run, its
-budget unchanged, which is smaller than DT-FM's own: see bench/dtfm.py): 34 samples/s are the same and
-volunteers_worldwide 16 and 64 plan 0.05% more (5.603, 11.694). The plan time is 0.09 to 1.39 times dtfm's, median
-0.375 (0.12-2.3, median 0.6 before), so still not the tenth: a tenth or less only in dtfm_datacenter 16, 0.09-0.27
-at 16 nodes, a half or less in 24 pairs. The worst is volunteers_worldwide 64 (7.4 s): 64 nodes in
-7-9 stages are few enough for the local search to move single nodes, and it scores some 24,000 plans. Under cProfile
-at volunteers_worldwide 1,024 (5.1 s), the layer DP takes 1.6 s, about 8 passes per split as the all-reduce cap comes
-down, and the stage tables 1.8 s. At 4,096 nodes (--sizes 4096 --strategies "") every scenario plans in 2.4-7.5 s:
-dtfm_spot 7.45 s, volunteers_worldwide 6.98 s, dtfm_worldwide 3.56 s, these three at part 2's samples/s. Every
-strategy at 16 and 64 nodes in one run (--sizes 16,64; the full run did not fit the session): geotrain at or above
-every other strategy in all 18 pairs, dtfm's samples/s as before, geotrain's plan time 0.12-1.58 times dtfm's of the
-same run, median 0.25 (volunteers_worldwide 64: 7.35 s against 4.65 s).
+Measured (issue 19, part 4; all 36 scenario x size pairs, every strategy, raw averaging, one run under the CPU lock
+on 2 December; dtfm at DT-FM's own budget, GCMA(population_size=100, trails=4900) per D_PP, see bench/dtfm.py). That
+run found geotrain 0.03% below dtfm in dtfm_regional 16 (41.444 samples/s against 41.455); the planner then also
+chained the regions by the links that pace the step, and four_regions_wan, dtfm_two_universities and dtfm_regional
+were planned again (every strategy but dtfm, whose lines are the run's; sizes 16-1024 and 4,096), so their geotrain
+figures below are from that second run:
+- samples/s, geotrain over dtfm: 1.06-1.12 homogeneous_datacenter, 1.01-1.16 mixed_one_region, 1.06-1.41
+  four_regions_wan, 3.86-7.12 volunteers_worldwide, 1.00-1.45 dtfm_datacenter (64: the same samples/s), 1.11-1.24
+  dtfm_spot, 1.14-1.42 dtfm_two_universities, 1.006-1.40 dtfm_regional, 1.23-1.97 dtfm_worldwide; min 1.000, median
+  1.174, max 7.12; the median over the 20 multi-region pairs is 1.40. geotrain is at or above every other strategy in
+  all 36 pairs. At the full budget dtfm gains most where its old search was short (four_regions_wan 64: 169.4
+  against 89.2 before, dtfm_worldwide 16: 27.5 against 20.6, dtfm_regional 16: 41.46 against 36.40); geotrain's
+  samples/s are those of the earlier runs or above (volunteers_worldwide 64: 12.10 against 11.69, dtfm_regional 16:
+  41.69 against 41.44).
+- plan time, geotrain over dtfm: 0.008-0.077, median 0.022, a tenth or less in every pair. The worst is
+  volunteers_worldwide 64 (5.46 s against 70.5 s), then 0.062 at volunteers_worldwide 256 (4.16 s against 67.5 s);
+  by scenario the largest ratio is 0.021 homogeneous_datacenter, 0.051 mixed_one_region, 0.025 four_regions_wan,
+  0.077 volunteers_worldwide, 0.033 dtfm_datacenter, 0.027 dtfm_spot, 0.025 dtfm_two_universities, 0.058
+  dtfm_regional, 0.044 dtfm_worldwide. dtfm plans a pair in 31.5-148.7 s (dtfm_spot 1024 the longest), geotrain in
+  0.31-5.46 s.
+- 4,096 nodes (--sizes 4096 --strategies ""; the three re-planned scenarios from the second run): every scenario
+  plans in 2.1-7.2 s, dtfm_spot 7.20 s, volunteers_worldwide 6.30 s, dtfm_regional 4.05 s, mixed_one_region 3.22 s.
+How the plan time came down (earlier runs, dtfm at a budget of 465 scorings per D_PP): 0.13-3.0x dtfm's at first;
+0.12-2.3x once the cost model read the default link and the few class pairs that differ from it; 0.09-1.39x (median
+0.375) with memos in the cost model and the planner and a stage-count sweep that stops where it stops paying. Then
+the planner's local search went on from its last improving node move instead of rescanning from the first node every
+pass: volunteers_worldwide 64, 64 nodes in 7-9 stages where single nodes move, scored some 24,000 plans in 7.4 s, and
+now plans in 5.5 s.
 
 Replica averaging: raw gradients by default, flat or hierarchical per stage, whichever the cost model prices lower
 (hierarchical: average inside each instance or region, all-reduce one shard per replica across them, share the

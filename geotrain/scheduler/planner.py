@@ -18,7 +18,7 @@ How it searches (every candidate is scored by CostModel, the same model that sco
    region's nodes are dealt again among its stages by load (a stage's compute, or a slow link it feeds with fewer
    parallel pairs than its neighbour), and a local search moves chunks of nodes between neighbouring stages; both
    split the layers again. Then all of them get a local search: shift a stage boundary by one layer and, on small
-   clusters, move a node to another stage or out.
+   clusters, move a node to another stage or out (each pass goes on after the last node move that improved).
 6. Re-planning from a previous plan adds that plan, with departed nodes removed and new ones added where they
    relieve most, as a candidate; among plans within `replan_tolerance` of the best, the one moving the fewest
    layers wins. Ties break on stable keys, so the same inputs give the same plan.
@@ -130,20 +130,28 @@ class Planner:
             raise ValueError(
                 f"cannot make {self.config.stages} stages from {self.n_layers} layers and {len(cm.usable)} usable nodes"
             )
-        scored = self._constructed()
+        chain = self._region_chain(self.region_cost)
+        scored = self._constructed(self._pools(chain))
         ranked = sorted((c for c in scored if math.isfinite(scored[c])), key=lambda c: (scored[c], c))
         if not ranked:
             raise ValueError("no feasible plan: the nodes lack memory for every layer split tried")
         for cand in ranked[: self.config.refine_candidates]:
-            refined = self._refine(cand)
-            scored.setdefault(refined, cm.step_seconds(refined))
-            # Replica counts re-dealt by load and resized by a local search; the best of them gets the local search
-            # too (it may start behind the candidate's refinement and end ahead).
-            others = {*self._redealt(cand), self._resized(cand)} - {cand, refined}
-            for other in others:
-                scored.setdefault(other, cm.step_seconds(other))
-            if others:
-                refined = self._refine(min(others, key=lambda c: (scored[c], c)))
+            self._improve(cand, scored)
+        # The chain by what a boundary adds to the step, its paced occupancy too: by the transfer alone it may put a
+        # slower link under the pipeline to save latency (dtfm_regional 16: Ohio-Oregon at 1.10 Gbit/s, 49 ms, where
+        # Oregon-Virginia has 1.15 Gbit/s, 67 ms). Its best candidate gets the local search on its own, after the
+        # others, so that it can only add a better plan.
+        # Only over the few regions whose chain is exact: over many (volunteers, machines as regions) it costs most.
+        occupancy, transfer = cm.boundary_terms(self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1)
+        paced_chain = chain
+        if len(chain) <= _EXACT_CHAIN_REGIONS:
+            paced_chain = self._region_chain(cm.paced_seconds(occupancy) + transfer)
+        if paced_chain not in (chain, chain[::-1]):
+            extra = self._constructed([(tuple(cm.usable), paced_chain, True)])
+            feasible = [c for c in extra if math.isfinite(extra[c])]
+            if feasible:
+                scored.update(extra)
+                refined = self._refine(min(feasible, key=lambda c: (extra[c], c)))
                 scored.setdefault(refined, cm.step_seconds(refined))
         prev_ranges = self._previous_ranges(previous)
         adapted = self._adapt(prev_ranges) if prev_ranges else None
@@ -160,6 +168,20 @@ class Planner:
             best = min(scored, key=lambda c: (scored[c], c))
         logger.debug("planner scored %d candidates, best %.4g s/step", len(scored), scored[best])
         return cm.plan(best, self._exclusions(best))
+
+    def _improve(self, cand: tuple[Stage, ...], scored: dict[tuple[Stage, ...], float]) -> None:
+        """Score into scored the candidate's local search, its replica counts re-dealt by load and resized by a
+        local search, and the local search of the best of those (it may start behind the candidate's refinement and
+        end ahead)."""
+        cm = self.cm
+        refined = self._refine(cand)
+        scored.setdefault(refined, cm.step_seconds(refined))
+        others = {*self._redealt(cand), self._resized(cand)} - {cand, refined}
+        for other in others:
+            scored.setdefault(other, cm.step_seconds(other))
+        if others:
+            refined = self._refine(min(others, key=lambda c: (scored[c], c)))
+            scored.setdefault(refined, cm.step_seconds(refined))
 
     def _exclusions(self, stages: Sequence[Stage]) -> dict[str, str]:
         cm = self.cm
@@ -182,12 +204,10 @@ class Planner:
 
     # --- construction ----------------------------------------------------------------------------------
 
-    def _constructed(self) -> dict[tuple[Stage, ...], float]:
-        """Constructed candidates and their step times: every node pool, chain direction and grouping mode, over
-        stage counts from one up until they stop paying."""
-        chain = self._region_chain()
-        pools = [(subset, chain) for subset in self._subsets()]
-        n_full = len(pools)
+    def _pools(self, chain: list[str]) -> list[tuple[tuple[int, ...], list[str], bool]]:
+        """Node pools with their chain of regions, and whether it is the whole chain (tried in both directions): a
+        few subsets of the nodes over the chain, then the fastest window of regions of each width along it."""
+        pools = [(subset, chain, True) for subset in self._subsets()]
         # Fewer regions may beat crossing slow links: the fastest window of each width along the chain.
         region_of = [self.cm.nodes[i].region for i in range(len(self.cm.nodes))]
         rate = dict.fromkeys(chain, 0.0)
@@ -199,10 +219,16 @@ class Planner:
         for width in widths:
             start = int(np.argmax(cum[width:] - cum[:-width]))  # first maximum: stable
             window = set(chain[start : start + width])
-            pools.append((tuple(i for i in self.cm.usable if region_of[i] in window), chain[start : start + width]))
+            in_window = tuple(i for i in self.cm.usable if region_of[i] in window)
+            pools.append((in_window, chain[start : start + width], False))
+        return pools
+
+    def _constructed(self, pools: list[tuple[tuple[int, ...], list[str], bool]]) -> dict[tuple[Stage, ...], float]:
+        """Constructed candidates of the pools and their step times: every chain direction and grouping mode, over
+        stage counts from one up until they stop paying."""
         scored: dict[tuple[Stage, ...], float] = {}
         best = math.inf
-        for k, (subset, order) in enumerate(pools):
+        for subset, order, whole in pools:
             # No plan of a pool paces faster than its compute bound (every node on its share of the whole model):
             # a pool whose bound alone reaches the best step so far has nothing to offer.
             if self.cm.paced_seconds(1.0 / self.speed[list(subset)].sum()) >= best:
@@ -210,11 +236,11 @@ class Planner:
             top = min(self.n_layers, len(subset))
             counts = [self.config.stages] if self.config.stages else range(1, top + 1)
             # Direction decides which end region holds the embedding and the head; worth trying on the full chain.
-            directions = [order] if len(order) == 1 or k >= n_full else [order, order[::-1]]
+            directions = [order] if len(order) == 1 or not whole else [order, order[::-1]]
             modes = [(d, m) for d in directions for m in ("merge", "drop", "flat")]
             # The chain's direction means nothing to stages that span it all. Over many regions (machines as regions)
             # such stages would all-reduce across every one of them: not worth the planning time.
-            if 1 < len(order) <= _EXACT_CHAIN_REGIONS and k < n_full:
+            if 1 < len(order) <= _EXACT_CHAIN_REGIONS and whole:
                 modes.append((order, "deal"))
             for direction, mode in modes:
                 above = 0
@@ -258,10 +284,11 @@ class Planner:
         cm = self.cm
         return cm.boundary_terms(self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1)[1]
 
-    def _region_chain(self) -> list[str]:
+    def _region_chain(self, region_cost: np.ndarray) -> list[str]:
+        """The regions in the order that makes the summed cost of consecutive ones least."""
         cm = self.cm
         present = sorted({int(cm.region_of[i]) for i in cm.usable})  # sorted indices = sorted names
-        cost = self.region_cost[np.ix_(present, present)]
+        cost = region_cost[np.ix_(present, present)]
 
         def length(order: Sequence[int]) -> float:
             return float(cost[order[:-1], order[1:]].sum())
@@ -605,13 +632,20 @@ class Planner:
         one node's layers before those that shift a whole stage's."""
         cm = self.cm
         best, best_cost = stages, cm.step_seconds(stages)
+        at = 0  # where the last improving node move stood among the node moves
         for _ in range(self.config.max_refine_passes):
             improved = False
-            moves = (self._boundary_moves(best), self._node_moves(best), self._swap_moves(best))
+            # Node moves go on from the last improving one, round the list: the moves before it were just tried and
+            # rarely improve after one node moved, and trying them again every pass was most of the search's work.
+            node_moves = list(self._node_moves(best))
+            at = min(at, len(node_moves))
+            moves = [self._boundary_moves(best), node_moves[at:] + node_moves[:at], self._swap_moves(best)]
             for trial in itertools.chain(*(moves[::-1] if nodes_first else moves)):
                 cost = cm.step_seconds(trial)
                 if cost < best_cost * (1 - 1e-9):
                     best, best_cost, improved = trial, cost, True
+                    if trial in node_moves:
+                        at = node_moves.index(trial)
                     break
             if not improved:
                 break
