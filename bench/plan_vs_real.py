@@ -3,12 +3,12 @@
 Each configuration trains with `geotrain demo` (default byte GPT, nodes on this machine, --slowdown making them
 unequal), once per strategy: uniform (equal layer counts, nodes in join order: scheduler.placement=uniform) and
 geotrain (the planner's plan from the nodes' measured profiles: scheduler.placement=measured), each run `--runs` times.
-A run's measured step time is the median over the steps of its last plan epoch after that epoch's first (the first
-pays for starting the plan: new stage state, channels); its estimate is that plan's prediction as the coordinator
-keeps it (meta predicted_step_s in the run state): the cost model's estimate made once the plan's first step
-committed, at the plan's window, from the profiles corrected by what the run had measured by then
-(scheduler.calibration: the nodes' compute seconds per microbatch and averaging seconds, the commit phase), so from
-nothing of the steps it is measured against. Each line's runs carry the corrections the prediction used.
+A run's estimate is its last plan's prediction as the coordinator keeps it (meta predicted_step_s in the run state):
+the cost model's estimate made once the plan's second step committed (replan.PREDICT_AFTER_STEPS: the first pays for
+starting the plan, new stage state, channels, a replica's first all-reduce), at the plan's window, from the profiles
+corrected by what the run had measured by then (scheduler.calibration: the nodes' compute seconds per microbatch and
+averaging seconds, the commit phase; the plan's first step no longer counts once its second is in). Its measured
+step time is the median over the plan's steps after those two, of which the prediction knows nothing. Each line's runs carry the corrections the prediction used.
 
 Configurations:
     slowdowns  3 nodes in one region, --slowdowns 1,2,4: uniform runs one stage per node
@@ -67,6 +67,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from geotrain.scheduler.replan import PREDICT_AFTER_STEPS
+
 STRATEGIES = ("uniform", "geotrain")
 CONFIGS: dict[str, dict[str, list[str]]] = {
     # Flags of `geotrain demo` per configuration; "stages" per strategy below.
@@ -102,17 +104,17 @@ def run(config: str, strategy: str, state_dir: Path, steps: int) -> dict:
         plan = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind = 'plan' ORDER BY id")]
     finally:
         db.close()
-    if len(seconds) < 3:
+    if len(seconds) < PREDICT_AFTER_STEPS + 2:
         raise RuntimeError(f"{config}/{strategy}: the last plan ran {len(seconds)} steps; run more (--steps)")
     if prediction["plan_epoch"] != epoch:
         raise RuntimeError(f"{config}/{strategy}: predicted for plan epoch {prediction['plan_epoch']}, not {epoch}")
-    measured = statistics.median(seconds[1:])
+    measured = statistics.median(seconds[PREDICT_AFTER_STEPS:])
     estimated = float(prediction["step_s"])
     return {
         "measured_step_s": round(measured, 4),
         "estimated_step_s": round(estimated, 4),
         "estimate_error": round(estimated / measured - 1, 3),
-        "steps": len(seconds) - 1,
+        "steps": len(seconds) - PREDICT_AFTER_STEPS,
         "corrections": {k: v for k, v in prediction.items() if k not in ("plan_epoch", "step_s")},
         "plan": plan[-1],
     }

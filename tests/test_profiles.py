@@ -215,7 +215,7 @@ def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
     coordinator.store.close()
 
 
-def test_in_run_times_move_the_estimate_and_a_plans_first_step_fixes_its_prediction(tmp_path):
+def test_in_run_times_move_the_estimate_and_a_plans_second_step_fixes_its_prediction(tmp_path):
     coordinator = Coordinator(CFG, checkpoints=CheckpointStore(tmp_path, keep=1))  # measured placement re-plans
     for node_id in ("a", "b"):
         coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1"))
@@ -236,7 +236,9 @@ def test_in_run_times_move_the_estimate_and_a_plans_first_step_fixes_its_predict
         compute = {m.node_id: factor * 0.01 * (end - start) for (start, end), group in zip(ranges, groups) for m in group}
         return StepTimings(plan_epoch=1, commit_s=0.05, compute_s=compute, averaging_s={})
 
-    planning.after_commit(timings(3.0))
+    planning.after_commit(timings(5.0))  # the plan's first step, which pays for starting it
+    assert coordinator.store.get("predicted_step_s") is None
+    planning.after_commit(timings(3.0))  # the first steady one: the first step's timings no longer count
     measured = Corrections(scales={m.node_id: 3.0 for group in groups for m in group}, run_scale=3.0, commit_s=0.05)
     expected = placement.estimate(CFG, ranges, groups, measured, window).step_seconds
     assert planning.estimate.step_seconds == pytest.approx(expected) and expected > 2 * profiled

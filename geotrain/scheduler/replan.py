@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 _REPLAN_TOLERANCE = 0.1
 # Re-measured links that make the current plan's estimate this much slower than when it was made start a re-plan.
 _DRIFT_REPLAN = 0.25
+# A plan's prediction is its estimate once this many of its steps committed: its first step pays for starting the
+# plan (connections, probes, a replica's first all-reduce: 18-55% slower than the next ones in bench/plan_vs_real.py's
+# runs), so the prediction takes in one steady step too.
+PREDICT_AFTER_STEPS = 2
 # A replica whose hivemind misses this many plans of one incarnation (a step timeout each) is left out of the layout.
 _JOIN_ROUNDS = 2
 _SHUT_OUT = (
@@ -96,6 +100,7 @@ class Planning:
         self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
         self.calibration = Calibration(averages_each_step=not cfg.compression.diloco)
         self._committed_epoch = 0  # the plan epoch of the last committed step
+        self._plan_steps = 0  # steps committed under that epoch
 
     # -- is the plan still right? ---------------------------------------------------------------------------------
 
@@ -128,8 +133,8 @@ class Planning:
     def after_commit(self, timings: StepTimings) -> None:
         """Correct the cost model with what the committed step measured and re-estimate the plan with that (and
         with its nodes' latest profiles); a drifted estimate, or averaging or a window that ought to change, makes
-        the next step re-plan. The estimate after a plan's first step is kept as its prediction ("predicted_step_s":
-        the plan's later steps are measured against it, and it knows nothing of them)."""
+        the next step re-plan. The estimate after a plan's PREDICT_AFTER_STEPS-th step is kept as its prediction
+        ("predicted_step_s": the plan's later steps are measured against it, and it knows nothing of them)."""
         if self.plan is None:
             return
         members = self.membership.members
@@ -139,12 +144,13 @@ class Planning:
         # The step as priced before its timings (profiles may have come in since the plan's estimate), which the
         # averaging's fixed cost is measured beyond.
         self.update_estimate(ranges, groups, window)
-        first_of_plan = self._committed_epoch != self.plan.epoch
-        self._committed_epoch = self.plan.epoch
-        self.calibration.observe(timings, self.plan, profiles, self.estimate, first_of_plan=first_of_plan)
+        if self._committed_epoch != self.plan.epoch:
+            self._committed_epoch, self._plan_steps = self.plan.epoch, 0
+        self._plan_steps += 1
+        self.calibration.observe(timings, self.plan, profiles, self.estimate, first_of_plan=self._plan_steps == 1)
         log.debug("step timings %s; corrections now %s", timings, self.calibration.corrections)
         self.update_estimate(ranges, groups, window)
-        if first_of_plan and self.estimate is not None:
+        if self._plan_steps == PREDICT_AFTER_STEPS and self.estimate is not None:
             corrections = self.calibration.corrections
             prediction = {
                 "plan_epoch": self.plan.epoch, "step_s": self.estimate.step_seconds,
