@@ -18,6 +18,9 @@ from geotrain.scheduler.profiles import planner_inputs
 Ranges = list[tuple[int, int]]
 Groups = list[list[Member]]
 
+# An auto window this far below its need is raised (window_changed): every microbatch it lacks idles the links.
+_WINDOW_SHORT = 0.05
+
 
 def split_layers(total_layers: int, n_stages: int) -> Ranges:
     """Contiguous [start, end) ranges of near-equal size, larger ones first."""
@@ -120,20 +123,22 @@ def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> 
 
 
 def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | None, tolerance: float) -> bool:
-    """Under train.inflight = "auto", whether the estimate's window is more than `tolerance` (a fraction) away from the
-    plan's: the plan took its window from the profiles it had, and links measured since (a probe runs once the
-    neighbours are known) or in-run times can put the round trip over the pace far from it; too small a window idles
-    the links, too large a one holds memory for nothing. A plan's window within the tolerance of the unrounded need
-    stays (above the estimate's only where memory did not lower that): a need near a whole number, rounded up, would
-    flip the window between two plans as each step's measurements move it."""
+    """Under train.inflight = "auto", whether the plan's window should become the estimate's: the plan took its window
+    from the profiles it had, and links measured since (a probe runs once the neighbours are known) or in-run times can
+    put the round trip over the pace far from it. Too small a window idles the links, so one more than _WINDOW_SHORT
+    below the unrounded need is raised; too large a one only holds memory, so it is lowered past `tolerance` (a
+    fraction) above the need, or where memory lowered the estimate's. Between the two the window stays: a need near a
+    whole number, rounded up, would flip it between two plans as each step's measurements move it."""
     if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
     chosen, need = estimate.chosen_inflight, estimate.window_need
-    if need is not None and need / (1 + tolerance) <= plan.inflight <= math.ceil(need * (1 + tolerance)):
-        uncapped = math.ceil(need - 1e-9)
-        if plan.inflight <= chosen or chosen == uncapped:
-            return False
-    return abs(chosen / plan.inflight - 1) > tolerance
+    if need is None:
+        return abs(chosen / plan.inflight - 1) > tolerance
+    if chosen < math.ceil(need - 1e-9) and plan.inflight > chosen:
+        return True  # memory holds no more than the estimate's window
+    if plan.inflight * (1 + _WINDOW_SHORT) < need:
+        return plan.inflight < chosen
+    return plan.inflight > math.ceil(need * (1 + tolerance))
 
 
 @dataclass(frozen=True)
