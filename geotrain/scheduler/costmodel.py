@@ -867,7 +867,7 @@ class CostModel:
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages, self.fixed_window)
         need = self.window_need(t, len(stages[0][2])) if self.shape.inflight == "auto" else None
-        chosen = self.auto_window(stages, t) if self.shape.inflight == "auto" else self.fixed_window
+        chosen = self.auto_window(stages, need) if need is not None else self.fixed_window
         window = chosen if inflight is None else inflight
         if window != self.fixed_window:
             t = self._terms(stages, window)
@@ -920,13 +920,14 @@ class CostModel:
         shares = self._in_flight_shares(stages, s, window)
         return np.array([self.stage_memory_bytes(start, end, len(stages), int(k)) for k in shares])
 
-    def auto_window(self, stages: Stages, unbounded: _Terms) -> int:
-        """train.inflight = "auto": the smallest window that keeps the plan's unbounded pace (one microbatch's round
-        trip over the pace, shared among the stage-0 replicas), at most enough for the whole step and MAX_INFLIGHT, and
-        lowered (to 1 at least) until every replica's memory holds its share of the microbatches in flight."""
+    def auto_window(self, stages: Stages, need: float) -> int:
+        """train.inflight = "auto": the smallest window that keeps the plan's unbounded pace (`need`, window_need:
+        one microbatch's round trip over the pace, shared among the stage-0 replicas), at most enough for the whole step
+        and MAX_INFLIGHT, and lowered (to 1 at least) until every replica's memory holds its share of the microbatches
+        in flight."""
         heads = len(stages[0][2])
         enough = math.ceil(self.shape.microbatches / heads)  # the whole step in flight at once
-        window = min(math.ceil(self.window_need(unbounded, heads) - 1e-9), enough, MAX_INFLIGHT)
+        window = min(math.ceil(need - 1e-9), enough, MAX_INFLIGHT)
         for s, (start, end, nodes) in enumerate(stages):
             idx = np.asarray(nodes, dtype=np.int64)
             fixed = self.stage_memory_bytes(start, end, len(stages), 0)

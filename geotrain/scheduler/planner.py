@@ -142,9 +142,11 @@ class Planner:
         # Oregon-Virginia has 1.15 Gbit/s, 67 ms). Its best candidate gets the local search on its own, after the
         # others, so that it can only add a better plan.
         # Only over the few regions whose chain is exact: over many (volunteers, machines as regions) it costs most.
-        occupancy, transfer = cm.boundary_terms(self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1)
         paced_chain = chain
         if len(chain) <= _EXACT_CHAIN_REGIONS:
+            occupancy, transfer = cm.boundary_terms(
+                self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1
+            )
             paced_chain = self._region_chain(cm.paced_seconds(occupancy) + transfer)
         if paced_chain not in (chain, chain[::-1]):
             extra = self._constructed([(tuple(cm.usable), paced_chain, True)])

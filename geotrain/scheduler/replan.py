@@ -98,6 +98,7 @@ class Planning:
         self._planned_step_s: float | None = None  # its estimated step time when the plan was made
         self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
         self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
+        self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
         self.calibration = Calibration(averages_each_step=not cfg.compression.diloco)
         self._committed_epoch = 0  # the plan epoch of the last committed step
         self._plan_steps = 0  # steps committed under that epoch
@@ -141,9 +142,10 @@ class Planning:
         profiles = {n: members[n].profile for n in placement.plan_nodes(self.plan)}
         groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
         ranges, window = placement.plan_ranges(self.plan), self.plan.inflight or None
-        # The step as priced before its timings (profiles may have come in since the plan's estimate), which the
-        # averaging's fixed cost is measured beyond.
-        self.update_estimate(ranges, groups, window)
+        # The step as priced before its timings, which the averaging's fixed cost is measured beyond: the estimate
+        # made after the last step, unless newer profiles came in since.
+        if any(profile is not self._estimated_from.get(n) for n, profile in profiles.items()):
+            self.update_estimate(ranges, groups, window)
         if self._committed_epoch != self.plan.epoch:
             self._committed_epoch, self._plan_steps = self.plan.epoch, 0
         self._plan_steps += 1
@@ -163,6 +165,7 @@ class Planning:
     def update_estimate(self, ranges: placement.Ranges, groups: placement.Groups, window: int | None = None) -> None:
         """Price a layout with the cost model (None until every node of it has reported a profile), at the window
         it runs with where it has one, corrected by what the run has measured so far."""
+        self._estimated_from = {m.node_id: m.profile for g in groups for m in g}
         self.estimate = placement.estimate(self.cfg, ranges, groups, self.calibration.corrections, window)
         if self.estimate is not None:
             self.store.put("estimated_step_s", repr(self.estimate.step_seconds))
