@@ -95,3 +95,40 @@ def test_averaging_is_measured_beyond_what_the_estimate_priced_per_round():
     diloco = Calibration(averages_each_step=False)
     _observe(diloco, first, _stage(0.05, 1), _stage(0.0, 0))
     assert diloco.corrections.averaging_round_s == 0.0 and diloco.corrections.commit_s == pytest.approx(0.05)
+
+
+def _priced_round_trip(seconds: float) -> costmodel.Plan:
+    return costmodel.Plan(stages=[], excluded={}, microbatches=4, microbatch_size=1, step_seconds=1.0,
+                          samples_per_s=4.0, bottleneck="", compute_bound_samples_per_s=4.0, round_trip_s=seconds)
+
+
+def _round_trips(microbatches_s=2.0, **heads: float) -> StepTimings:
+    return StepTimings(plan_epoch=3, commit_s=0.1, compute_s={}, averaging_s={}, microbatches_s=microbatches_s,
+                       round_trip_s=heads)
+
+
+def test_round_trips_beyond_what_the_estimate_priced_are_a_cost_per_crossing():
+    calibration = Calibration(averages_each_step=True)
+    # PLAN's two stages: a round trip crosses their boundary twice. The heads a and b measured 0.7 and 0.9 s (the
+    # median 0.8) where the estimate priced 0.5 s: 0.15 s a crossing. c serves stage 1 and measures no round trip.
+    timings = _round_trips(a=0.7, b=0.9, c=5.0)
+    calibration.observe(timings, PLAN, PROFILES, _priced_round_trip(0.5), first_of_plan=False)
+    assert calibration.corrections.crossing_s == pytest.approx(0.15)
+    # Priced with it (0.5 + 2 * 0.15), the same round trips measure the same cost again, not 0.15 on top of it.
+    calibration.observe(timings, PLAN, PROFILES, _priced_round_trip(0.8), first_of_plan=False)
+    assert calibration.corrections.crossing_s == pytest.approx(0.15)
+    # Faster than priced is no negative cost; a head that measured nothing (0) counts not.
+    calibration = Calibration(averages_each_step=True)
+    calibration.observe(_round_trips(a=0.2, b=0.0), PLAN, PROFILES, _priced_round_trip(0.5), first_of_plan=False)
+    assert calibration.corrections.crossing_s == 0.0
+    # A round trip happens inside the microbatch phase the coordinator timed: a head claiming longer is held to it.
+    calibration = Calibration(averages_each_step=True)
+    calibration.observe(_round_trips(microbatches_s=1.5, a=60.0, b=70.0), PLAN, PROFILES, _priced_round_trip(0.5),
+                        first_of_plan=False)
+    assert calibration.corrections.crossing_s == pytest.approx((1.5 - 0.5) / 2)
+    # Without an estimate, or with one stage (no boundary), nothing is measured.
+    calibration = Calibration(averages_each_step=True)
+    calibration.observe(timings, PLAN, PROFILES, None, first_of_plan=False)
+    one_stage = pb.Plan(epoch=3, stages=[pb.StageAssignment(index=0, layer_start=0, layer_end=4, node_ids=["a"])])
+    calibration.observe(timings, one_stage, PROFILES, _priced_round_trip(0.5), first_of_plan=False)
+    assert calibration.corrections.crossing_s == 0.0

@@ -369,3 +369,20 @@ def test_measured_fixed_costs_are_priced_per_round_and_per_step():
     trio = np.arange(3)
     assert forced[0.2].sync_seconds(trio, 0, 1) == pytest.approx(forced[0.0].sync_seconds(trio, 0, 1) + 3 * 0.2)
     assert forced[0.2].plan([(0, 1, [0, 1, 2]), (1, 2, [0])], {}).stages[0].allreduce_rounds == 3
+
+
+def test_a_measured_crossing_cost_lengthens_the_round_trip_and_the_window_it_needs():
+    # By hand (test_auto_window_is_the_round_trip_over_the_pace_within_memory): a 4 s round trip over a 1 s pace,
+    # 4 in flight, 7 s a step. A run measured 0.25 s a crossing beyond bytes and latency: two crossings a round
+    # trip (activations there, gradients back), so 4.5 s; the fill is as long, T = 3 * 1 + 4.5 = 7.5; 4.5 in flight.
+    stages = [(0, 1, [0]), (1, 2, [1])]
+    nodes = [node("a", [0.5, 2.0]), node("b", [2.0, 0.5])]
+    plain = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
+    assert plain.round_trip_s == pytest.approx(4.0)
+    crossing = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto", crossing_s=0.25))
+    plan = crossing.plan(stages, {})
+    assert plan.round_trip_s == pytest.approx(4.5) and plan.step_seconds == pytest.approx(7.5)
+    assert plan.window_need == pytest.approx(4.5) and plan.inflight == 4  # M = 4: the whole step is in flight
+    # A single stage crosses no boundary.
+    alone = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(crossing_s=0.25))
+    assert alone.step_seconds([(0, 2, [0])]) == pytest.approx(model_for(nodes).step_seconds([(0, 2, [0])]))

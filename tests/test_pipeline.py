@@ -19,6 +19,7 @@ from geotrain.node.data import Corpus
 from geotrain.node.model import load_gpt, loss_fn
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler import placement
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import (
     REPO, descendants, geotrain_env, local_cluster, max_diff, run_cli, running_of, train_local_state, wait_until,
@@ -27,16 +28,20 @@ from tests.conftest import (
 pytestmark = pytest.mark.cluster  # every test here starts a coordinator and nodes
 
 
-def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> tuple[pb.Plan, dict, float]:
-    """A run of `nodes` local nodes and its plan, its final parameters, and their largest difference from
-    train-local's. Each node times each layer once: no plan here needs more than the layers' rough cost."""
+def _pipeline_against_local(
+    tmp_path: Path, nodes: int, settings: list[str]
+) -> tuple[pb.Plan, dict, float, dict[str, float]]:
+    """A run of `nodes` local nodes and its plan, its final parameters, their largest difference from train-local's,
+    and the round trips the nodes reported with the last step's gradient norms. Each node times each layer once: no
+    plan here needs more than the layers' rough cost."""
     cfg = load_config(None, [*settings, "profile.layer_repeats=1"])
     with local_cluster(cfg, nodes, tmp_path) as cluster:
         summary = cluster.wait(90)
         plan = cluster.coordinator.plan
         state = fetch_model_state(plan, cluster.token, summary.steps, cluster.coordinator.key)
+        round_trips = dict(cluster.coordinator.driver.progress.round_trip_s)
     assert summary.steps == cfg.run.steps
-    return plan, state, max_diff(state, train_local_state(cfg))
+    return plan, state, max_diff(state, train_local_state(cfg)), round_trips
 
 
 @pytest.mark.timeout(120)
@@ -54,7 +59,7 @@ def _pipeline_against_local(tmp_path: Path, nodes: int, settings: list[str]) -> 
 def test_stages_equal_train_local(tmp_path, nodes, settings, ranges):
     # Three dense stages equal train-local too, bit for bit over 100 steps: test_exact_long.
     settings = [*settings, "run.steps=5", "run.eval_every=0", "scheduler.placement=uniform"]
-    plan, state, diff = _pipeline_against_local(tmp_path, nodes, settings)
+    plan, state, diff, _ = _pipeline_against_local(tmp_path, nodes, settings)
     assert [(s.layer_start, s.layer_end) for s in plan.stages] == ranges and diff <= 1e-4
     # The parameters the run changed: they differ from the initial ones.
     cfg = load_config(None, settings)
@@ -128,5 +133,9 @@ def test_auto_window_from_the_plan_equals_train_local(tmp_path):
     # train.inflight = "auto" (the default): the measured plan carries its window, which the data heads keep.
     settings = ["run.steps=4", "train.microbatches=6", "run.eval_every=0", "scheduler.placement=measured"]
     assert load_config(None, settings).train.inflight == 0
-    plan, _, diff = _pipeline_against_local(tmp_path, 3, settings)
+    plan, _, diff, round_trips = _pipeline_against_local(tmp_path, 3, settings)
     assert 1 <= plan.inflight <= 6 and diff <= 1e-4
+    # The data head measured its microbatches' round trip for the window's calibration; no other stage has one.
+    heads = set(plan.stages[0].node_ids)
+    assert set(round_trips) == set(placement.plan_nodes(plan))
+    assert all((seconds > 0) == (node in heads) for node, seconds in round_trips.items()), round_trips

@@ -32,7 +32,7 @@ NET = Network(
     ("field", "value"),
     [("microbatches", 0), ("microbatch_size", 0), ("inflight", 0), ("allreduce", "ring"), ("replica_rank", 0),
      ("codec_ratio", 0.0), ("codec_ratio", 1.5), ("averaging_round_s", -0.1), ("commit_s", math.inf),
-     ("commit_s", math.nan)],
+     ("commit_s", math.nan), ("crossing_s", -0.1)],
 )
 def test_shape_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match="codec ratio" if field == "codec_ratio" else field):
@@ -56,13 +56,16 @@ def test_from_config_maps_every_field():
     ])
     expected = dict(microbatches=6, microbatch_size=3, codec_ratio=CodecRatio(), inflight=2, allreduce="hierarchical",
                     replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1,
-                    sync_bytes_per_value=EXACT_SUM_BYTES, averaging_round_s=0.0, commit_s=0.0)
+                    sync_bytes_per_value=EXACT_SUM_BYTES, averaging_round_s=0.0, commit_s=0.0,
+                    crossing_s=0.0)
     # A field added to StepShape must be added here, and to from_config.
     assert {f.name for f in dataclasses.fields(StepShape)} == set(expected)
     assert StepShape.from_config(cfg, param_shapes_known=True) == StepShape(**expected)
     # The fixed costs a run measured (scheduler.calibration) come with the config's fields.
-    measured = StepShape.from_config(cfg, param_shapes_known=True, averaging_round_s=0.2, commit_s=0.03)
-    assert measured == StepShape(**{**expected, "averaging_round_s": 0.2, "commit_s": 0.03})
+    measured = StepShape.from_config(
+        cfg, param_shapes_known=True, averaging_round_s=0.2, commit_s=0.03, crossing_s=0.01
+    )
+    assert measured == StepShape(**{**expected, "averaging_round_s": 0.2, "commit_s": 0.03, "crossing_s": 0.01})
     # Without the parameter shapes PowerSGD's factors cannot be sized: replicas are priced averaging raw gradients.
     assert StepShape.from_config(cfg, param_shapes_known=False) == StepShape(**{**expected, "replica_rank": None})
     diloco = load_config(None, ["compression.replica_sync=diloco", "compression.replica_sync_every=16"])

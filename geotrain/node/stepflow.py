@@ -62,6 +62,8 @@ class _HeadState:
     step: int
     waiting: deque[int]
     in_flight: set[int] = field(default_factory=set)
+    started: dict[int, float] = field(default_factory=dict)  # microbatch -> when its forward started (monotonic)
+    shortest_round_trip_s: float = math.inf
 
 
 class StepFlow:
@@ -138,6 +140,8 @@ class StepFlow:
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
         assert runtime is not None
+        if self._head is not None and self._head.step == step:
+            self._head.started[microbatch] = time.monotonic()
         x, y = self._batch(step, microbatch)
         outputs = runtime.forward((step, microbatch), x)
         path = [self.node_id]
@@ -160,8 +164,12 @@ class StepFlow:
             plan_epoch=self.plan.epoch,
         )
         self._report(self.coordinator.MicrobatchDone, request)
-        if self._head is not None and self._head.step == step:
-            self._head.in_flight.discard(microbatch)
+        head = self._head
+        if head is not None and head.step == step:
+            head.in_flight.discard(microbatch)
+            if microbatch in head.started:
+                round_trip = time.monotonic() - head.started.pop(microbatch)
+                head.shortest_round_trip_s = min(head.shortest_round_trip_s, round_trip)
             self._launch_next()
 
     def check_incoming(
@@ -300,10 +308,13 @@ class StepFlow:
                 stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step)
             )
         parts = runtime.grad_sq_norm_parts()
+        head = self._head
+        round_trip_s = head.shortest_round_trip_s if head is not None and head.step == order.step else math.inf
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
             compute_s_per_microbatch=compute_s, averaging_s=averaging_s,
+            round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
         )
         self._report(self.coordinator.GradNorm, request)
 

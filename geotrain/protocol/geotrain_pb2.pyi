@@ -597,7 +597,7 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class GradNormRequest(_message.Message):
     CLIPPED_PEERS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
@@ -614,7 +615,8 @@ class GradNormRequest(_message.Message):
     clipped_peers: _containers.RepeatedScalarFieldContainer[str]
     compute_s_per_microbatch: float
     averaging_s: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ...) -> None: ...
+    round_trip_s: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class StepAppliedRequest(_message.Message):
     __slots__ = ("node_id", "step", "checksum")

@@ -19,7 +19,11 @@ bench's loopback runs):
   prices for its bytes, per round, of the stage where that is most (the step waits for the slowest averaging; hivemind's
   matchmaking and message costs: 0.1-0.2 s a round on loopback where the bytes over the probed bandwidth are 0.03 s);
 - the commit's fixed seconds: the commit phase (every microbatch done to every gradient norm in) beyond the slowest
-  stage's averaging (the commit order, the gradient means and norms, their reports).
+  stage's averaging (the commit order, the gradient means and norms, their reports);
+- the fixed seconds of a boundary crossing: the data heads' shortest microbatch round trip (the median over the heads)
+  beyond what the cost model prices for it, per crossing (2 (S - 1) of them: encoding and decoding, framing, a rate
+  limiter's queue). "auto" sizes the window by the round trip, and sized from the priced one alone it kept too few
+  microbatches in flight over the namespace WAN of bench/window.py (its docstring has the figures).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class StepTimings:
     """Node -> its stage's forward + backward seconds per microbatch (0: it computed none)."""
     averaging_s: Mapping[str, float]
     """Node -> the seconds its replica averaging took (0: it averaged with nobody)."""
+    microbatches_s: float = 0.0
+    """The step's microbatches dispatched to every one done."""
+    round_trip_s: Mapping[str, float] = field(default_factory=dict)
+    """Data head -> its shortest microbatch round trip of the step (0: not measured)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class Corrections:
     """Fixed seconds of each all-reduce round (costmodel.StepShape.averaging_round_s)."""
     commit_s: float = 0.0
     """The commit's fixed seconds (costmodel.StepShape.commit_s)."""
+    crossing_s: float = 0.0
+    """Fixed seconds of each boundary crossing (costmodel.StepShape.crossing_s)."""
 
     def scale(self, node_id: str) -> float:
         """The factor on node_id's profiled layer times."""
@@ -95,6 +105,7 @@ class Calibration:
         self._scales: dict[str, _Recent] = defaultdict(_Recent)
         self._round_s = _Recent()
         self._commit_s = _Recent()
+        self._crossing_s = _Recent()
         self.corrections = Corrections()
 
     def observe(
@@ -134,12 +145,22 @@ class Calibration:
             if per_round:  # the slowest stage's: the step waits for it
                 self._round_s.add(max(0.0, *per_round), first_of_plan)
         self._commit_s.add(max(0.0, timings.commit_s - max(averaging)), first_of_plan)
+        # A head's round trip happened inside the microbatch phase the coordinator timed: a report beyond it is false.
+        round_trips = [min(timings.microbatches_s, timings.round_trip_s.get(n, 0.0)) for n in plan.stages[0].node_ids]
+        round_trips = [r for r in round_trips if r > 0]
+        crossings = 2 * (len(plan.stages) - 1)
+        if crossings and round_trips and estimate is not None:
+            # The estimate priced each crossing with the fixed cost as known so far.
+            known = self.corrections.crossing_s
+            per_crossing = (statistics.median(round_trips) - estimate.round_trip_s) / crossings + known
+            self._crossing_s.add(max(0.0, per_crossing), first_of_plan)
         own = {n: statistics.median(seen.values()) for n, seen in self._scales.items()}
         run_scale = statistics.median(own.values()) if own else 1.0
-        rounds = self._round_s.values()
+        rounds, crossing = self._round_s.values(), self._crossing_s.values()
         self.corrections = Corrections(
             scales={n: statistics.median([*seen.values(), run_scale]) for n, seen in self._scales.items()},
             run_scale=run_scale,
             averaging_round_s=statistics.median(rounds) if rounds else 0.0,
             commit_s=statistics.median(self._commit_s.values()),
+            crossing_s=statistics.median(crossing) if crossing else 0.0,
         )

@@ -11,11 +11,13 @@ For stage s with replicas R_s serving layers [a_s, b_s):
 For the boundary s -> s+1 carrying B = boundary_bytes[b_s - 1] per microbatch, codec ratio rho:
     sigma_ij = B * rho_ij / bw_ij                               serialisation one way: links are full duplex, so
                                                                 activations forward and gradients back overlap
-    tau_ij = 2 * (sigma_ij + lat_ij)                            one microbatch's transfer there and back, i->j
+    tau_ij = 2 * (sigma_ij + lat_ij + e)                        one microbatch's transfer there and back, i->j
     x_s = sum_ij w_i w_j tau_ij                                 expected over speed-weighted routing
     o_s = (sum_ij w_i w_j sigma_ij) / min(|R_s|, |R_s+1|)       link occupancy: disjoint pairs send in parallel;
                                                                 latency does not occupy a link (microbatches in
                                                                 flight overlap it), it counts once in the fill
+where e is the fixed seconds a crossing costs beyond its bytes and the link's latency (StepShape.crossing_s: encoding
+and decoding, framing, the receiver's queue, a rate limiter's buffer).
 For the replica gradient averaging of stage s (hivemind butterfly all-reduce, n = |R_s| >= 2):
     flat(G, P) = 2 (n-1)/n * P / min_{i!=j in G} bw_ij + 2 * max_{i!=j in G} lat_ij     n = |G|
     g_s = flat(R_s, P_s)                                        P_s = parameter bytes of the stage
@@ -39,7 +41,7 @@ Step (GPipe-style fill and drain; compute and communication overlap, so the slow
     samples/s = M * microbatch_size / T
 where f is the commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
 and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top of its bytes (matchmaking, message
-overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUNDS); a live run measures both
+overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUNDS); a live run measures these and e
 (scheduler.calibration), a plan from profiles alone counts them 0.
 
 Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
@@ -329,6 +331,9 @@ class StepShape:
     """Fixed seconds of each hivemind all-reduce round beyond its bytes over the bandwidth (measured in the run)."""
     commit_s: float = 0.0
     """Fixed seconds each step's commit adds to the pipeline's (measured in the run)."""
+    crossing_s: float = 0.0
+    """Fixed seconds each boundary crossing of a microbatch costs beyond its bytes over the bandwidth and the link's
+    latency (measured in the run: the data heads' round trips)."""
 
     def __post_init__(self) -> None:
         # Frozen: the one normalisation goes through object.__setattr__.
@@ -347,13 +352,19 @@ class StepShape:
             raise ValueError(f"compute_bytes must be 2 or 4, got {self.compute_bytes}")
         if self.sync_bytes_per_value not in (None, 1, 2, 4, 8):
             raise ValueError(f"sync_bytes_per_value must be 1, 2, 4, 8 or None, got {self.sync_bytes_per_value!r}")
-        for name in ("averaging_round_s", "commit_s"):
+        for name in ("averaging_round_s", "commit_s", "crossing_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
 
     @classmethod
     def from_config(
-        cls, cfg: RunConfig, *, param_shapes_known: bool, averaging_round_s: float = 0.0, commit_s: float = 0.0
+        cls,
+        cfg: RunConfig,
+        *,
+        param_shapes_known: bool,
+        averaging_round_s: float = 0.0,
+        commit_s: float = 0.0,
+        crossing_s: float = 0.0,
     ) -> StepShape:
         """The step of a run config, with the fixed costs a live run measured. Low-rank averaging is priced only where
         the model's parameter shapes are known (they size PowerSGD's factors), raw averaging elsewhere. Boundaries are
@@ -371,6 +382,7 @@ class StepShape:
             sync_bytes_per_value=DILOCO_WIRE_BYTES if cfg.compression.diloco else EXACT_SUM_BYTES,
             averaging_round_s=averaging_round_s,
             commit_s=commit_s,
+            crossing_s=crossing_s,
         )
 
 
@@ -428,6 +440,8 @@ class Plan:
     window_need: float | None = None
     """Under "auto": the microbatches in flight per data head that keep the unbounded pace, before chosen_inflight
     rounds them up and caps them."""
+    round_trip_s: float = 0.0
+    """One microbatch's round trip through every stage and back (sum_s h_s + sum_s x_s)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -748,14 +762,13 @@ class CostModel:
         occupancy = 1.0 / rate
         return occupancy, replicas * occupancy
 
-    @staticmethod
     def boundary_terms(
-        bits: np.ndarray | float, seconds_per_bit: np.ndarray | float, latency_s: np.ndarray | float, pairs: int
+        self, bits: np.ndarray | float, seconds_per_bit: np.ndarray | float, latency_s: np.ndarray | float, pairs: int
     ) -> tuple[np.ndarray | float, np.ndarray | float]:
         """o_s and x_s of a boundary carrying bits per microbatch over links of seconds_per_bit (codec applied)
         and latency_s, with `pairs` disjoint pairs sending in parallel."""
         serialise = bits * seconds_per_bit
-        return serialise / pairs, 2 * (serialise + latency_s)
+        return serialise / pairs, 2 * (serialise + latency_s + self.shape.crossing_s)
 
     @property
     def fixed_window(self) -> int | None:
@@ -901,6 +914,7 @@ class CostModel:
             inflight=window,
             chosen_inflight=chosen,
             window_need=need,
+            round_trip_s=float(t.latency.sum() + t.transfer.sum()),
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:

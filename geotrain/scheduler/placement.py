@@ -94,6 +94,7 @@ def step_shape(cfg: RunConfig, model: costmodel.ModelProfile, corrections: Corre
     return costmodel.StepShape.from_config(
         cfg, param_shapes_known=model.layer_param_shapes is not None,
         averaging_round_s=corrections.averaging_round_s, commit_s=corrections.commit_s,
+        crossing_s=corrections.crossing_s,
     )
 
 

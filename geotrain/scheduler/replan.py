@@ -157,6 +157,7 @@ class Planning:
             prediction = {
                 "plan_epoch": self.plan.epoch, "step_s": self.estimate.step_seconds,
                 "commit_s": corrections.commit_s, "averaging_round_s": corrections.averaging_round_s,
+                "crossing_s": corrections.crossing_s,
                 "scales": dict(corrections.scales), "run_scale": corrections.run_scale,
             }
             self.store.put("predicted_step_s", json.dumps(prediction))

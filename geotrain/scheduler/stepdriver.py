@@ -112,6 +112,7 @@ class StepProgress:
     eval_losses: dict[int, float] = field(default_factory=dict)
     compute_s: dict[str, float] = field(default_factory=dict)  # node -> its stage's seconds per microbatch (reported)
     averaging_s: dict[str, float] = field(default_factory=dict)  # node -> its replica averaging's seconds (reported)
+    round_trip_s: dict[str, float] = field(default_factory=dict)  # data head -> its shortest round trip (reported)
 
 
 class StepDriver:
@@ -200,11 +201,13 @@ class StepDriver:
                 _refuse(request.node_id, f"a second, different gradient norm for step {request.step}")
             # Measurements, not state: bounded by the step timeout (a step that took longer would have failed).
             timeout = self.cfg.scheduler.step_timeout_s
-            if not all(0 <= v <= timeout for v in (request.compute_s_per_microbatch, request.averaging_s)):
-                _refuse(request.node_id, f"its compute or averaging seconds are not in [0, {timeout:g}]")
+            measured = (request.compute_s_per_microbatch, request.averaging_s, request.round_trip_s)
+            if not all(0 <= v <= timeout for v in measured):
+                _refuse(request.node_id, f"its compute, averaging or round trip seconds are not in [0, {timeout:g}]")
             progress.norms[request.node_id], progress.norm_parts[request.node_id] = reported
             progress.compute_s[request.node_id] = request.compute_s_per_microbatch
             progress.averaging_s[request.node_id] = request.averaging_s
+            progress.round_trip_s[request.node_id] = request.round_trip_s
             self.membership.cond.notify_all()
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
@@ -247,6 +250,7 @@ class StepDriver:
                 start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
                 self.orders.send([head], pb.Order(start_step=start))
         self._enter(StepPhase.DISPATCHED, step)
+        dispatched = time.monotonic()
         wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
         self._enter(StepPhase.MICROBATCHES_DONE, step)
         commit_started = time.monotonic()
@@ -260,6 +264,8 @@ class StepDriver:
                 commit_s=time.monotonic() - commit_started,
                 compute_s=dict(self.progress.compute_s),
                 averaging_s=dict(self.progress.averaging_s),
+                microbatches_s=commit_started - dispatched,
+                round_trip_s=dict(self.progress.round_trip_s),
             )
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
         clip, skip, scale = self.cfg.train.decide(
