@@ -254,3 +254,34 @@ def test_in_run_times_move_the_estimate_and_a_plans_second_step_fixes_its_predic
     assert planning.estimate.step_seconds < expected
     assert json.loads(coordinator.store.get("predicted_step_s"))["step_s"] == pytest.approx(expected)
     coordinator.store.close()
+
+
+def test_a_plan_made_before_its_profiles_takes_their_window_before_a_step_runs():
+    # Uniform placement plans once the nodes joined, before they profiled: under train.inflight = "auto" the plan
+    # runs one microbatch per stage until profiles price it.
+    cfg = load_config(None, ["model.n_layers=2", "scheduler.placement=uniform"])
+    coordinator = Coordinator(cfg)
+    for node_id, region in (("a", "eu"), ("b", "us")):
+        coordinator.register(
+            pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1", region=region)
+        )
+    planning = coordinator.planning
+    ranges = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
+    planning.update_estimate(ranges, [[coordinator.members["a"]], [coordinator.members["b"]]])
+    assert planning.estimate is None
+    planning.plan = pb.Plan(epoch=1, inflight=placement.inflight(cfg, None, 2), stages=[
+        pb.StageAssignment(index=i, layer_start=start, layer_end=end, node_ids=[node_id])
+        for i, ((start, end), node_id) in enumerate(zip(ranges, "ab"))
+    ])
+    planning.dirty = False
+    assert planning.plan.inflight == 2 and planning.is_current()
+    # A slow, distant link between the stages: a round trip holds many microbatches at its pace.
+    coordinator.report_profile(_report("a", links={"b": (1, 300)}))
+    assert planning.is_current(), "b has not profiled yet"
+    coordinator.report_profile(_report("b", links={"a": (1, 300)}))
+    assert not planning.is_current()
+    assert planning.estimate.chosen_inflight > 2
+    assert [detail for _, kind, _, detail in coordinator.store.events() if kind == "window"] == [
+        f"the estimate's window is {planning.estimate.chosen_inflight} microbatches, the plan's 2"
+    ]
+    coordinator.store.close()

@@ -115,11 +115,13 @@ class Planning:
         return self.cfg.scheduler.replicas or n
 
     def is_current(self) -> bool:
-        """The plan's nodes are all alive in the incarnation it counts on, and no spare could join it."""
+        """The plan's nodes are all alive in the incarnation it counts on, no spare could join it, and its window is
+        not one the profiles that came in since it was made would change."""
         alive = self.membership.alive()
         nodes = set(placement.plan_nodes(self.plan))
         return (
             not self.dirty
+            and not self._priced_late()
             and nodes <= {m.node_id for m in alive}
             and not nodes & self.membership.lost()
             and not placement.can_grow(
@@ -130,6 +132,22 @@ class Planning:
                 self._replica_cap(len(self.membership.members)),
             )
         )
+
+    def _priced_late(self) -> bool:
+        """Whether the plan was made before its nodes' profiles could price it, they have all come in since, and the
+        window they give differs from the plan's: under train.inflight = "auto" a plan without an estimate runs one
+        microbatch per stage (bench/window.py: a first step at 3 took 11.6 s where one at 16 took 6.5 s). Checked
+        before each step, not only once one committed (after_commit), so that no step runs at it."""
+        if self.plan is None or self.estimate is not None:
+            return False
+        members = self.membership.members
+        nodes = placement.plan_nodes(self.plan)
+        profiles = {n: members[n].profile if n in members else None for n in nodes}
+        if any(p is None for p in profiles.values()) or profiles == self._estimated_from:
+            return False  # not all in yet, or no newer ones than the last estimate's (which found the plan infeasible)
+        groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
+        self.update_estimate(placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
+        return self.window_changed()
 
     def after_commit(self, timings: StepTimings) -> None:
         """Correct the cost model with what the committed step measured and re-estimate the plan with that (and
