@@ -380,6 +380,9 @@ class Coordinator:
                 if not self.planning.is_current():
                     self.driver.idle()
                     self.step = self.planning.replan(self.step)
+                    # What came in while the nodes took the plan up (a profile, a death) is checked before its first
+                    # step as before every other.
+                    continue
                 record = self.driver.run_step(self.step, self.plan)
             except StepFailed as e:
                 self._note_failure(str(e))
