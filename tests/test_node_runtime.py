@@ -301,6 +301,50 @@ def test_a_replica_without_averaging_reports_it_at_its_first_commit(make_agent):
     assert "not available" in report.detail
 
 
+@pytest.mark.timeout(30)
+def test_a_dht_process_that_is_never_ready_is_shut_down_and_another_started(make_agent, monkeypatch, caplog):
+    # hivemind forks the DHT's process from the node, whose gRPC threads may leave a lock taken in the child: such a
+    # child dies before it is ready, and waiting on it without a bound left the node out of averaging for good.
+    import hivemind
+
+    import geotrain.node.averaging
+    import geotrain.node.stepflow
+
+    class DHT:
+        def __init__(self, *, start: bool, await_ready: bool, **kwargs: Any) -> None:
+            assert start and not await_ready
+            self.dead, self.shut_down = not started, False  # the first one never gets ready
+            started.append(self)
+
+        def wait_until_ready(self, timeout: float) -> None:
+            assert timeout == geotrain.node.stepflow._DHT_READY_S
+            if self.dead:
+                raise TimeoutError
+
+        def shutdown(self) -> None:
+            self.shut_down = True
+
+    started: list[DHT] = []
+
+    class Averager:
+        peer_id, bytes_sent = "QmReplica", 0
+
+        def __init__(self, dht: DHT) -> None:
+            self.dht = dht
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(hivemind, "DHT", DHT)
+    monkeypatch.setattr(geotrain.node.averaging, "ReplicaAverager", Averager)
+    monkeypatch.setattr(geotrain.node.stepflow, "tie_children_to_this_process", lambda: None)
+    agent = make_agent("node-1", _FakeCoordinator())
+    agent._start_averaging(["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
+    assert [d.shut_down for d in started] == [True, False]
+    assert agent._averaging_ready.is_set() and agent.averager.dht is started[1]
+    assert "attempt 1 of 3): TimeoutError (not ready within" in caplog.text
+
+
 def _trained_stages(cfg: RunConfig) -> list[StageRuntime]:
     """The model in two stages, layers [0, 2) and the rest, with state that differs from the seed's (as trained
     steps leave it; under diloco its anchor too)."""

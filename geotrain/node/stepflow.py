@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 _MAX_DHT_PEERS = 32
 _MAX_MULTIADDR_CHARS = 512
 _DHT_ATTEMPTS = 3
+# How long one attempt waits for its DHT process to be ready: a healthy one is up in seconds (its p2p daemon, a
+# bootstrap ping of 3 s at most), and three attempts fit in the coordinator's default 60 s wait for replicas' peers.
+_DHT_READY_S = 15.0
 
 
 def _sender(direction: str, ref: pb.MicrobatchRef, stage_index: int) -> tuple[str, int]:
@@ -415,7 +418,10 @@ class StepFlow:
 
     def _start_averaging(self, initial_peers: list[str]) -> None:
         """Join the run's hivemind DHT, through which replicas of a stage average their gradients. A few attempts:
-        bootstrapping pings the coordinator's DHT with a 3 s deadline, which a loaded machine can miss."""
+        bootstrapping pings the coordinator's DHT with a 3 s deadline, which a loaded machine can miss, and hivemind
+        forks the DHT's process from this one while gRPC's threads run here: a lock one of them held is taken for good
+        in the child (gRPC skips its fork handlers then), which has died of it before it was ready ("Mutex::Fer with
+        pending CondVar queueing"). An attempt waits _DHT_READY_S for its process, then the next forks another."""
         from hivemind import DHT
 
         from geotrain.node.averaging import ReplicaAverager, dht_maddrs
@@ -428,8 +434,9 @@ class StepFlow:
             try:
                 # Behind NAT, hivemind's client mode: the node dials out and serves nothing others would have to dial.
                 dht = DHT(initial_peers=initial_peers, host_maddrs=listen, announce_maddrs=announce, start=True,
-                          client_mode=self.behind_nat)
+                          await_ready=False, client_mode=self.behind_nat)
                 try:
+                    dht.wait_until_ready(_DHT_READY_S)
                     self.averager = ReplicaAverager(dht)
                 except BaseException:
                     dht.shutdown()  # the next attempt starts its own
@@ -437,7 +444,8 @@ class StepFlow:
                 self._dht = dht
                 break
             except Exception as e:  # hivemind raises what its daemon or its bootstrap met: nothing narrower to catch
-                log.warning("cannot join the replicas' hivemind DHT (attempt %d of %d): %s", attempt, _DHT_ATTEMPTS, e)
+                why = str(e) or f"{type(e).__name__} (not ready within {_DHT_READY_S:g} s)"
+                log.warning("cannot join the replicas' hivemind DHT (attempt %d of %d): %s", attempt, _DHT_ATTEMPTS, why)
                 if attempt < _DHT_ATTEMPTS and self.stopped.wait(attempt):
                     return
         else:
