@@ -225,7 +225,7 @@ class Planning:
         """Whether the plan's data-head window is far from the one its latest estimate gives (train.inflight =
         "auto"): the next plan carries the estimate's."""
         assert self.plan is not None
-        if not placement.window_changed(self.cfg, self.plan, self.estimate, _DRIFT_REPLAN):
+        if not placement.window_changed(self.cfg, self.plan, self.estimate):
             return False
         assert self.estimate is not None
         why = f"the estimate's window is {self.estimate.chosen_inflight} microbatches, the plan's {self.plan.inflight}"

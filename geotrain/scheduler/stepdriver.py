@@ -245,12 +245,12 @@ class StepDriver:
         shares = assign_microbatches(self._heads(plan), total)
         with self.membership.cond:
             self.progress.issued = {mb: head for head, ids in shares.items() for mb in ids}
+        dispatched = time.monotonic()  # a head's round trips start once its order is out
         for head, ids in shares.items():
             if ids:
                 start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
                 self.orders.send([head], pb.Order(start_step=start))
         self._enter(StepPhase.DISPATCHED, step)
-        dispatched = time.monotonic()
         wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
         self._enter(StepPhase.MICROBATCHES_DONE, step)
         commit_started = time.monotonic()
