@@ -13,30 +13,34 @@ committed steps), peak_memory_bytes (the most one node held, from the nodes' hea
 inflight (the window the plan ran with: auto's own choice), estimated_step_s (the cost model's step time for the plan).
 Run: sudo python bench/window.py [--windows 1,4,16,auto] [--steps N] [--links namespaces|emulator]
 
-Measured on a shared 2-core machine, namespaces, 8 steps (tokens/s, peak memory of the largest node):
-- window 1: 324, 441 MB; 4: 1,061, 456 MB; 16: 1,622, 518 MB; auto: 1,393, 487 MB, 9 in flight (1.31x window 4,
-  0.86 of window 16).
-- auto misses "within 10% of the best" by its first step, not by its window: the first plan is made before the nodes'
-  profiles are in, so it takes one microbatch per stage (3), and the plan is re-planned with the measured window only
-  after step 1 (placement.window_changed; before that change auto ran at 3 all along). From the means (steps not
-  timed one by one): had the other 7 steps run at window 16's 3.8 s, step 1 took 8.5 s, about what a window of 3
-  takes (4: 5.8 s a step), so the gap is that step. Doubling the unloaded round trip over the pace (tried: 17 in
-  flight, another run) left the same gap, 1,284 against 974 at 4 and 1,465 at 16 (0.88), so the formula stays.
-- 24 steps (`--windows 4,16,auto --steps 24`), where that first step weighs a third as much: window 4: 1,126.3
-  tokens/s, 457 MB; 16: 1,512.5, 524 MB; auto: 1,475.7, 508 MB, 13 in flight: 1.31x window 4 and 0.976 of window 16,
-  both goals met. A run of a few hundred steps pays the first step's window once.
-- After in-run calibration (scheduler.calibration) and with the namespace WAN relaying the raw tensor stream (the
-  runs above sent tensors over gRPC), 24 steps, `--windows 4,16,auto`: window 4: 903.9 tokens/s, 461 MB; 16: 1,778.1,
-  527 MB; auto: 1,214.9, 492 MB, 9 in flight: 1.34x window 4 but 0.68 of window 16, so "within 10% of the best"
-  no longer holds. The cost model itself prices 16 faster than 9 (estimated step 2.80 s against 3.28 s): auto's
-  window is Little's law over the unbounded pace, and the calibrated (slower) compute lengthens that pace, so the
-  law asks for fewer microbatches, and the re-plan rule then kept a window up to a quarter below its need. With
-  that rule made one-sided (placement.window_changed: a window more than 5% below its need is raised; one above it is
-  lowered only past the tolerance), auto alone, 24 steps: 1,500.4 tokens/s, 507 MB, 11 in flight: 1.66x window 4
-  and 0.84 of window 16, still short of the 10%. The model prices 11 enough (2.68 s a step), so what is left is a
-  round trip longer in the namespace WAN than the model counts (tbf queues, TCP) and the first steps at the window
-  chosen before the profiles: the nodes would need to report the data heads' measured round trip for calibration.
-- Earlier, with 8 x 64-byte microbatches (the pace a 63 ms link): auto 1,668 (at 3 all along), 4: 1,853, 16: 2,226.
+Measured on a shared 2-core machine, namespaces, under the CPU lock; the run of this version, 24 steps, all four
+windows in one invocation (`--steps 24`):
+  {"window": "1", "tokens_per_s": 258.5, "peak_memory_bytes": 474189824, "inflight": 1, "estimated_step_s": 22.485}
+  {"window": "4", "tokens_per_s": 903.8, "peak_memory_bytes": 497696768, "inflight": 4, "estimated_step_s": 6.012}
+  {"window": "16", "tokens_per_s": 1572.1, "peak_memory_bytes": 555999232, "inflight": 16, "estimated_step_s": 3.862}
+  {"window": "auto", "tokens_per_s": 1476.4, "peak_memory_bytes": 542789632, "inflight": 12, "estimated_step_s": 3.376}
+(each line also has "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"). auto is 1.63x window 4 and
+0.939 of window 16, the best fixed window. Its window: 3 in the plan made as the last node joined (no profiles yet),
+10 before step 1 once they came in (replan's check of a plan before its first step), 12 after step 1 once the data
+heads' round trip was measured (scheduler.calibration's cost per crossing), and 12 to the end. Its steps after the
+first took 4.07 s (mean), window 16's 3.80 s; its first 6.68 s, window 16's 5.94 s. The run before it, with a window
+also lowered when in-run times moved the need down: auto 1,549.3 tokens/s (0.939 of window 16's 1,650.3; window 4
+930.2, window 1 254.7): 3, 10, 14 and, after step 17, 11, at which its steps took 4.05 s against 3.77 s at 14, so a
+window above its need now stays (placement.window_changed).
+
+How auto got there (earlier versions, same links):
+- At first the plan's window came only after its first step, at one microbatch per stage: 8 steps, window 4: 1,061,
+  16: 1,622, auto 1,393 tokens/s (0.86 of 16), the gap being that first step; 24 steps, auto 0.976 of 16.
+- With in-run calibration and the tensor stream relayed (the runs above sent tensors over gRPC), 24 steps: window 4
+  903.9, 16 1,778.1, auto 1,214.9 at 9 in flight (0.68 of 16): calibrated, slower compute lengthened the pace and
+  auto's window shrank, and a two-sided re-plan rule kept a window up to a quarter below its need. Raised whenever
+  more than 5% short: 1,500.4 at 11 (0.84). Window 11 fixed ran 1,409.3 against 1,564.6 at 16 (its steps 4.25 s
+  against 3.8 s), while the model priced 11 enough: the round trip in the namespace WAN was longer than the cost
+  model's (a rate limiter's queue, encoding, framing). The data heads now report their shortest microbatch round trip,
+  and calibration prices the excess per boundary crossing: auto then chose 13-14, its steps as fast as window 16's
+  after the first, which at 3 in flight took 11.2-11.6 s against 5.9-6.5 s at 16; the plan is now checked against the
+  profiles before that step.
+- With 8 x 64-byte microbatches (the pace a 63 ms link): auto 1,668 (at 3 all along), 4: 1,853, 16: 2,226.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from time_to_target import LINKS, MODEL, STAGES, default_links, links_label, nam
 MICROBATCHES = 48
 MICROBATCH_SIZE = 2
 WINDOWS = ("1", "4", "16", "auto")  # values of train.inflight
-STEPS = 24  # the first step runs before the measured window (see above): 8 steps weigh it 3x as much
+STEPS = 24  # the first step runs before the round trip is measured (see above): 8 steps weigh it 3x as much
 
 
 def settings(window: str, steps: int) -> list[str]:
