@@ -7,7 +7,8 @@ A run's estimate is its last plan's prediction as the coordinator keeps it (meta
 the cost model's estimate made once the plan's second step committed (replan.PREDICT_AFTER_STEPS: the first pays for
 starting the plan, new stage state, channels, a replica's first all-reduce), at the plan's window, from the profiles
 corrected by what the run had measured by then (scheduler.calibration: the nodes' compute seconds per microbatch and
-averaging seconds, the commit phase; the plan's first step no longer counts once its second is in). Its measured
+averaging seconds, the data heads' round trips, the commit phase; the plan's first step no longer counts once its
+second is in). Its measured
 step time is the median over the plan's steps after those two, of which the prediction knows nothing. Each line's
 runs carry the corrections the prediction used.
 
@@ -25,11 +26,23 @@ absolute error over all its runs and the measured speed-up of geotrain over unif
     python bench/plan_vs_real.py [--steps 10] [--runs 3] [--config slowdowns ...]
 
 Figures (under the CPU lock on this 2-core machine):
+- This version (the data heads' round trips priced per boundary crossing, a plan checked against profiles that came
+  in before its first step, an auto window never lowered by in-run times), --steps 10, 3 runs each, one run of the
+  whole script:
+    {"config": "slowdowns", "median_abs_error": 0.124, "runs": 6, "measured_speedup": 1.728}
+      uniform errors +0.127, +0.125, +0.342; geotrain -0.006, -0.099, +0.124
+    {"config": "slow_link", "median_abs_error": 0.085, "runs": 6, "measured_speedup": 10.031}
+      uniform -0.082, -0.085, -0.088; geotrain +0.086, -0.052, +0.121
+    {"config": "replicas", "median_abs_error": 0.075, "runs": 6, "measured_speedup": 2.26}
+      uniform -0.015, -0.056, -0.035; geotrain +0.117, +0.094, +0.143
+  Within 15% in all three. On loopback the measured round trips exceed the priced ones by little: the cost per
+  crossing the predictions used is 0-16 ms (slow_link uniform 13-16 ms, elsewhere 0-11 ms); the run's compute scale
+  1.04-1.75.
 - Before in-run calibration (profiles alone; median profiles, the window's waves, all-reduce at 8 bytes a value), 3
   runs each: median absolute error 0.078 (slowdowns), 0.197 (slow_link), 0.431 (replicas). Estimates were low
   wherever slowdown-1 nodes carried short steps (0.2 s), and in replicas by hivemind's fixed cost per all-reduce
   (0.2-0.25 s a round, where bytes over the probed ~1 Gbit/s are 0.026 s).
-- With in-run calibration and the prediction after a plan's SECOND step (this version; --steps 10, measured over
+- With in-run calibration and the prediction after a plan's SECOND step (--steps 10, measured over
   the last plan's 8 or 7 steps after those two), 3 runs each, one run of the whole script under the lock:
     {"config": "slowdowns", "median_abs_error": 0.067, "runs": 6, "measured_speedup": 2.243}
       uniform errors +0.061, +0.049, +0.150; geotrain +0.134, +0.072, -0.042
