@@ -135,7 +135,7 @@ def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | Non
     if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
     chosen, need = estimate.chosen_inflight, estimate.window_need
-    if need is None:
+    if need is None:  # priced at a fixed window: no need to compare with
         return False
     if chosen < math.ceil(need - 1e-9) and plan.inflight > chosen:
         return True  # memory holds no more than the estimate's window

@@ -135,9 +135,9 @@ class Planning:
 
     def _priced_late(self) -> bool:
         """Whether the plan was made before its nodes' profiles could price it, they have all come in since, and the
-        window they give differs from the plan's: under train.inflight = "auto" a plan without an estimate runs one
-        microbatch per stage (bench/window.py: a first step at 3 took 11.6 s where one at 16 took 6.5 s). Checked
-        before each step, not only once one committed (after_commit), so that no step runs at it."""
+        plan's window is short of what they give (window_changed): under train.inflight = "auto" a plan without an
+        estimate runs one microbatch per stage (bench/window.py: a first step at 3 took 11.6 s where one at 16 took
+        6.5 s). Checked before each step, not only once one committed (after_commit), so that no step runs at it."""
         if self.plan is None or self.estimate is not None:
             return False
         members = self.membership.members
