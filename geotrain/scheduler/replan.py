@@ -140,14 +140,28 @@ class Planning:
         6.5 s). Checked before each step, not only once one committed (after_commit), so that no step runs at it."""
         if self.plan is None or self.estimate is not None:
             return False
+        profiles = self._plan_profiles()
+        if any(p is None for p in profiles.values()) or not self._profiles_newer(profiles):
+            return False  # not all in yet, or none newer than the last estimate's (which found the plan infeasible)
+        self._estimate_plan()
+        return self.window_changed()
+
+    def _plan_profiles(self) -> dict[str, pb.NodeProfileReport | None]:
+        """The current plan's nodes' latest profiles (None: not in yet)."""
+        assert self.plan is not None
         members = self.membership.members
-        nodes = placement.plan_nodes(self.plan)
-        profiles = {n: members[n].profile if n in members else None for n in nodes}
-        if any(p is None for p in profiles.values()) or profiles == self._estimated_from:
-            return False  # not all in yet, or no newer ones than the last estimate's (which found the plan infeasible)
+        return {n: members[n].profile for n in placement.plan_nodes(self.plan)}
+
+    def _profiles_newer(self, profiles: dict[str, pb.NodeProfileReport | None]) -> bool:
+        """Whether any of these came in after the current estimate was made."""
+        return any(profile is not self._estimated_from.get(n) for n, profile in profiles.items())
+
+    def _estimate_plan(self) -> None:
+        """update_estimate for the current plan's layout at its window."""
+        assert self.plan is not None
+        members = self.membership.members
         groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
         self.update_estimate(placement.plan_ranges(self.plan), groups, self.plan.inflight or None)
-        return self.window_changed()
 
     def after_commit(self, timings: StepTimings) -> None:
         """Correct the cost model with what the committed step measured and re-estimate the plan with that (and
@@ -156,20 +170,17 @@ class Planning:
         ("predicted_step_s": the plan's later steps are measured against it, and it knows nothing of them)."""
         if self.plan is None:
             return
-        members = self.membership.members
-        profiles = {n: members[n].profile for n in placement.plan_nodes(self.plan)}
-        groups = [[members[n] for n in s.node_ids] for s in self.plan.stages]
-        ranges, window = placement.plan_ranges(self.plan), self.plan.inflight or None
+        profiles = self._plan_profiles()
         # The step as priced before its timings, which the averaging's fixed cost is measured beyond: the estimate
         # made after the last step, unless newer profiles came in since.
-        if any(profile is not self._estimated_from.get(n) for n, profile in profiles.items()):
-            self.update_estimate(ranges, groups, window)
+        if self._profiles_newer(profiles):
+            self._estimate_plan()
         if self._committed_epoch != self.plan.epoch:
             self._committed_epoch, self._plan_steps = self.plan.epoch, 0
         self._plan_steps += 1
         self.calibration.observe(timings, self.plan, profiles, self.estimate, first_of_plan=self._plan_steps == 1)
         log.debug("step timings %s; corrections now %s", timings, self.calibration.corrections)
-        self.update_estimate(ranges, groups, window)
+        self._estimate_plan()
         if self._plan_steps == PREDICT_AFTER_STEPS and self.estimate is not None:
             corrections = self.calibration.corrections
             prediction = {
