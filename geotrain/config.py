@@ -306,7 +306,19 @@ class SchedulerSection:
     checkpoint_every: int = _bounded(10, 0, 10**9, "steps between checkpoints (needs a state dir); 0 = only at the end")
     keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")
     rejoin_timeout_s: float = _bounded(60.0, 0.0, 86400.0, "how long a stage without nodes waits for one to join")
-    max_members: int = _bounded(10000, 1, 10**6, "nodes the coordinator admits at most, dead ones included")
+    max_members: int = _bounded(10000, 1, 10**6, "live nodes the coordinator admits at most")
+    forget_after_s: float = _bounded(
+        600.0, 1.0, 10**7, "members dead this long, or never profiled and never planned this long, are forgotten "
+        "(an id stays bound to the key that first registered it)"
+    )
+    spares_per_host: int = _bounded(32, 1, 10**6, "live members no plan ever gave a stage, from one host at most")
+    spares_per_subnet: int = _bounded(
+        128, 1, 10**6, "live members no plan ever gave a stage, from one /24 (IPv4) or /64 (IPv6) at most"
+    )
+    new_ids_per_s: float = _bounded(
+        2.0, 0.001, 1e6, "new node ids one host may register per second, on average (its /24 or /64: 8 times that)"
+    )
+    new_id_burst: int = _bounded(16, 1, 10**6, "new node ids one host may register at once (its subnet: 8 times)")
     max_offences: int = _bounded(
         5, 1, 10**6, "refused reports (contradicting the plan, or for another member) that evict their sender"
     )

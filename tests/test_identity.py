@@ -303,7 +303,7 @@ def test_id_takeover_and_order_stream_theft_are_refused(tmp_path, reference, cap
         other = next(n for s in a.plan.stages for n in s.node_ids if n != victim)
         expect_status(denied, "signed by that node's key",
                       lambda: stub.ReportFailure(pb.FailureReport(node_id=victim, peer=other), timeout=10))
-        expect_status(denied, "only to a live member",
+        expect_status(denied, "only to a member ordered to load them",
                       lambda: next(stub.FetchCheckpoint(pb.FetchCheckpointRequest(layer_end=1), timeout=10)))
         # Unsigned, with the token only.
         unsigned = a.coordinator(None, victim)

@@ -10,10 +10,13 @@ import pytest
 
 from geotrain.config import load_config
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused, StepFailed
-from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle
+from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle, Member, Membership, Rejected
+from geotrain.scheduler.orders import OrderQueues
+from geotrain.scheduler.state import RunStore
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -154,3 +157,136 @@ def test_a_replica_whose_hivemind_never_joins_is_left_out_after_two_plans():
     _register(c, node_id=ids[2], address="127.0.0.1:7101")
     assert ids[2] not in c.planning.left_out()
     c.store.close()
+
+
+# -- a token holder's identities are worth nothing: failure reports, fake ids, checkpoint fetches ---------------
+
+
+def _join(m: Membership, node_id: str, host: str) -> Member:
+    """A member `node_id` from `host`, with a key of its own."""
+    address = f"[{host}]:1" if ":" in host else f"{host}:1"
+    request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=address,
+                                 public_key=NodeKey.generate().public)
+    m.screen(request, host)
+    return m.admit(request, set(), host=host)
+
+
+def _membership(*overrides: str) -> Membership:
+    cfg = load_config(None, ["scheduler.heartbeat_interval_s=1", "scheduler.heartbeat_timeout_s=5", *overrides])
+    return Membership(cfg.scheduler, RunStore(), OrderQueues(), lambda kind, data: None)
+
+
+def _pipeline(m: Membership, *stages: list[str]) -> pb.Plan:
+    plan = pb.Plan(epoch=3, stages=[pb.StageAssignment(index=i, layer_start=i, layer_end=i + 1, node_ids=nodes)
+                                    for i, nodes in enumerate(stages)])
+    m.take_up(plan)
+    return plan
+
+
+def _late(m: Membership, node_id: str, seconds: float) -> bool:
+    """Whether check_liveness declares node_id dead when its last heartbeat was `seconds` ago."""
+    m.members[node_id].last_seen = time.monotonic() - seconds
+    m.check_liveness()
+    return not m.members[node_id].alive
+
+
+def _report(m: Membership, plan: pb.Plan, reporter: str, peer: str, epoch: int = 0) -> Member | None:
+    return m.report_failure(pb.FailureReport(node_id=reporter, peer=peer, detail="DEADLINE_EXCEEDED",
+                                             plan_epoch=epoch), plan)
+
+
+def test_a_failure_report_counts_only_from_a_neighbour_and_shortens_nothing_alone():
+    m = _membership()
+    for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1"), ("d", "10.0.3.1")):
+        _join(m, node_id, host)
+    sybil = _join(m, "sybil", "10.0.9.1")
+    plan = _pipeline(m, ["a"], ["b"], ["c", "d"])
+    # A member no plan used calls nobody: refused (an offence). A planned non-neighbour, or another epoch: ignored.
+    with pytest.raises(ReportRefused, match="serves no stage"):
+        _report(m, plan, sybil.node_id, "b")
+    assert _report(m, plan, "a", "c") is None and _report(m, plan, "b", "a", epoch=2) is None
+    assert not _late(m, "c", 1.7) and not _late(m, "a", 1.7)
+    # One neighbour's report: the coordinator is to probe; until it fails, the timeout stays heartbeat_timeout_s.
+    assert _report(m, plan, "b", "c").node_id == "c"
+    assert _report(m, plan, "b", "c") is None  # the same reporter again: no second probe
+    assert not _late(m, "c", 1.7)
+    m.probed("c", answered=True)
+    assert not _late(m, "c", 1.7)
+    m.probed("c", answered=False)
+    assert _late(m, "c", 1.7), "a peer reported failing that the coordinator's probe cannot reach is dead when late"
+    # Two independent neighbours (other keys, other hosts) need no probe; a heartbeat clears the suspicion.
+    _report(m, plan, "b", "d")
+    _report(m, plan, "a", "b")
+    _report(m, plan, "c", "b")
+    m.heartbeat(pb.HeartbeatRequest(node_id="b"))
+    assert not _late(m, "b", 1.7) and _late(m, "b", 5.1)
+
+
+def test_an_accusation_the_accused_answers_by_serving_is_the_accusers_offence():
+    m = _membership("scheduler.max_offences=2")
+    for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1")):
+        _join(m, node_id, host)
+    plan = _pipeline(m, ["a"], ["b"])
+    for step in (1, 2):
+        _report(m, plan, "a", "b")
+        m.heartbeat(pb.HeartbeatRequest(node_id="b", applied_step=step))  # b heartbeats and applied a step
+    assert m.members["a"].lifecycle is Lifecycle.DEAD and m.members["b"].alive
+    assert [kind for _, kind, node, _ in m.store.events() if node == "a"][-1] == "evicted"
+
+
+def test_ids_that_stay_dead_or_never_profile_are_forgotten_and_max_members_counts_live_ones():
+    m = _membership("scheduler.max_members=3", "scheduler.forget_after_s=60")
+    for i in range(3):
+        _join(m, f"fake-{i}", f"10.{i}.0.1")
+    with pytest.raises(Rejected, match="admits 3 nodes"):
+        _join(m, "honest", "10.9.0.1")
+    for i in range(3):
+        assert _late(m, f"fake-{i}", 6)  # the fakes never heartbeat
+    honest = _join(m, "honest", "10.9.0.1")  # dead ones hold no room
+    for member in m.members.values():
+        member.died_at -= 61
+    honest.joined_at -= 61
+    m.check_liveness()
+    assert set(m.members) == set(), "dead for 60 s, or never profiled for 60 s: forgotten"
+    # A forgotten id stays its key's.
+    with pytest.raises(Rejected, match="belongs to another key"):
+        _join(m, "fake-0", "10.0.0.1")
+
+
+def test_new_ids_from_one_place_are_capped_and_paced_and_others_still_get_in():
+    m = _membership("scheduler.spares_per_host=3", "scheduler.spares_per_subnet=5", "scheduler.new_id_burst=100")
+    for i in range(3):
+        _join(m, f"h-{i}", "10.0.0.1")
+    with pytest.raises(Rejected, match="host 10.0.0.1 has 3 members that serve no stage"):
+        _join(m, "h-3", "10.0.0.1")
+    _join(m, "n-0", "10.0.0.2")
+    _join(m, "n-1", "10.0.0.3")
+    with pytest.raises(Rejected, match=r"network 10.0.0.0/24 has 5"):
+        _join(m, "n-2", "10.0.0.4")
+    assert _join(m, "elsewhere", "10.0.1.1").alive
+    _pipeline(m, ["h-0"])  # planned members count against no cap
+    assert _join(m, "h-3", "10.0.0.1").alive
+    paced = _membership("scheduler.new_id_burst=4", "scheduler.new_ids_per_s=0.001")
+    for i in range(4):
+        _join(paced, f"p-{i}", "2001:db8::1")
+    with pytest.raises(Rejected, match="this host registers new node ids at most"):
+        _join(paced, "p-4", "2001:db8::1")
+    with pytest.raises(Rejected, match="this subnet registers new node ids at most"):
+        for i in range(40):
+            _join(paced, f"q-{i}", f"2001:db8::{i + 2:x}")
+    assert _join(paced, "v", "2001:db8:1::1").alive, "a flood from one /64 leaves room for volunteers of another"
+
+
+def test_checkpoint_state_goes_only_to_a_member_ordered_to_load_it_in_that_epoch():
+    m = _membership()
+    a, b = _join(m, "a", "10.0.0.1"), _join(m, "b", "10.0.1.1")
+    plan = _pipeline(m, ["a"], ["b"])
+    m.orders.send(["a"], pb.Order(load_state=pb.LoadState(plan_epoch=3, steps_done=7)))
+    m.orders.send(["b"], pb.Order(load_state=pb.LoadState(plan_epoch=3, steps_done=7, source_address="x:1")))
+    assert m.load_ordered(a.public_key, plan, (0, 1), 7)
+    assert not m.load_ordered(a.public_key, plan, (1, 2), 7)  # another stage's layers
+    assert not m.load_ordered(a.public_key, plan, (0, 1), 6)  # another step
+    assert not m.load_ordered(b.public_key, plan, (1, 2), 7)  # ordered to load from a peer, not the coordinator
+    assert not m.load_ordered(NodeKey.generate().public, plan, (0, 1), 7) and not m.load_ordered(None, plan, (0, 1), 7)
+    later = pb.Plan(epoch=4, stages=plan.stages)
+    assert not m.load_ordered(a.public_key, later, (0, 1), 7)  # ordered in another epoch

@@ -8,6 +8,7 @@ import zlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from ipaddress import ip_address
 
 import grpc
 import pytest
@@ -25,7 +26,7 @@ from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel, make_server
 from geotrain.scheduler.membership import Member
 from geotrain.scheduler.placement import relay_routes, state_sources
-from geotrain.scheduler.reachability import DIRECT, UNREACHABLE, candidates
+from geotrain.scheduler.reachability import DIRECT, UNREACHABLE, target
 from tests.conftest import expect_status, local_cluster, max_diff, small_run, train_local_state, wait_until
 
 
@@ -37,13 +38,26 @@ def dead_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def test_dial_back_tries_the_advertised_address_then_where_the_call_came_from():
-    assert candidates("192.168.1.5:7100", "ipv4:203.0.113.9:51234") == ["192.168.1.5:7100", "203.0.113.9:7100"]
-    assert candidates("203.0.113.9:7100", "ipv4:203.0.113.9:51234") == ["203.0.113.9:7100"]
-    assert candidates("[fd00::5]:7100", "ipv6:[2001:db8::9]:4000") == ["[fd00::5]:7100", "[2001:db8::9]:7100"]
-    assert candidates("10.0.0.5:7100", "unix:/tmp/socket") == ["10.0.0.5:7100"]
-    # Through a proxy on the coordinator's host: loopback there is not the node.
-    assert candidates("10.0.0.5:7100", "ipv4:127.0.0.1:4000") == ["10.0.0.5:7100"]
+def test_dial_back_dials_only_the_callers_own_address():
+    def where(advertised: str, caller: str) -> tuple[str | None, str | None, str]:
+        found = target(advertised, caller, resolver=lambda name: {ip_address("203.0.113.9")} if name == "me.example" else set())
+        return found.dial, found.reached, found.case
+
+    # A local run: 127.0.0.1 advertised and called from, dialled there.
+    assert where("127.0.0.1:7100", "ipv4:127.0.0.1:4000") == ("127.0.0.1:7100", "127.0.0.1:7100", "DIRECT")
+    assert where("203.0.113.9:7100", "ipv4:203.0.113.9:51234") == ("203.0.113.9:7100", "203.0.113.9:7100", "DIRECT")
+    # A LAN address behind a forwarded port (the NAT case): the advertised port at the caller's host, not the LAN's.
+    assert where("192.168.1.5:7100", "ipv4:203.0.113.9:51234") == ("203.0.113.9:7100", "203.0.113.9:7100", "NAT")
+    assert where("[fd00::5]:7100", "ipv6:[2001:db8::9]:4000") == ("[2001:db8::9]:7100", "[2001:db8::9]:7100", "NAT")
+    # A third host named by the caller is never dialled: its own host is, at that port.
+    assert where("127.0.0.2:7100", "ipv4:198.51.100.7:4000")[0] == "198.51.100.7:7100"
+    # A DNS name that resolves to the caller: its address dialled, the name kept for peers; one that does not: NAT.
+    assert where("me.example:7100", "ipv4:203.0.113.9:1") == ("203.0.113.9:7100", "me.example:7100", "NAME")
+    assert where("other.example:7100", "ipv4:203.0.113.9:1")[0] == "203.0.113.9:7100"
+    # Through a proxy on the coordinator's host (loopback naming another host) or no TCP: nothing is dialled.
+    assert where("10.0.0.5:7100", "ipv4:127.0.0.1:4000") == (None, None, "PROXIED")
+    assert where("127.0.0.2:7100", "ipv4:127.0.0.1:4000") == (None, None, "PROXIED")
+    assert where("10.0.0.5:7100", "unix:/tmp/socket") == (None, None, "PROXIED")
 
 
 def _attack(cluster, tmp_path) -> None:

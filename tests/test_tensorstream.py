@@ -257,3 +257,19 @@ def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_
         assert node.receiver.ticket_asks == 1  # the first tensor found the port closed; the others did not try
         said = [r.getMessage() for r in caplog.records if "go by gRPC calls" in r.getMessage()]
         assert len(said) == 1 and "cannot be reached" in said[0], said
+
+
+@pytest.mark.timeout(30)
+def test_strangers_holding_the_port_without_a_hello_cannot_keep_a_neighbour_out():
+    with receiving_node() as node, sending_plane(node) as plane:
+        held = [socket.create_connection(("127.0.0.1", node.streams.port), timeout=10) for _ in range(100)]
+        try:
+            tensor = torch.randn(SHAPE)
+            _send(plane, node, tensor)  # the neighbour's connection makes room: the oldest silent ones are closed
+            assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
+            assert node.receiver.ticket_asks == 1, "it went over the stream, not by a call"
+            cut = sum(s.recv(1) == b"" for s in held[:-8])
+            assert cut == len(held) - 8
+        finally:
+            for s in held:
+                s.close()

@@ -57,8 +57,12 @@ TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 MAX_FRAME_BYTES = 64 << 10  # a hello, frame or reply: headers only, never a payload
 CONNECT_TIMEOUT_S = 5.0
-_HANDSHAKE_S = 10.0  # a connection says its hello (TLS included) within this, or is closed
-_MAX_OPENING = 64  # connections that have not said their hello yet; more are closed at once
+_HANDSHAKE_S = 2.0  # a connection says its hello (TLS included) within this, or is closed
+# Connections that have not said their hello yet, from one host and from all: past either, the oldest such
+# connection of that host (of the host holding the most) is closed to make room. A neighbour says its hello within
+# a round trip of connecting, so whoever holds slots open without a ticket cannot keep it out.
+_MAX_OPENING = 64
+_OPENING_PER_HOST = 8
 _DISCARD_BYTES = 1 << 16
 _LENGTH = struct.Struct("<I")
 _OK = grpc.StatusCode.OK.value[0]
@@ -154,7 +158,7 @@ class TensorStreamServer:
         self._tickets: dict[bytes, tuple[bytes, float]] = {}  # ticket -> (key, expiry)
         self._open: dict[bytes, int] = defaultdict(int)  # key -> its connections
         self._connections: set[socket.socket] = set()
-        self._opening = 0
+        self._opening: dict[str, list[socket.socket]] = defaultdict(list)  # host -> its pre-hello, oldest first
         self._closed = False
 
     def start(self, sink: TensorSink) -> None:
@@ -201,16 +205,39 @@ class TensorStreamServer:
             host, port = address[:2]
             peer = f"ipv6:[{host}]:{port}" if sock.family == socket.AF_INET6 else f"ipv4:{host}:{port}"
             with self._lock:
-                admitted = not self._closed and self._opening < _MAX_OPENING
-                if admitted:
-                    self._opening += 1
-                    self._connections.add(sock)
-            if not admitted:
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock, peer), name="tensor-stream", daemon=True).start()
+                if self._closed:
+                    sock.close()
+                    continue
+                self._make_room(host)
+                self._opening[host].append(sock)
+                self._connections.add(sock)
+            threading.Thread(target=self._serve, args=(sock, peer, host), name="tensor-stream", daemon=True).start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _make_room(self, host: str) -> None:
+        """Close pre-hello connections (the oldest first) until `host` has fewer than _OPENING_PER_HOST and all hosts
+        together fewer than _MAX_OPENING. Under the lock."""
+        while True:
+            if len(self._opening[host]) >= _OPENING_PER_HOST:
+                crowded = host
+            elif sum(map(len, self._opening.values())) >= _MAX_OPENING:
+                crowded = max(self._opening, key=lambda h: len(self._opening[h]))
+            else:
+                return
+            oldest = self._opening[crowded].pop(0)
+            try:  # its thread sees the end and closes it
+                oldest.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _said_hello(self, host: str, raw: socket.socket) -> None:
+        with self._lock:
+            opening = self._opening.get(host)
+            if opening is not None and raw in opening:
+                opening.remove(raw)
+            if not opening:
+                self._opening.pop(host, None)
+
+    def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
         """One connection from `peer` (as gRPC names one): its hello, then its tensors until it ends."""
         raw, key = sock, None
         try:
@@ -224,8 +251,7 @@ class TensorStreamServer:
                         self._connections.add(sock)
                 ticket = read_message(sock, pb.TensorStreamHello).ticket
             finally:
-                with self._lock:
-                    self._opening -= 1
+                self._said_hello(host, raw)
             key = self._redeem(ticket)
             if key is None:
                 self._limits.refusals.refused(peer, "tensor stream", "", "an unknown, used or expired ticket")
@@ -409,21 +435,29 @@ class TensorStreamClient:
         if not 0 < ticket.port < 65536 or len(ticket.ticket) != TICKET_BYTES:
             raise NoStream(f"it answered a malformed ticket (port {ticket.port})", lasting=True)
         host = address.rpartition(":")[0].strip("[]")
-        sock = None
         try:
             sock = socket.create_connection(
                 (host, ticket.port), timeout=min(CONNECT_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
             )
+        except OSError as e:
+            raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
+        try:
             _tune(sock)
             if self._context is not None:
                 sock = self._context.wrap_socket(sock, server_hostname=RUN_TLS_NAME)
             write_message(sock, pb.TensorStreamHello(ticket=ticket.ticket))
             answer = read_message(sock, pb.TensorStreamReply)
+        except ssl.SSLError as e:
+            sock.close()
+            if isinstance(e, ssl.SSLEOFError):  # cut during the handshake: as below
+                raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})",
+                               lasting=False) from None
+            raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
         except (OSError, Closed, FrameError) as e:
-            if sock is not None:
-                sock.close()
-            why = f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})"
-            raise NoStream(why, lasting=True) from None
+            # Connected, then cut before the receiver's answer (it made room for newer connections, or restarted):
+            # this tensor goes by a call, the next one tries a stream again.
+            sock.close()
+            raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})", lasting=False) from None
         if answer.code != _OK:
             sock.close()
             raise NoStream(f"it refused the tensor stream: {answer.detail[:200]}", lasting=False)

@@ -170,14 +170,48 @@ class Coordinator:
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
     def register(
-        self, request: pb.RegisterRequest, signer: bytes | None = None, dial_back: Callable[[], DialedBack] | None = None
+        self, request: pb.RegisterRequest, signer: bytes | None = None, dial_back: Callable[[], DialedBack] | None = None,
+        host: str = "",
     ) -> pb.RegisterReply:
         """Admit a node (new, or returning with the stage it holds), or say why not. `signer`: the key that signed
         the call (the RPC service passes it, b"" for an unsigned call), which must be the key the request carries;
         None in-process, where the request's key is taken as it is. `dial_back`: dials the node and says what it
         found (the RPC service's; None in-process: not dialled), called only for a request that passed every check
         (a token holder cannot make the coordinator dial for a refused one) and kept with the member from its first
-        moment, so that no plan counts it before its reachability is known."""
+        moment, so that no plan counts it before its reachability is known. `host`: the caller's IP (the limits on
+        new ids and spares per host; "": in process, none)."""
+        refusal = self._refusal(request, signer)
+        if refusal is not None:
+            return refusal
+        try:
+            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dial_back, host)
+        except Rejected as e:
+            return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
+        reply = pb.RegisterReply(
+            accepted=True,
+            node_id=member.node_id,
+            config=to_proto(self.cfg),
+            heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
+            run_id=self.run_id,
+        )
+        if member.reachability:  # dialled: the address that answered is the member's
+            reply.reachability = pb.REACHABILITY_UNREACHABLE if member.unreachable else pb.REACHABILITY_DIRECT
+            reply.reachable_at = "" if member.unreachable else member.address
+        return reply
+
+    def screen(self, request: pb.RegisterRequest, signer: bytes | None, host: str) -> pb.RegisterReply | None:
+        """The reply refusing a registration from `host` before any dial-back (register's own checks, and
+        Membership.screen's: room, the host's pace of new ids), or None when it may be dialled."""
+        refusal = self._refusal(request, signer)
+        if refusal is not None:
+            return refusal
+        try:
+            self.membership.screen(request, host)
+        except Rejected as e:
+            return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
+        return None
+
+    def _refusal(self, request: pb.RegisterRequest, signer: bytes | None) -> pb.RegisterReply | None:
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.RegisterReply(
                 accepted=False,
@@ -193,21 +227,7 @@ class Coordinator:
                 reason=pb.REJECT_REASON_IDENTITY,
                 message="a registration must carry the node's public key and be signed with it",
             )
-        try:
-            member = self.membership.admit(request, set(placement.plan_nodes(self.plan)), dial_back)
-        except Rejected as e:
-            return pb.RegisterReply(accepted=False, reason=e.reason, message=str(e))
-        reply = pb.RegisterReply(
-            accepted=True,
-            node_id=member.node_id,
-            config=to_proto(self.cfg),
-            heartbeat_interval_s=self.cfg.scheduler.heartbeat_interval_s,
-            run_id=self.run_id,
-        )
-        if member.reachability:  # dialled: the address that answered is the member's
-            reply.reachability = pb.REACHABILITY_UNREACHABLE if member.unreachable else pb.REACHABILITY_DIRECT
-            reply.reachable_at = "" if member.unreachable else member.address
-        return reply
+        return None
 
     def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
         """The state of `layers` after steps_done steps from a member that holds them: downloaded by dialling it, or
@@ -267,12 +287,12 @@ class Coordinator:
         self.membership.set_profile(request)
         log.debug("profile of %s: %d link(s)", request.node_id, len(request.links))
 
-    def report_failure(self, request: pb.FailureReport) -> None:
+    def report_failure(self, request: pb.FailureReport) -> Member | None:
         """A node's calls to a peer fail, a node cannot take part in a plan epoch, or a relay did not deliver
-        (FailureReport); a relay's is taken only about a route of the current plan that links the reporter."""
+        (FailureReport); a relay's is taken only about a route of the current plan that links the reporter. Returns
+        the member to probe (Membership.report_failure), if any; ReportRefused from a member no plan ever used."""
         if not request.relayed_to:
-            self.membership.report_failure(request)
-            return
+            return self.membership.report_failure(request, self.plan)
         plan = self.plan
         ends = {request.node_id, request.relayed_to}
         if plan is None or request.plan_epoch != plan.epoch or not any(
@@ -280,8 +300,8 @@ class Coordinator:
         ):
             log.debug("relay failure report of %s about %s ignored: no route of the current plan", request.node_id,
                       request.peer)
-            return
-        self.membership.relay_failed(request)
+            return None
+        return self.membership.relay_failed(request)
 
     def order_stream(self, node_id: str) -> AsyncIterator[pb.Order]:
         """The orders for one node, as long as its stream is open (iterated on the server's event loop); KeyError
@@ -334,6 +354,11 @@ class Coordinator:
         """A stage replica applied the step."""
         self.driver.step_applied(request)
 
+    def load_ordered(self, key: bytes | None, layer_start: int, layer_end: int, steps_done: int) -> bool:
+        """Whether a member of `key` was ordered in the current plan epoch to load these layers after steps_done
+        steps from the coordinator (Membership.load_ordered): FetchCheckpoint serves nobody else."""
+        return self.membership.load_ordered(key, self.plan, (layer_start, layer_end), steps_done)
+
     def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
         """Parameters and optimizer state of a layer range at steps_done: from the checkpoint, else uploaded by a live
         holder nobody can dial (a node told to load its state from such a holder fetches it here); None if neither."""
@@ -353,7 +378,7 @@ class Coordinator:
     def run(self) -> RunSummary:
         """Wait for min_nodes, plan, then train every step, recovering from failures; returns the summary."""
         done = threading.Event()
-        self.membership.run_liveness(done)
+        self.membership.run_liveness(done, lambda: set(placement.plan_nodes(self.plan)))
         try:
             return self._train()
         except RunAborted as e:

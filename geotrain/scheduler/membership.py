@@ -7,6 +7,7 @@ a checkpoint, waiting for a plan). Every change wakes whoever waits on the share
 from __future__ import annotations
 
 import enum
+import ipaddress
 import logging
 import re
 import threading
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from geotrain.config import SchedulerSection
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.limits import TokenBuckets
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed, Unauthorized
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.reachability import UNREACHABLE, DialedBack
@@ -53,6 +55,53 @@ _LINKS = 1024
 # Ids, regions and addresses end up in plans, logs and the status page: short, printable, no spaces.
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+# A suspect is declared dead once this many heartbeat intervals late: well inside heartbeat_timeout_s, so a node that
+# died is replaced fast; a report needs a second independent neighbour or the coordinator's own probe first.
+_SUSPECT_LATE_INTERVALS = 1.5
+# A host's subnet of new ids (admission pace, spares cap): volunteers of one ISP customer or one cloud network.
+_SUBNET_BITS = {4: 24, 6: 64}
+
+
+def subnet(host: str) -> str:
+    """The /24 (IPv4) or /64 (IPv6) of an IP host, or the host itself when it is no IP address ("": unknown)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return str(ipaddress.ip_network(f"{ip}/{_SUBNET_BITS[ip.version]}", strict=False))
+
+
+def neighbours(plan: pb.Plan | None, node_id: str) -> set[str]:
+    """The nodes `node_id` exchanges tensors with under `plan`: every node of the stages before and after its own,
+    and for a link through a relay, the relay and the link's two ends."""
+    if plan is None:
+        return set()
+    stages = [list(s.node_ids) for s in plan.stages]
+    found: set[str] = set()
+    for i, nodes in enumerate(stages):
+        if node_id in nodes:
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(stages):
+                    found.update(stages[j])
+    for route in plan.relays:
+        ends = {route.a, route.b, route.relay_id}
+        if node_id in ends:
+            found.update(ends)
+    found.discard(node_id)
+    return found
+
+
+@dataclass
+class _Accusation:
+    """One neighbour's report that a peer's calls fail: who, from which key and host, and what the peer had applied
+    then (a peer that applies a step later was serving: the report was false)."""
+
+    key: bytes
+    host: str
+    applied_steps: int
+    at: float
 
 
 # Data heads get microbatch ids in proportion to their speeds; past this no node computes, and a sum of such speeds
@@ -114,6 +163,9 @@ class Member:
     offences: int = 0  # its refused reports; scheduler.max_offences of them evict it
     reachability: str = ""  # the dial-back at registration: reachability.DIRECT or UNREACHABLE ("": not checked)
     relay_failures: int = 0  # relayed tensors it was reported not to deliver: plans relay through others first
+    host: str = ""  # the host its registration came from (the gRPC peer; "": in process)
+    planned: bool = False  # some plan gave it a stage
+    died_at: float = 0.0  # when it was declared dead (forgotten scheduler.forget_after_s later)
 
     @property
     def unreachable(self) -> bool:
@@ -142,16 +194,38 @@ class Membership:
         self.cond = threading.Condition()
         self.members: dict[str, Member] = {}
         self.stop_requested = threading.Event()
+        # node -> reporter -> its report that the node's calls fail, and the suspects those reports (two independent
+        # neighbours) or the coordinator's probe confirmed: only these are declared dead before heartbeat_timeout_s.
+        self._accusations: dict[str, dict[str, _Accusation]] = {}
         self._suspects: set[str] = set()
         self._next_id = 1
+        limits = cfg.new_ids_per_s, cfg.new_id_burst
+        self._new_ids = {"host": TokenBuckets(*limits), "subnet": TokenBuckets(limits[0] * 8, limits[1] * 8)}
         self._spare_interval_s = cfg.heartbeat_interval_s  # what spares are told; set by the liveness timer
 
     # -- changes from RPC threads ---------------------------------------------------------------------------------
 
+    def screen(self, request: pb.RegisterRequest, host: str) -> None:
+        """The checks of a registration before the coordinator dials it: well-formed, its key not evicted, room for
+        a new id (admit's _check_room) and, from `host`, within its pace of new ids; Rejected otherwise. A token
+        holder cannot make the coordinator dial for a registration these refuse."""
+        _check_registration(request)
+        if request.public_key and self.store.evicted(request.public_key):
+            raise Rejected(pb.REJECT_REASON_EVICTED, "this node's key was evicted from the run for refused reports")
+        with self.cond:
+            known = bool(request.node_id) and (
+                request.node_id in self.members or self.store.member_key(request.node_id) is not None)
+            if not known:
+                self._check_room(host, None)
+        if not known and host:
+            self._pace_new_id(host)
+
     def admit(
-        self, request: pb.RegisterRequest, plan_nodes: set[str], dial_back: Callable[[], DialedBack] | None = None
+        self, request: pb.RegisterRequest, plan_nodes: set[str], dial_back: Callable[[], DialedBack] | None = None,
+        host: str = "",
     ) -> Member:
-        """Admit a registration (a new node, or a known id returning) with what dial_back finds once the request is
+        """Admit a registration (a new node, or a known id returning) from `host` (the caller's IP, which screen()
+        passed; "": in process, where no host limit applies) with what dial_back finds once the request is
         well-formed and its key not evicted (None: not dialled); Rejected with the reason otherwise."""
         _check_registration(request)
         key = request.public_key
@@ -173,15 +247,15 @@ class Membership:
             # address while the old one still heartbeats, it is a second node claiming a live identity.
             if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
                 raise Rejected(pb.REJECT_REASON_DUPLICATE_NODE, f"node {node_id} is already live")
-            if existing is None and len(self.members) >= self.cfg.max_members:
-                raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
+            self._check_room(host, existing)
             if not node_id:
                 # Ids of an earlier coordinator incarnation belong to their keys too.
                 while (n := f"node-{self._next_id}") in self.members or self.store.member_key(n) is not None:
                     self._next_id += 1
                 node_id = f"node-{self._next_id}"
             now = time.monotonic()
-            member = Member(node_id, request.address, request.region or "local", now, now, public_key=key)
+            member = Member(node_id, request.address, request.region or "local", now, now, public_key=key, host=host)
+            member.planned = existing is not None and existing.planned
             if dialed is not None:
                 # The address that answered is the one peers dial, which may be where the call came from.
                 member.reachability, member.address = dialed.state, dialed.reached or request.address
@@ -197,6 +271,8 @@ class Membership:
                 if member.lifecycle is Lifecycle.JOINED and member.profile is not None:
                     member.lifecycle = Lifecycle.PROFILED
             self.members[node_id] = member
+            self._accusations.pop(node_id, None)  # about its old incarnation
+            self._suspects.discard(node_id)
             self.orders.open(node_id)
             self.cond.notify_all()
         kind = "rejoin" if existing is not None else "join"
@@ -209,6 +285,34 @@ class Membership:
         self.store.event(kind, node_id, request.address)
         self._on_event(kind, {"node_id": node_id, "address": request.address, "region": member.region})
         return member
+
+    def _check_room(self, host: str, existing: Member | None) -> None:
+        """Rejected(FULL) when the run has scheduler.max_members live members, or `host` (or its subnet) as many
+        live members that no plan ever gave a stage as scheduler.spares_per_host (spares_per_subnet) allows; a
+        returning member (`existing`) counts as itself. Under the condition."""
+        others = [m for m in self.members.values() if m.alive and m is not existing]
+        if existing is None and len(others) >= self.cfg.max_members:
+            raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
+        if not host or (existing is not None and existing.planned):
+            return
+        spares = [m for m in others if not m.planned]
+        where = subnet(host)
+        for cap, count, what in (
+            (self.cfg.spares_per_host, sum(m.host == host for m in spares), f"host {host}"),
+            (self.cfg.spares_per_subnet, sum(subnet(m.host) == where for m in spares), f"network {where}"),
+        ):
+            if count >= cap:
+                raise Rejected(pb.REJECT_REASON_FULL, f"{what} has {count} members that serve no stage, as many as "
+                               "the run admits from one place (scheduler.spares_per_host, spares_per_subnet)")
+
+    def _pace_new_id(self, host: str) -> None:
+        """Rejected(FULL) when `host`, or its subnet, registers new node ids faster than scheduler.new_ids_per_s
+        (8 times that a subnet): a flood from one place cannot take the run's room from volunteers elsewhere."""
+        for what, place in (("host", host), ("subnet", subnet(host))):
+            buckets = self._new_ids[what]
+            if not buckets.take(place):
+                raise Rejected(pb.REJECT_REASON_FULL, f"this {what} registers new node ids at most {buckets.rate:g} "
+                               f"a second (burst {buckets.burst}): try again later")
 
     def authorize(self, node_id: str, signer: bytes | None) -> None:
         """Unauthorized unless the call about member `node_id` was signed by the key its id belongs to. An id this
@@ -223,6 +327,21 @@ class Membership:
         with self.cond:
             return next((m.node_id for m in self.members.values() if m.alive and m.public_key == signer), None)
 
+    def load_ordered(self, key: bytes | None, plan: pb.Plan | None, layers: tuple[int, int], steps_done: int) -> bool:
+        """Whether a live member of `key` was ordered in `plan`'s epoch to load the state of its stage there,
+        `layers`, after steps_done steps from the coordinator (what FetchCheckpoint may give that key)."""
+        if key is None or plan is None:
+            return False
+        with self.cond:
+            mine = [m.node_id for m in self.members.values() if m.alive and m.public_key == key]
+        for stage in plan.stages:
+            if (stage.layer_start, stage.layer_end) == layers:
+                for node_id in set(stage.node_ids) & set(mine):
+                    load = self.orders.load_from_coordinator(node_id)
+                    if load is not None and (load.plan_epoch, load.steps_done) == (plan.epoch, steps_done):
+                        return True
+        return False
+
     def offence(self, node_id: str, why: str) -> bool:
         """Count a refused report against a live member; at scheduler.max_offences evict it (dead, its key refused
         from then on, a reason in the event log). True when it was evicted now."""
@@ -234,8 +353,9 @@ class Membership:
             if member.offences < self.cfg.max_offences:
                 log.debug("offence %d of %s: %s", member.offences, node_id, why)
                 return False
-            member.lifecycle = Lifecycle.DEAD
+            member.lifecycle, member.died_at = Lifecycle.DEAD, time.monotonic()
             self._suspects.discard(node_id)
+            self._accusations.pop(node_id, None)
             self.orders.close(node_id)
             self.cond.notify_all()
         detail = f"{member.offences} refused reports; the last: {why}"
@@ -263,6 +383,7 @@ class Membership:
             if member is None or not member.alive:
                 return None
             member.last_seen = time.monotonic()
+            self._suspects.discard(member.node_id)  # it is not silent: only lateness after now counts again
             member.beat_every = self._spare_interval_s if member.lifecycle in _SPARE else self.cfg.heartbeat_interval_s
             # Waiters watch these (and the peer id); a heartbeat that changes none of them wakes nobody, so a
             # thousand idle members cost the step driver nothing.
@@ -284,7 +405,22 @@ class Membership:
             member.averaging_bytes_sent = request.averaging_bytes_sent
             if changed:
                 self.cond.notify_all()
-            return member.beat_every
+            false_reports = self._answered(member)
+            beat_every = member.beat_every
+        for reporter in false_reports:
+            self.offence(reporter, f"reported {request.node_id} failing, which heartbeats and applied a step since")
+        return beat_every
+
+    def _answered(self, member: Member) -> list[str]:
+        """The reporters whose reports against `member` its own progress answered: it heartbeats and has applied a
+        step since their report (under the condition). Their reports are dropped."""
+        reports = self._accusations.get(member.node_id, {})
+        false = [r for r, a in reports.items() if member.applied_steps > a.applied_steps]
+        for reporter in false:
+            del reports[reporter]
+        if not reports:
+            self._accusations.pop(member.node_id, None)
+        return false
 
     def set_profile(self, request: pb.NodeProfileReport) -> None:
         """Keep a node's latest (already checked) profile; KeyError for an unknown node."""
@@ -297,41 +433,79 @@ class Membership:
                 member.lifecycle = Lifecycle.PROFILED
             self.cond.notify_all()
 
-    def report_failure(self, request: pb.FailureReport) -> None:
+    def report_failure(self, request: pb.FailureReport, plan: pb.Plan | None) -> Member | None:
         """A node's calls to a peer fail (the peer is dead if it is also late with its heartbeat), or a node reports
-        that it cannot take part in a plan epoch (its step fails at once instead of at the step timeout)."""
+        that it cannot take part in a plan epoch (its step fails at once instead of at the step timeout).
+
+        A report about a peer counts only from one of its neighbours under `plan`, the current plan, about that
+        plan's epoch (0: the current one, as nodes send it), when a call between them was due; one a member never
+        planned makes is refused (ReportRefused, an offence). Returns the peer for the coordinator to probe when
+        this is the first report against it: only that probe failing, or a second neighbour of another key and
+        host, makes it a suspect (declared dead when _SUSPECT_LATE_INTERVALS late)."""
         own = request.peer == request.node_id and request.reason != pb.FAILURE_REASON_UNSPECIFIED
         with self.cond:
             peer = self.members.get(request.peer)
             if peer is None or not peer.alive:
-                return
+                return None
             if own:
                 peer.failed_epoch, peer.failure = request.plan_epoch, request.detail
+                self.cond.notify_all()
             else:
+                reporter = self.members.get(request.node_id)
+                if reporter is None or not reporter.planned:
+                    raise ReportRefused(f"{request.node_id} serves no stage: it calls no peer, {request.peer} included")
+                epoch = plan.epoch if plan is not None else 0
+                if request.plan_epoch not in (0, epoch) or request.peer not in neighbours(plan, request.node_id):
+                    log.debug("%s's report about %s ignored: no neighbour in plan epoch %d", request.node_id,
+                              request.peer, epoch)
+                    return None
                 log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
-                self._suspects.add(request.peer)
-            self.cond.notify_all()
-        if own:
-            why = f"{pb.FailureReason.Name(request.reason)} in plan epoch {request.plan_epoch}: {request.detail}"
-            log.warning("node %s cannot take part: %s", request.node_id, why)
-            self.store.event("node_failure", request.node_id, why)
+                return self._accuse(peer, reporter)
+        why = f"{pb.FailureReason.Name(request.reason)} in plan epoch {request.plan_epoch}: {request.detail}"
+        log.warning("node %s cannot take part: %s", request.node_id, why)
+        self.store.event("node_failure", request.node_id, why)
+        return None
 
-    def relay_failed(self, request: pb.FailureReport) -> None:
+    def _accuse(self, peer: Member, reporter: Member) -> Member | None:
+        """Note reporter's report against peer (under the condition); the peer to probe if it is the first."""
+        reports = self._accusations.setdefault(peer.node_id, {})
+        first = not reports
+        reports.setdefault(reporter.node_id, _Accusation(reporter.public_key, reporter.host, peer.applied_steps,
+                                                         time.monotonic()))
+        keys = {a.key for a in reports.values()}
+        hosts = {a.host for a in reports.values()}
+        if len(keys) >= 2 and (len(hosts) >= 2 or "" in hosts):  # in process ("" host), keys tell nodes apart
+            self._suspect(peer.node_id)
+        return peer if first else None
+
+    def _suspect(self, node_id: str) -> None:
+        if node_id not in self._suspects:
+            self._suspects.add(node_id)
+            self.cond.notify_all()
+
+    def probed(self, node_id: str, answered: bool) -> None:
+        """The coordinator's probe of a reported peer: silent, it is a suspect; answering, it is not (yet)."""
+        with self.cond:
+            if not answered and node_id in self._accusations:
+                self._suspect(node_id)
+
+    def relay_failed(self, request: pb.FailureReport) -> Member | None:
         """Relay request.peer did not deliver request.node_id's tensor to request.relayed_to in request.plan_epoch
         (a route of the plan of that epoch, checked by the caller): that epoch's step fails at once, the relay is
-        suspected (dead at once if it is also late with its heartbeat) and later plans relay through others first;
-        the receiver is not blamed."""
+        reported as report_failure's peers are (the probe to make, if any, is returned) and later plans relay
+        through others first; the receiver is not blamed."""
         why = f"it did not relay {request.node_id}'s tensor to {request.relayed_to}: {request.detail[:200]}"
         with self.cond:
-            relay = self.members.get(request.peer)
-            if relay is None or not relay.alive:
-                return
+            relay, reporter = self.members.get(request.peer), self.members.get(request.node_id)
+            if relay is None or not relay.alive or reporter is None:
+                return None
             relay.failed_epoch, relay.failure = request.plan_epoch, why
             relay.relay_failures += 1
-            self._suspects.add(relay.node_id)
+            probe = self._accuse(relay, reporter)
             self.cond.notify_all()
         log.warning("relay %s failed: %s", request.peer, why)
         self.store.event("relay_failure", request.peer, why)
+        return probe
 
     def note_applied(self, node_id: str, steps: int) -> None:
         """A member reported applying a step (fresher than its next heartbeat)."""
@@ -348,7 +522,7 @@ class Membership:
         with self.cond:
             for m in self.alive():
                 if m.node_id in in_plan:
-                    m.lifecycle = Lifecycle.LOADING
+                    m.lifecycle, m.planned = Lifecycle.LOADING, True
                 elif m.lifecycle in (Lifecycle.LOADING, Lifecycle.SERVING):
                     m.lifecycle = Lifecycle.PROFILED if m.profile is not None else Lifecycle.JOINED
 
@@ -368,8 +542,10 @@ class Membership:
         """Members not declared dead."""
         return [m for m in self.members.values() if m.alive]
 
-    def check_liveness(self) -> None:
-        """Declare dead the members that are silent past the timeout (or late and reported failing by peers)."""
+    def check_liveness(self, plan_nodes: set[str] | None = None) -> None:
+        """Declare dead the members that are silent past the timeout (or late and confirmed failing: see
+        report_failure), and forget those outside `plan_nodes` (the current plan's) that have been dead, or never
+        profiled while never planned, for scheduler.forget_after_s (their ids stay bound to their keys)."""
         now = time.monotonic()
         died = []
         base = self.cfg.heartbeat_interval_s
@@ -380,28 +556,47 @@ class Membership:
                 # A member told to beat less often than the run's interval is given as many of its intervals.
                 stretch = max(1.0, member.beat_every / base)
                 late = now - member.last_seen
-                suspect_late = member.node_id in self._suspects and late > 1.5 * base * stretch
+                suspect_late = member.node_id in self._suspects and late > _SUSPECT_LATE_INTERVALS * base * stretch
                 if member.alive and (late > self.cfg.heartbeat_timeout_s * stretch or suspect_late):
-                    member.lifecycle = Lifecycle.DEAD
+                    member.lifecycle, member.died_at = Lifecycle.DEAD, now
                     self._suspects.discard(member.node_id)
+                    self._accusations.pop(member.node_id, None)
                     self.orders.close(member.node_id)
                     died.append((member, "peers report it failing" if suspect_late else f"no heartbeat for {late:.1f}s"))
             if died:
                 self.cond.notify_all()
             self._spare_interval_s = max(base, spares / _SPARE_HEARTBEATS_PER_S)
+            self._forget(now, plan_nodes or set())
         for member, why in died:
             log.warning("node %s is dead: %s", member.node_id, why)
             self.store.upsert_member(member.node_id, member.address, member.region, "dead", member.public_key)
             self.store.event("dead", member.node_id, why)
             self._on_event("dead", {"node_id": member.node_id})
 
-    def run_liveness(self, until: threading.Event) -> threading.Thread:
-        """Check liveness on a timer in a thread of its own until `until` is set."""
+    def _forget(self, now: float, plan_nodes: set[str]) -> None:
+        """check_liveness's forgetting, under the condition."""
+        bound = self.cfg.forget_after_s
+        gone = [
+            m.node_id for m in self.members.values()
+            if m.node_id not in plan_nodes and (
+                (not m.alive and now - m.died_at > bound)
+                or (m.lifecycle is Lifecycle.JOINED and not m.planned and now - m.joined_at > bound))
+        ]
+        for node_id in gone:
+            del self.members[node_id]
+            self._accusations.pop(node_id, None)
+            self._suspects.discard(node_id)
+            self.orders.close(node_id)
+        if gone:
+            log.info("forgot %d member(s) dead or never profiled for %.0fs", len(gone), bound)
+
+    def run_liveness(self, until: threading.Event, plan_nodes: Callable[[], set[str]] = set) -> threading.Thread:
+        """Check liveness on a timer in a thread of its own until `until` is set; plan_nodes: the current plan's."""
         period = min(self.cfg.heartbeat_interval_s / 2, 0.5)
 
         def loop() -> None:
             while not until.wait(period):
-                self.check_liveness()
+                self.check_liveness(plan_nodes())
 
         thread = threading.Thread(target=loop, name="liveness", daemon=True)
         thread.start()

@@ -40,12 +40,16 @@ class OrderQueues:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._queues: dict[str, _Queue] = {}
+        # node -> the last LoadState order it was sent that names the coordinator as the source: what FetchCheckpoint
+        # may give it (loads_from_coordinator).
+        self._loads: dict[str, pb.LoadState] = {}
 
     def open(self, node_id: str) -> None:
         """Give node_id a fresh, empty queue (a new incarnation: orders for the old one are void)."""
         with self._cond:
             old = self._queues.get(node_id)
             self._queues[node_id] = _Queue()
+            self._loads.pop(node_id, None)
             self._cond.notify_all()
         if old is not None:
             old.wake()
@@ -54,6 +58,7 @@ class OrderQueues:
         """Drop node_id's queue: its stream ends (the node is dead)."""
         with self._cond:
             old = self._queues.pop(node_id, None)
+            self._loads.pop(node_id, None)
             self._cond.notify_all()
         if old is not None:
             old.wake()
@@ -67,8 +72,16 @@ class OrderQueues:
                 if queue is not None:
                     queue.orders.append(order)
                     woken.append(queue)
+                    if order.WhichOneof("kind") == "load_state" and not order.load_state.source_address:
+                        self._loads[node_id] = order.load_state
         for queue in woken:
             queue.wake()
+
+    def load_from_coordinator(self, node_id: str) -> pb.LoadState | None:
+        """The last order node_id (this incarnation) was sent to load a state from the coordinator, if any: the
+        only state FetchCheckpoint gives it."""
+        with self._cond:
+            return self._loads.get(node_id)
 
     def stream(self, node_id: str) -> AsyncIterator[pb.Order]:
         """node_id's orders as they come, until the stream is cancelled, the queue is replaced or dropped, or a

@@ -34,6 +34,7 @@ from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, C
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
+from geotrain.scheduler.membership import Member
 from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
@@ -47,6 +48,13 @@ _DHT_READY_S = 30.0
 _BLOCKING_WORKERS = 8
 # One host (a NAT with volunteers behind it) may register as many new members as this many keys.
 _KEYS_PER_HOST = 8
+# Threads for the coordinator's own dials (registration dial-backs, probes of reported peers): a pool apart from
+# the blocking one, so that addresses that never answer hold none of the threads Windows, profiles and refusals
+# need; one host has at most this many dials at once, and the rest of its registrations wait (the caller's time).
+_DIAL_WORKERS = 16
+_DIALS_PER_HOST = 2
+# How long the probe of a reported peer waits: a dead node's port refuses at once, a vanished host is silent.
+_PROBE_S = 1.5
 T = TypeVar("T")
 
 
@@ -58,10 +66,15 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     run on the bounded pool `blocking`.
     """
 
-    def __init__(self, coordinator: Coordinator, blocking: Executor, limits: PeerLimits, dial_back: Dialler) -> None:
+    def __init__(
+        self, coordinator: Coordinator, blocking: Executor, limits: PeerLimits, dial_back: Dialler, dialling: Executor
+    ) -> None:
         self.c = coordinator
-        self._dial_back = dial_back  # addresses -> the first that answered, or None
+        self._dial_back = dial_back  # address, timeout -> whether the node there answered
         self._blocking = blocking
+        self._dialling = dialling
+        self._dials: dict[str, tuple[asyncio.Semaphore, int]] = {}  # host -> its dials' semaphore, callers using it
+        self._probes: set[asyncio.Task] = set()  # probes of reported peers under way (kept from the collector)
         self._refusals = limits.refusals
         self._backoff = limits.backoff  # shared with the server's limits: one count of a caller's refusals
         limits = coordinator.cfg.limits
@@ -119,15 +132,46 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         if not self._host_registrations.take(host):
             await self._too_many_registrations(context, request, self._host_registrations, "host")
         # A node serves before it registers: dialled once its request passed the checks, it answers unless nobody
-        # can reach it.
-        addresses = reachability.candidates(request.address, context.peer())
-        reply = await self._off_loop(
-            self.c.register, request, key, lambda: DialedBack(self._dial_back(addresses))
-        )
+        # can reach it. Only the caller's own host is dialled (reachability.target), off the blocking pool.
+        reply = await self._off_loop(self.c.screen, request, key, host)
+        if reply is None:
+            where = reachability.target(request.address, context.peer())
+            dialed = DialedBack(where.reached if where.dial and await self._dial(host, where.dial) else None)
+            log.debug("dial-back of %s (%s): %s", request.address[:80], where.case, dialed.state)
+            reply = await self._off_loop(self.c.register, request, key, lambda: dialed, host)
         if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):  # another's id, or an evicted key
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
             await self._held(context)
         return reply
+
+    async def _dial(self, host: str, address: str, timeout_s: float = reachability.DIAL_BACK_S) -> bool:
+        """Whether the node at `address` answers, dialled on the dialling pool with at most _DIALS_PER_HOST dials
+        of `host` (the caller's) at once: a host whose addresses answer slowly waits for its own dials."""
+        semaphore, users = self._dials.get(host) or (asyncio.Semaphore(_DIALS_PER_HOST), 0)
+        self._dials[host] = (semaphore, users + 1)
+        try:
+            async with semaphore:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._dialling, self._dial_back, address, timeout_s)
+        finally:
+            semaphore, users = self._dials[host]
+            if users == 1:
+                del self._dials[host]
+            else:
+                self._dials[host] = (semaphore, users - 1)
+
+    def _probe(self, member: Member | None) -> None:
+        """Probe a reported peer (Membership.report_failure) in the background; its answer goes to probed()."""
+        if member is None or member.unreachable:  # nobody can dial it: only a second neighbour's report counts
+            return
+
+        async def probe() -> None:
+            answered = await self._dial(member.host or "", member.address, _PROBE_S)
+            self.c.membership.probed(member.node_id, answered)
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def _too_many_registrations(
         self, context: grpc.aio.ServicerContext, request: pb.RegisterRequest, buckets: TokenBuckets, whose: str
@@ -176,13 +220,11 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         return await self._off_loop(self.c.status)
 
     async def ReportFailure(self, request, context):  # noqa: D102, N802
-        await self._from_member(context, self.c.report_failure, request)
+        self._probe(await self._from_member(context, self.c.report_failure, request))
         return pb.Ack()
 
     async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
-        if self.c.membership.owner(signer(context)) is None:
-            why = "checkpoint state goes only to a live member, signed by its key"
-            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "FetchCheckpoint", None)
+        await self._check_fetch(context, request)
         state = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
         if not state:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
@@ -191,6 +233,20 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         # Each chunk copies up to a MiB out of a tensor: made on the pool, one at a time, as the stream is read.
         while (chunk := await self._off_loop(next, chunks, None)) is not None:
             yield chunk
+
+    async def _check_fetch(self, context: grpc.aio.ServicerContext, request: pb.FetchCheckpointRequest) -> None:
+        """PERMISSION_DENIED (an offence of the signer's member, if any) unless a live member of the signer's key was
+        ordered in the current plan epoch to load, from the coordinator, this state: its stage's layers after
+        request.steps_done steps (Coordinator.load_ordered)."""
+        key = signer(context)
+        if not self.c.load_ordered(key, request.layer_start, request.layer_end, request.steps_done):
+            why = (f"layers [{request.layer_start}, {request.layer_end}) after {request.steps_done} steps go only to "
+                   "a member ordered to load them from the coordinator in this plan epoch, signed by its key")
+            # A member once ordered to load from the coordinator may ask late, after a re-plan: no offence.
+            owner = self.c.membership.owner(key)
+            late = owner is not None and self.c.orders.load_from_coordinator(owner) is not None
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "FetchCheckpoint",
+                               None if late else owner)
 
     async def ReportProfile(self, request, context):  # noqa: D102, N802
         await self._check_member(context, request)
@@ -238,18 +294,21 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
 class AioServerThread:
     """A grpc.aio server on an event loop in a thread of its own, used from ordinary threads as grpc.Server is:
     start(), and stop(grace), whose result's wait(timeout) waits for the server and its loop to end. `make` builds
-    the server on that loop, given the bounded pool its blocking calls run on."""
+    the server on that loop, given the bounded pool its blocking calls run on and the one its own dials run on."""
 
     def __init__(
-        self, make: Callable[[Executor], Awaitable[tuple[grpc.aio.Server, int]]], name: str, blocking_workers: int
+        self, make: Callable[[Executor, Executor], Awaitable[tuple[grpc.aio.Server, int]]], name: str,
+        blocking_workers: int,
     ) -> None:
         self._blocking = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix=f"{name}-blocking")
+        self._dialling = ThreadPoolExecutor(max_workers=_DIAL_WORKERS, thread_name_prefix=f"{name}-dial")
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
         try:
-            self._server, self.port = asyncio.run_coroutine_threadsafe(make(self._blocking), self._loop).result()
+            self._server, self.port = asyncio.run_coroutine_threadsafe(
+                make(self._blocking, self._dialling), self._loop).result()
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
@@ -261,6 +320,7 @@ class AioServerThread:
         finally:
             self._loop.close()
             self._blocking.shutdown(wait=False, cancel_futures=True)
+            self._dialling.shutdown(wait=False, cancel_futures=True)
             self._stopped.set()
 
     def start(self) -> None:
@@ -290,11 +350,12 @@ def make_coordinator_server(
 ) -> tuple[AioServerThread, int]:
     """A server for `coordinator` bound to `listen` (not yet started); returns it and its port."""
 
-    async def make(blocking: Executor) -> tuple[grpc.aio.Server, int]:
+    async def make(blocking: Executor, dialling: Executor) -> tuple[grpc.aio.Server, int]:
         limits = PeerLimits(coordinator.cfg.limits.values())
         server, port = make_aio_server(token, listen, blocking, tls, limits)
-        dial_back = lambda addresses: reachability.dial_back(addresses, token, COORDINATOR_ID, tls)  # noqa: E731
-        servicer = CoordinatorServicer(coordinator, blocking, limits, dial_back)
+        dial_back = lambda address, timeout_s: reachability.dial_back(  # noqa: E731
+            address, token, COORDINATOR_ID, tls, timeout_s)
+        servicer = CoordinatorServicer(coordinator, blocking, limits, dial_back, dialling)
         rpc.add_CoordinatorServicer_to_server(servicer, server)
         return server, port
 
