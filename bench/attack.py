@@ -66,11 +66,13 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import TOKEN_ENV
 from geotrain.protocol.identity import NodeKey
+from geotrain.scheduler import placement
 from geotrain.scheduler.http import StatusPageProcess
 from geotrain.scheduler.service import fetch_model_state
+from geotrain.protocol.version import PROTOCOL_VERSION
 from tests.attackers import (
-    ATTACKER, Attacker, IdleStreams, answer, extreme_profiles, flood_status_page, forged_report, forged_tensors,
-    register_many,
+    ATTACKER, Attacker, CountingListener, IdleStreams, SourceProxy, answer, extreme_profiles, flood_status_page,
+    forged_report, forged_tensors, register_many,
 )
 from tests.conftest import local_cluster, max_diff, train_local_state
 
@@ -106,7 +108,9 @@ class Siege:
         self.status_port = status_port
         self.max_offences = max_offences
         self.step, self.epoch, self._asked_at = 0, plan.epoch, 0.0
-        self.registered = 0  # ids register_many used so far
+        self.registered = 0  # ids register_many and _register_new used so far
+        self.third_host = ""  # a port on 127.0.0.2 the bench counts connections to
+        self.tarpit = CountingListener("127.0.0.1", hold=True)
         self._member: tuple[str, NodeKey] | None = None
         self._members = 0
         self._offences = 0
@@ -118,19 +122,27 @@ class Siege:
             self.step, self.epoch = status.step, status.plan_epoch
             self._asked_at = time.monotonic()
 
-    def member(self) -> tuple[str, NodeKey]:
-        """The attacker's own member, registered with a key of its own; a new one once the last may be evicted."""
+    def member(self) -> tuple[str, NodeKey] | None:
+        """The attacker's own member, registered with a key of its own; a new one once the last may be evicted (None
+        while the coordinator admits no new id from this host)."""
         if self._member is None or self._offences >= self.max_offences:
             self._members += 1
             node_id, key = f"{ATTACKER}-{os.getpid()}-{self._members}", NodeKey.generate()
-            if not self.a.register(node_id, key).accepted:
-                raise RuntimeError(f"the attacker's member {node_id} was not registered")
+            try:
+                if not self.a.register(node_id, key).accepted:
+                    return None
+            except grpc.RpcError:  # over the host's registration rate
+                return None
             self._member, self._offences = (node_id, key), 0
         return self._member
 
     def _as_member(self, call: Callable[[rpc.CoordinatorStub, str], object]) -> grpc.StatusCode:
-        """call(stub, node id) as the attacker's member; its refusals count towards the member's eviction."""
-        node_id, key = self.member()
+        """call(stub, node id) as the attacker's member; its refusals count towards the member's eviction. Without a
+        member (no new id admitted): RESOURCE_EXHAUSTED."""
+        member = self.member()
+        if member is None:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+        node_id, key = member
         code = answer(lambda: call(self.a.coordinator(key, node_id), node_id))
         self._offences += code != grpc.StatusCode.OK
         return code
@@ -165,7 +177,8 @@ class Siege:
         request = forged_report(method, victim, self.step, self.epoch, path)
         stub = self.a.coordinator(self.a.outsider, victim)
         codes = Counter([answer(lambda: getattr(stub, method)(request, timeout=10)).name])
-        member_path = [self.member()[0], *path[1:]]
+        member = self.member()
+        member_path = [member[0] if member else ATTACKER, *path[1:]]
         codes[self._as_member(lambda s, me: getattr(s, method)(
             forged_report(method, me, self.step, self.epoch, member_path), timeout=10)).name] += 1
         return codes
@@ -211,6 +224,59 @@ class Siege:
         return Counter({f"{where} {code.name}": n for where, s in zip(("node", "coordinator"), streams)
                         for code, n in s.ended.items()})
 
+    def forged_failure_reports(self, _until: float) -> Counter[str]:
+        """Reports that each planned node's calls fail, as the attacker's member (which no plan used, so it calls
+        nobody) and as the outsider claiming another planned node (issue 30: one such report once killed a node)."""
+        self.where()
+        codes = Counter()
+        planned = [s.node_ids[0] for s in self.plan.stages]
+        for victim in planned:
+            report = lambda me: pb.FailureReport(node_id=me, peer=victim, plan_epoch=self.epoch,  # noqa: E731
+                                                 detail="DEADLINE_EXCEEDED")
+            codes[f"member {self._as_member(lambda s, me: s.ReportFailure(report(me), timeout=10)).name}"] += 1
+            claimed = next(n for n in planned if n != victim)
+            stub = self.a.coordinator(self.a.outsider, claimed)
+            codes[f"outsider {answer(lambda: stub.ReportFailure(report(claimed), timeout=10)).name}"] += 1
+        return codes
+
+    def _register_new(self, advertised: str) -> str:
+        """Register a new id with a new key, advertising `advertised`: how it ended."""
+        self.registered += 1
+        key = NodeKey.generate()
+        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=f"{ATTACKER}-new-{self.registered}",
+                                     address=advertised, public_key=key.public)
+        try:
+            reply = self.a.coordinator(key, request.node_id).Register(request, timeout=30)
+        except grpc.RpcError as e:
+            return e.code().name
+        return "accepted" if reply.accepted else pb.RejectReason.Name(reply.reason)
+
+    def fake_id_fill(self, _until: float) -> Counter[str]:
+        """New ids under new keys, one after another, each never heartbeating: the run's room for volunteers."""
+        return Counter([self._register_new("127.0.0.1:9")])
+
+    def dial_back_third_host(self, _until: float) -> Counter[str]:
+        """New ids advertising a third host's port (127.0.0.2, where the bench counts connections)."""
+        return Counter([self._register_new(self.third_host)])
+
+    def dial_back_tarpit(self, _until: float) -> Counter[str]:
+        """New ids advertising a port of the attacker's host that accepts and never answers."""
+        return Counter([self._register_new(self.tarpit.address)])
+
+    def checkpoint_fetch(self, _until: float) -> Counter[str]:
+        """Each stage's state at the step in progress, asked by the attacker's member (never planned, never ordered
+        to load): the bytes of state it got are counted."""
+        self.where()
+        codes = Counter()
+        for stage in self.plan.stages:
+            request = pb.FetchCheckpointRequest(layer_start=stage.layer_start, layer_end=stage.layer_end,
+                                                steps_done=self.step)
+            got = []
+            codes[self._as_member(lambda s, me: got.extend(
+                len(c.data) for c in s.FetchCheckpoint(request, timeout=10))).name] += 1
+            codes["state bytes"] += sum(got)
+        return codes
+
     def registrations(self, until: float) -> Counter[str]:
         """1,000 registrations of new ids in the window, in batches sent at once."""
         def batch() -> Counter[str]:
@@ -243,7 +309,8 @@ def _as(report: pb.NodeProfileReport, node_id: str) -> pb.NodeProfileReport:
 
 # In the order they run: the registrations last, since the members they add stay listed.
 ATTACKS = ["id_takeover", "order_stream_theft", "forged_microbatch_done", "forged_grad_norm", "forged_step_applied",
-           "forged_tensors", "extreme_profile", "idle_streams", "status_page", "registrations"]
+           "forged_tensors", "extreme_profile", "idle_streams", "status_page", "forged_failure_reports",
+           "checkpoint_fetch", "dial_back_third_host", "dial_back_tarpit", "fake_id_fill", "registrations"]
 
 
 def serve_attacks(address: str, token: str) -> None:
@@ -258,6 +325,7 @@ def serve_attacks(address: str, token: str) -> None:
                 siege = Siege(attacker, pb.Plan.FromString(bytes.fromhex(command["plan"])),
                               pb.NodeProfileReport.FromString(bytes.fromhex(command["profile"])),
                               command["status_port"], command["max_offences"], tuple(command["shape"]))
+                siege.third_host = command["third_host"]
                 answers: Counter[str] = Counter()
             else:
                 assert siege is not None
@@ -269,10 +337,38 @@ def serve_attacks(address: str, token: str) -> None:
             sys.stdout.write(json.dumps(dict(answers)) + "\n")
             sys.stdout.flush()
     finally:
+        if siege is not None:
+            siege.tarpit.close()
         attacker.close()
 
 
 # -- the run and the measurement ------------------------------------------------------------------------------
+
+
+class HonestVolunteer:
+    """A volunteer on another network (source 127.1.0.1, through a SourceProxy) that registers a new id of its own
+    now and then during the attacks; counts the registrations the coordinator refused."""
+
+    def __init__(self, coordinator: str, token: str) -> None:
+        self._proxy = SourceProxy(coordinator, "127.1.0.1")
+        self._a = Attacker(self._proxy.address, token)
+        self.joined = self.refused = 0
+
+    def join(self) -> None:
+        """Register one more new id, advertising a port nobody listens on (it serves over streams it opens)."""
+        self.joined += 1
+        node_id, key = f"volunteer-{self.joined}", NodeKey.generate()
+        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address="127.1.0.1:9",
+                                     public_key=key.public)
+        try:
+            accepted = self._a.coordinator(key, node_id).Register(request, timeout=30).accepted
+        except grpc.RpcError:
+            accepted = False
+        self.refused += not accepted
+
+    def close(self) -> None:
+        self._a.close()
+        self._proxy.close()
 
 
 class Run:
@@ -329,12 +425,16 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
             if not run.first.wait(300):
                 raise RuntimeError(f"no step committed in 300 s; node logs in {log_dir}")
             first = c.plan.stages[0].node_ids[0]
+            honest_nodes = set(placement.plan_nodes(c.plan))
+            third = CountingListener("127.0.0.2")
+            volunteer = HonestVolunteer(f"127.0.0.1:{cluster.port}", cluster.token)
             attacker.ask(json.dumps({"plan": c.plan.SerializeToString().hex(), "status_port": page.start(),
                           "profile": c.members[first].profile.SerializeToString().hex(),
-                          "max_offences": cfg.scheduler.max_offences,
+                          "max_offences": cfg.scheduler.max_offences, "third_host": third.address,
                           "shape": [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]}))
             for name in names:
                 started = time.time()  # events are stamped with the wall clock
+                dialled, refused = third.connections, volunteer.refused
                 baselines, during, answers = [], [], Counter()
                 for i in range(rounds):
                     # Baseline and attack windows alternate, each first in every other round, so that a drift of
@@ -342,16 +442,26 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
                     for attacking in (False, True) if i % 2 == 0 else (True, False):
                         since = time.monotonic()
                         if attacking:
+                            # A volunteer from another network joins mid-window, as the attack goes on.
+                            joining = threading.Timer(window_s / 2, volunteer.join)
+                            joining.start()
                             answers += attacker.ask(json.dumps({"attack": name, "seconds": window_s}))
                             during.append(run.steps_in(since, since + window_s))
+                            joining.join()
                             time.sleep(_SETTLE_S)  # what the attack left (streams being cut) is not the baseline's
                         else:
                             time.sleep(window_s)
                             baselines.append(run.steps_in(since, since + window_s))
                 steps, state = run.hold(120)
-                evicted = sum(kind == "evicted" and at >= started for at, kind, _, _ in c.store.events(limit=10**6))
+                events = [(kind, node) for at, kind, node, _ in c.store.events(limit=10**6) if at >= started]
                 rows.append({"attack": name, "during": during, "baselines": baselines, "steps": steps,
-                             "state": state, "evicted": evicted, "answers": dict(answers)})
+                             "state": state, "evicted": sum(kind == "evicted" for kind, _ in events),
+                             "honest_dead": sum(kind == "dead" and node in honest_nodes for kind, node in events),
+                             "honest_refused": volunteer.refused - refused,
+                             "bytes_to_attacker": answers.pop("state bytes", 0),
+                             "third_host_connections": third.connections - dialled, "answers": dict(answers)})
+            third.close()
+            volunteer.close()
             if cluster.result:
                 raise RuntimeError(f"the run ended during the attacks: {cluster.result}")
         finally:
@@ -391,7 +501,9 @@ def main() -> None:
             "attack": row["attack"], "steps_during_attack": during, "steps_baseline": baseline,
             "ratio": round(during / baseline, 2) if baseline else None, "windows_during": row["during"],
             "windows_baseline": row["baselines"], "final_max_diff": max_diff(row["state"], reference[row["steps"]]),
-            "evicted": row["evicted"], "answers": row["answers"],
+            "evicted": row["evicted"], "honest_dead": row["honest_dead"], "honest_refused": row["honest_refused"],
+            "bytes_to_attacker": row["bytes_to_attacker"], "third_host_connections": row["third_host_connections"],
+            "answers": row["answers"],
         }), flush=True)
 
 

@@ -50,7 +50,8 @@ NODES = 3
 # Every member registers from this one host, under one node id (""): the limits per host and per peer would refuse
 # most of them.
 SETTINGS = ["run.steps=100000", "run.eval_every=0", "scheduler.placement=uniform", f"scheduler.stages={NODES}",
-            "scheduler.replicas=1", "limits.registration_burst=100000", "limits.call_burst=100000"]
+            "scheduler.replicas=1", "limits.registration_burst=100000", "limits.call_burst=100000",
+            "scheduler.spares_per_host=1000000", "scheduler.spares_per_subnet=1000000", "scheduler.new_id_burst=1000000"]
 _SERVICE = "/geotrain.v1.Coordinator/"
 # Registrations in flight at once from the members' process: a thousand volunteers do not all start in one second.
 _REGISTERING = 32

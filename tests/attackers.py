@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import math
 import queue
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -217,3 +218,74 @@ class IdleStreams:
         self._stop.set()
         for future in self._futures:
             future.cancel()
+
+
+class CountingListener:
+    """A TCP port on `host` that counts the connections made to it and closes each at once (a third host that a
+    token holder names for the coordinator to dial), or with `hold`, keeps each open without a byte (a tarpit)."""
+
+    def __init__(self, host: str, hold: bool = False) -> None:
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self.connections = 0
+        self._hold = hold
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            if self._hold:
+                self._held.append(sock)
+            else:
+                sock.close()
+
+    def close(self) -> None:
+        """Stop listening and drop every held connection."""
+        self._server.close()
+        for sock in self._held:
+            sock.close()
+
+
+class SourceProxy:
+    """A loopback port whose connections reach `upstream` from source address `source` (another 127.x address): a
+    volunteer on another host, as the coordinator sees it."""
+
+    def __init__(self, upstream: str, source: str) -> None:
+        host, _, port = upstream.rpartition(":")
+        self._upstream, self._source = (host, int(port)), source
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._server.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream, source_address=(self._source, 0))
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        """Stop listening (open connections end with their ends)."""
+        self._server.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

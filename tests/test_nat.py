@@ -3,6 +3,7 @@ unreachable node opens (node/reverse.py), equal to train-local."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import zlib
 import threading
@@ -470,3 +471,48 @@ def test_a_replica_nobody_can_dial_averages_and_rejoins_after_sigkill(tmp_path):
     assert max_diff(state, train_local_state(cfg)) <= 1e-4
     log_text = (tmp_path / f"{victim}.log").read_text()
     assert log_text.count("not reachable from outside: neighbours will use connections this node opens") == 2
+
+
+def test_dial_backs_run_off_the_blocking_pool_two_at_a_time_per_host():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geotrain.protocol.limits import PeerLimits
+    from geotrain.scheduler.coordinator import Coordinator
+    from geotrain.scheduler.service import _DIALS_PER_HOST, CoordinatorServicer
+
+    c = Coordinator(load_config(None, []))
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def dial(address: str, timeout_s: float) -> bool:  # a tarpit for host "slow", an answer at once elsewhere
+        host = address.rpartition(":")[0]
+        with lock:
+            running[host] = running.get(host, 0) + 1
+            most[host] = max(most.get(host, 0), running[host])
+        if host == "slow":
+            release.wait(10)
+        with lock:
+            running[host] -= 1
+        return True
+
+    blocking, dialling = ThreadPoolExecutor(1), ThreadPoolExecutor(16)
+    servicer = CoordinatorServicer(c, blocking, PeerLimits(c.cfg.limits.values()), dial, dialling)
+
+    async def scenario() -> bool:
+        slow = [asyncio.create_task(servicer._dial("slow", "slow:1")) for _ in range(6)]
+        answered = await asyncio.wait_for(servicer._dial("fast", "fast:1"), 5)  # not behind the slow host's dials
+        blocked = await asyncio.get_running_loop().run_in_executor(blocking, lambda: "free")  # the pool is free
+        release.set()
+        await asyncio.gather(*slow)
+        return answered and blocked == "free"
+
+    try:
+        assert asyncio.run(scenario())
+        assert most == {"slow": _DIALS_PER_HOST, "fast": 1}
+    finally:
+        release.set()
+        blocking.shutdown()
+        dialling.shutdown()
+        c.store.close()

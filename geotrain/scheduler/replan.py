@@ -335,7 +335,7 @@ class Planning:
         members = self.membership.members
         return {
             n: _SHUT_OUT for n, (incarnation, rounds) in self._join_misses.items()
-            if rounds >= _JOIN_ROUNDS and members[n].alive and members[n].joined_at == incarnation
+            if rounds >= _JOIN_ROUNDS and n in members and members[n].alive and members[n].joined_at == incarnation
             and not members[n].peer_id  # it joined late after all
         }
 

@@ -139,7 +139,8 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             dialed = DialedBack(where.reached if where.dial and await self._dial(host, where.dial) else None)
             log.debug("dial-back of %s (%s): %s", request.address[:80], where.case, dialed.state)
             reply = await self._off_loop(self.c.register, request, key, lambda: dialed, host)
-        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED):  # another's id, or an evicted key
+        # Another's id, an evicted key, or no room (a flood of new ids): held by the caller's backoff.
+        if reply.reason in (pb.REJECT_REASON_IDENTITY, pb.REJECT_REASON_EVICTED, pb.REJECT_REASON_FULL):
             self._refusals.refused(context.peer(), "Register", request.node_id[:80], reply.message)
             await self._held(context)
         return reply
