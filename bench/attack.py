@@ -49,6 +49,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -110,6 +111,7 @@ class Siege:
         self.step, self.epoch, self._asked_at = 0, plan.epoch, 0.0
         self.registered = 0  # ids register_many and _register_new used so far
         self.third_host = ""  # a port on 127.0.0.2 the bench counts connections to
+        self.stream_ports: list[int] = []  # the nodes' raw tensor stream ports
         self.tarpit = CountingListener("127.0.0.1", hold=True)
         self._member: tuple[str, NodeKey] | None = None
         self._members = 0
@@ -239,6 +241,29 @@ class Siege:
             codes[f"outsider {answer(lambda: stub.ReportFailure(report(claimed), timeout=10)).name}"] += 1
         return codes
 
+    def raw_port_hold(self, until: float) -> Counter[str]:
+        """100 connections at each node's raw tensor stream port that never say their hello, each opened again as
+        soon as the node closes it, until `until`."""
+        held = {port: [] for port in self.stream_ports}
+        closed = Counter()
+        while time.monotonic() < until:
+            for port, socks in held.items():
+                for sock in [s for s in socks if _closed(s)]:
+                    socks.remove(sock)
+                    sock.close()
+                    closed["cut"] += 1
+                while len(socks) < 100:
+                    try:
+                        socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                    except OSError:
+                        closed["refused"] += 1
+                        break
+            time.sleep(0.1)
+        for socks in held.values():
+            for sock in socks:
+                sock.close()
+        return closed
+
     def _register_new(self, advertised: str) -> str:
         """Register a new id with a new key, advertising `advertised`: how it ended."""
         self.registered += 1
@@ -292,6 +317,38 @@ class Siege:
             {str(code): n for code, n in flood_status_page(self.status_port, 3000 // _BATCHES).items()}))
 
 
+def _closed(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (nothing is ever sent on it)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (its sockets' inodes in /proc/PID/fd, found in /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _paced(until: float, batch: Callable[[], Counter[str]]) -> Counter[str]:
     """batch() _BATCHES times, started at even intervals until `until` (at once after one that ran late)."""
     outcomes: Counter[str] = Counter()
@@ -309,7 +366,7 @@ def _as(report: pb.NodeProfileReport, node_id: str) -> pb.NodeProfileReport:
 
 # In the order they run: the registrations last, since the members they add stay listed.
 ATTACKS = ["id_takeover", "order_stream_theft", "forged_microbatch_done", "forged_grad_norm", "forged_step_applied",
-           "forged_tensors", "extreme_profile", "idle_streams", "status_page", "forged_failure_reports",
+           "forged_tensors", "extreme_profile", "idle_streams", "status_page", "forged_failure_reports", "raw_port_hold",
            "checkpoint_fetch", "dial_back_third_host", "dial_back_tarpit", "fake_id_fill", "registrations"]
 
 
@@ -325,7 +382,7 @@ def serve_attacks(address: str, token: str) -> None:
                 siege = Siege(attacker, pb.Plan.FromString(bytes.fromhex(command["plan"])),
                               pb.NodeProfileReport.FromString(bytes.fromhex(command["profile"])),
                               command["status_port"], command["max_offences"], tuple(command["shape"]))
-                siege.third_host = command["third_host"]
+                siege.third_host, siege.stream_ports = command["third_host"], command["stream_ports"]
                 answers: Counter[str] = Counter()
             else:
                 assert siege is not None
@@ -343,6 +400,16 @@ def serve_attacks(address: str, token: str) -> None:
 
 
 # -- the run and the measurement ------------------------------------------------------------------------------
+
+
+def stream_ports(cluster) -> list[int]:
+    """The plan's nodes' raw tensor stream ports: what each node's process listens on besides its gRPC port (an
+    attacker on the network finds them by a port scan; here, nothing is scanned)."""
+    ports = []
+    for stage in cluster.coordinator.plan.stages:
+        grpc_port = int(stage.addresses[0].rpartition(":")[2])
+        ports += sorted(listening_ports(cluster.nodes.procs[stage.node_ids[0]].pid) - {grpc_port})
+    return ports
 
 
 class HonestVolunteer:
@@ -431,6 +498,7 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
             attacker.ask(json.dumps({"plan": c.plan.SerializeToString().hex(), "status_port": page.start(),
                           "profile": c.members[first].profile.SerializeToString().hex(),
                           "max_offences": cfg.scheduler.max_offences, "third_host": third.address,
+                          "stream_ports": stream_ports(cluster),
                           "shape": [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]}))
             for name in names:
                 started = time.time()  # events are stamped with the wall clock

@@ -230,19 +230,14 @@ class CountingListener:
         self.connections = 0
         self._hold = hold
         self._held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        _accept_each(self._server, self._take)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            if self._hold:
-                self._held.append(sock)
-            else:
-                sock.close()
+    def _take(self, sock: socket.socket) -> None:
+        self.connections += 1
+        if self._hold:
+            self._held.append(sock)
+        else:
+            sock.close()
 
     def close(self) -> None:
         """Stop listening and drop every held connection."""
@@ -260,21 +255,30 @@ class SourceProxy:
         self._upstream, self._source = (host, int(port)), source
         self._server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        _accept_each(self._server, self._forward)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self._server.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self._upstream, source_address=(self._source, 0))
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+    def _forward(self, down: socket.socket) -> None:
+        up = socket.create_connection(self._upstream, source_address=(self._source, 0))
+        for a, b in ((down, up), (up, down)):
+            threading.Thread(target=_pump, args=(a, b), daemon=True).start()
 
     def close(self) -> None:
         """Stop listening (open connections end with their ends)."""
         self._server.close()
+
+
+def _accept_each(server: socket.socket, take: Callable[[socket.socket], None]) -> None:
+    """take() each connection `server` accepts, in a thread of its own, until the server is closed."""
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            take(sock)
+
+    threading.Thread(target=accept, daemon=True).start()
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:

@@ -262,14 +262,18 @@ def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_
 @pytest.mark.timeout(30)
 def test_strangers_holding_the_port_without_a_hello_cannot_keep_a_neighbour_out():
     with receiving_node() as node, sending_plane(node) as plane:
-        held = [socket.create_connection(("127.0.0.1", node.streams.port), timeout=10) for _ in range(100)]
+        port = node.streams.port
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(60)]
         try:
             tensor = torch.randn(SHAPE)
             _send(plane, node, tensor)  # the neighbour's connection makes room: the oldest silent ones are closed
             assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
             assert node.receiver.ticket_asks == 1, "it went over the stream, not by a call"
-            cut = sum(s.recv(1) == b"" for s in held[:-8])
-            assert cut == len(held) - 8
+            assert all(s.recv(1) == b"" for s in held[:-8])
+            # Reopening what was closed: past the host's burst, connections are closed as they are accepted.
+            flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]
+            held += flood
+            assert sum(s.recv(1) == b"" for s in flood) >= 90
         finally:
             for s in held:
                 s.close()

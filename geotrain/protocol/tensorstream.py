@@ -47,7 +47,7 @@ from google.protobuf.message import DecodeError, Message
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import Buffer, FrameError, ReceivedTensor
-from geotrain.protocol.limits import PeerLimits
+from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles, ssl_context
 from geotrain.protocol.transport import StatusError, status_code
 
@@ -63,6 +63,11 @@ _HANDSHAKE_S = 2.0  # a connection says its hello (TLS included) within this, or
 # a round trip of connecting, so whoever holds slots open without a ticket cannot keep it out.
 _MAX_OPENING = 64
 _OPENING_PER_HOST = 8
+# New connections one host may open a second (and at once): past these they are closed as they are accepted, with
+# no thread, so that reopening what the rule above closed costs the node little. A sender keeps its connections
+# and opens at most 8 to one receiver.
+_ACCEPTS_PER_HOST_S = 20.0
+_ACCEPT_BURST = 64
 _DISCARD_BYTES = 1 << 16
 _LENGTH = struct.Struct("<I")
 _OK = grpc.StatusCode.OK.value[0]
@@ -159,6 +164,7 @@ class TensorStreamServer:
         self._open: dict[bytes, int] = defaultdict(int)  # key -> its connections
         self._connections: set[socket.socket] = set()
         self._opening: dict[str, list[socket.socket]] = defaultdict(list)  # host -> its pre-hello, oldest first
+        self._accepts = TokenBuckets(_ACCEPTS_PER_HOST_S, _ACCEPT_BURST)
         self._closed = False
 
     def start(self, sink: TensorSink) -> None:
@@ -205,7 +211,7 @@ class TensorStreamServer:
             host, port = address[:2]
             peer = f"ipv6:[{host}]:{port}" if sock.family == socket.AF_INET6 else f"ipv4:{host}:{port}"
             with self._lock:
-                if self._closed:
+                if self._closed or not self._accepts.take(host):
                     sock.close()
                     continue
                 self._make_room(host)
