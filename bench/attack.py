@@ -11,7 +11,14 @@ a member of its own reporting what is not its own, again under a new id and key 
 activations and gradients claiming another node's path, profiles with extreme numbers (these one call after
 another, each as soon as the last was answered), 200 idle streams at a node and 200 at the coordinator (each
 opened again as soon as it ends), and the issue's floods at the issue's counts, each window: 1,000 registrations
-and 3,000 status-page requests, in ten batches sent at once at even intervals.
+and 3,000 status-page requests, in ten batches sent at once at even intervals. Then issue 30's, with identities of
+its own (a new id and key whenever the last is evicted or would be): failure reports against each planned node, as
+its member (which no plan used) and as an outsider claiming a planned node; each stage's checkpoint state asked as
+that member; new ids one after another advertising a third host (a port on 127.0.0.2 that the bench counts
+connections to), a tarpit of its own (127.0.0.1, accepting and never answering), or a port nobody serves (the fill
+of fake ids, which never heartbeat); and 100 connections at each node's raw tensor stream port that never say their
+hello, reopened as they are cut (the ports read from /proc: nothing is scanned). Halfway through every attack window
+a volunteer on another network (source 127.1.0.1, through tests.attackers.SourceProxy) registers a new id.
 
 Each attack gets --rounds attack windows and as many baseline windows without an attack, alternating (baseline
 first in even rounds, the attack first in odd ones) so that a drift of the shared machine's load falls on both
@@ -19,7 +26,9 @@ alike; a second passes after each attack window before the next window starts. O
 steps_baseline and steps_during_attack (the medians of the steps committed in its windows without and with it);
 ratio; windows_baseline and windows_during (every window's count); final_max_diff (the largest difference of any
 parameter from train-local's at the first commit after the attack, fetched while the run is held there); evicted
-(the members the coordinator evicted during the attack); answers (how the attacker's calls ended, by gRPC status,
+(the members the coordinator evicted during the attack); honest_dead (the first plan's nodes declared dead);
+honest_refused (the volunteer's registrations refused); bytes_to_attacker (bytes of state the attacker got);
+third_host_connections (connections made to the host it named); answers (how the attacker's calls ended, by gRPC status,
 registration reply or HTTP status; OK: a member's report about a step that was over when it arrived, which the
 coordinator ignores). The learning rate is constant after warm-up (train.min_lr = train.lr), so train-local's
 parameters after step s are those of the long run after step s.

@@ -79,10 +79,12 @@ def idle_members(cluster: LocalCluster, n: int, interval_s: float) -> Iterator[l
 @pytest.mark.timeout(180)
 def test_idle_streams_do_not_stop_a_live_run(tmp_path):
     # One stage per node and one replica per stage: the members that join after the plan can only be spares.
-    # The idle members all call from one client (one peer, one host): the per-peer limits would refuse most of them.
+    # The idle members all call from one client (one peer, one host): the per-peer limits, the spares one host may
+    # hold and its pace of new ids would refuse most of them.
     cfg = small_run("run.steps=8", "scheduler.stages=2", "scheduler.replicas=1",
                     "scheduler.heartbeat_interval_s=1.0", "scheduler.heartbeat_timeout_s=5.0",
-                    "limits.registration_burst=1000", "limits.calls_per_s=10000", "limits.call_burst=10000")
+                    "limits.registration_burst=1000", "limits.calls_per_s=10000", "limits.call_burst=10000",
+                    "scheduler.spares_per_host=1000", "scheduler.spares_per_subnet=1000", "scheduler.new_id_burst=1000")
     members_in = threading.Event()
 
     def hold_after_each_step(kind: str, _data: dict) -> None:

@@ -14,7 +14,7 @@ from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused, StepFailed
-from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle, Member, Membership, Rejected
+from geotrain.scheduler.membership import _SPARE_HEARTBEATS_PER_S, Lifecycle, Member, Membership, Rejected, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore
 from tests.conftest import wait_until
@@ -290,3 +290,42 @@ def test_checkpoint_state_goes_only_to_a_member_ordered_to_load_it_in_that_epoch
     assert not m.load_ordered(NodeKey.generate().public, plan, (0, 1), 7) and not m.load_ordered(None, plan, (0, 1), 7)
     later = pb.Plan(epoch=4, stages=plan.stages)
     assert not m.load_ordered(a.public_key, later, (0, 1), 7)  # ordered in another epoch
+
+
+def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_its_host():
+    m = _membership()
+    for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1")):
+        _join(m, node_id, host)
+    plan = _pipeline(m, ["a"], ["b"], ["c"])
+
+    def stall(epoch: int) -> None:
+        with pytest.raises(StepFailed, match="timed out"):
+            m.wait(lambda: False, "microbatches", 0.01, Scope(epoch, tuple(n for s in plan.stages for n in s.node_ids)))
+
+    _report(m, plan, "a", "b")  # b took the stage, answers the probe, and never forwards
+    stall(3)
+    assert set(m.benched()) == {"b"}
+    first = m._stalls[("key", m.members["b"].public_key)][1] - time.monotonic()
+    # The same key under a new id is refused stages as well; the next stall doubles the time.
+    again = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="b2", address="10.0.1.1:2",
+                               public_key=m.members["b"].public_key)
+    m.admit(again, set(), host="10.0.1.1")
+    assert set(m.benched()) == {"b", "b2"}
+    plan.epoch = 4
+    _report(m, plan, "a", "b")
+    stall(4)
+    assert m._stalls[("key", m.members["b"].public_key)][1] - time.monotonic() > 1.9 * first
+    # A second key of that host that stalls: the host's fresh keys are refused stages too.
+    fresh = _join(m, "b3", "10.0.1.1")
+    assert "b3" not in m.benched()
+    plan = _pipeline(m, ["a"], ["b3"], ["c"])
+    plan.epoch = 5
+    _report(m, plan, "a", "b3")
+    stall(5)
+    assert "b3" in m.benched() and _join(m, "b4", "10.0.1.1").node_id in m.benched()
+    # Two nodes that blame each other are not told apart: neither is refused.
+    plan.epoch = 6
+    _report(m, plan, "a", "b3")
+    _report(m, plan, "b3", "a")
+    stall(6)
+    assert "a" not in m.benched() and "c" not in m.benched() and fresh.node_id in m.benched()

@@ -60,6 +60,9 @@ _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 # A suspect is declared dead once this many heartbeat intervals late: well inside heartbeat_timeout_s, so a node that
 # died is replaced fast; a report needs a second independent neighbour or the coordinator's own probe first.
 _SUSPECT_LATE_INTERVALS = 1.5
+# A key that took a stage and stalled a step is refused stages this long, doubling each time after, up to a day.
+_STALL_FIRST_S = 60.0
+_STALL_MAX_S = 86400.0
 # A host's subnet of new ids (admission pace, spares cap): volunteers of one ISP customer or one cloud network.
 _SUBNET_BITS = {4: 24, 6: 64}
 
@@ -102,6 +105,7 @@ class _Accusation:
     host: str
     applied_steps: int
     at: float
+    epoch: int  # the plan epoch it is about
 
 
 # Data heads get microbatch ids in proportion to their speeds; past this no node computes, and a sum of such speeds
@@ -198,6 +202,9 @@ class Membership:
         # neighbours) or the coordinator's probe confirmed: only these are declared dead before heartbeat_timeout_s.
         self._accusations: dict[str, dict[str, _Accusation]] = {}
         self._suspects: set[str] = set()
+        # ("key", public key) or ("host", host) -> (stalls so far, refused stages until): see _stalled.
+        self._stalls: dict[tuple[str, object], tuple[int, float]] = {}
+        self._stalled_keys: dict[str, set[bytes]] = {}  # host -> its keys that stalled
         self._next_id = 1
         limits = cfg.new_ids_per_s, cfg.new_id_burst
         self._new_ids = {"host": TokenBuckets(*limits), "subnet": TokenBuckets(limits[0] * 8, limits[1] * 8)}
@@ -460,18 +467,19 @@ class Membership:
                               request.peer, epoch)
                     return None
                 log.debug("%s reports %s failing: %s", request.node_id, request.peer, request.detail)
-                return self._accuse(peer, reporter)
+                return self._accuse(peer, reporter, epoch)
         why = f"{pb.FailureReason.Name(request.reason)} in plan epoch {request.plan_epoch}: {request.detail}"
         log.warning("node %s cannot take part: %s", request.node_id, why)
         self.store.event("node_failure", request.node_id, why)
         return None
 
-    def _accuse(self, peer: Member, reporter: Member) -> Member | None:
-        """Note reporter's report against peer (under the condition); the peer to probe if it is the first."""
+    def _accuse(self, peer: Member, reporter: Member, epoch: int) -> Member | None:
+        """Note reporter's report against peer in plan epoch `epoch` (under the condition); the peer to probe if it
+        is the first."""
         reports = self._accusations.setdefault(peer.node_id, {})
         first = not reports
-        reports.setdefault(reporter.node_id, _Accusation(reporter.public_key, reporter.host, peer.applied_steps,
-                                                         time.monotonic()))
+        reports[reporter.node_id] = _Accusation(reporter.public_key, reporter.host, peer.applied_steps,
+                                                time.monotonic(), epoch)
         keys = {a.key for a in reports.values()}
         hosts = {a.host for a in reports.values()}
         if len(keys) >= 2 and (len(hosts) >= 2 or "" in hosts):  # in process ("" host), keys tell nodes apart
@@ -501,7 +509,7 @@ class Membership:
                 return None
             relay.failed_epoch, relay.failure = request.plan_epoch, why
             relay.relay_failures += 1
-            probe = self._accuse(relay, reporter)
+            probe = self._accuse(relay, reporter, request.plan_epoch)
             self.cond.notify_all()
         log.warning("relay %s failed: %s", request.peer, why)
         self.store.event("relay_failure", request.peer, why)
@@ -622,9 +630,50 @@ class Membership:
                     self._check_scope(scope)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    error = StepFailed if scope is not None else RunAborted
-                    raise error(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                    if scope is None:
+                        raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                    self._stalled(scope)
+                    raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
                 self.cond.wait(min(remaining, 0.1))
+
+    def _stalled(self, scope: Scope) -> None:
+        """An epoch of `scope` timed out (under the condition): each live node of it that a neighbour reported
+        failing in that epoch, and that reported none itself (two nodes that blame each other are not told apart),
+        took a stage and stalled. Its key, and its host once two keys of it did, are refused stages
+        (benched) for _STALL_FIRST_S, doubling with each time after."""
+        reports = {(n, r): a for n, by in self._accusations.items() for r, a in by.items() if a.epoch == scope.epoch}
+        accusers = {r for _, r in reports}
+        blamed = {n for n, _ in reports if n in scope.nodes and n not in accusers}
+        now = time.monotonic()
+        for node_id in sorted(blamed):
+            member = self.members.get(node_id)
+            if member is None or not member.alive:
+                continue
+            if member.host:
+                self._stalled_keys.setdefault(member.host, set()).add(member.public_key)
+            for place in self._places(member):
+                count, _ = self._stalls.get(place, (0, 0.0))
+                self._stalls[place] = (count + 1, now + min(_STALL_MAX_S, _STALL_FIRST_S * 2**count))
+            log.warning("node %s stalled plan epoch %d (its neighbours report its calls failing, it answers the "
+                        "coordinator's probe): its key is refused stages for a while", node_id, scope.epoch)
+
+    def _places(self, member: Member) -> list[tuple[str, object]]:
+        """What a stall follows: the member's key, and its host once two of that host's keys stalled."""
+        places: list[tuple[str, object]] = [("key", member.public_key)]
+        if member.host and len(self._stalled_keys.get(member.host, ())) >= 2:
+            places.append(("host", member.host))
+        return places
+
+    def benched(self) -> dict[str, str]:
+        """Live members refused stages because their key (or host) took stages and stalled: id -> why."""
+        now = time.monotonic()
+        with self.cond:
+            out = {}
+            for m in self.alive():
+                until = max((self._stalls.get(p, (0, 0.0))[1] for p in self._places(m)), default=0.0)
+                if until > now:
+                    out[m.node_id] = f"refused stages for {until - now:.0f}s more: its key or host stalled steps"
+            return out
 
     def _check_scope(self, scope: Scope) -> None:
         lost = self.lost() & set(scope.nodes)

@@ -341,11 +341,11 @@ class Planning:
 
     def left_out(self) -> dict[str, str]:
         """Live nodes that serve no stage and why: the planner's choice, or a hivemind that never joined."""
-        return self.excluded | self._shut_out()
+        return self.excluded | self._shut_out() | self.membership.benched()
 
     def _placeable(self) -> list[Member]:
         """Live nodes the layout may use."""
-        shut_out = self._shut_out()
+        shut_out = self._shut_out() | self.membership.benched()
         return [m for m in self.membership.alive() if m.node_id not in shut_out]
 
     def _probe_regions(self) -> None:
