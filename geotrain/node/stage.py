@@ -227,7 +227,7 @@ class StageRuntime:
             for total in sums:
                 total.div_(count)
         for p, mean in zip(params, sums):
-            p.grad = mean.to(p.device, p.dtype)
+            p.grad = mean.to(p.dtype).to(p.device)  # rounded where the sums live: MPS has no float64
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
@@ -240,7 +240,7 @@ class StageRuntime:
         """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
         (TrainSection.decide adds everyone's parts exactly); inf for a tensor with an Inf or NaN (an fp16 overflow),
         so a report says the same in every replica and compares equal to itself."""
-        parts = [float(g.to(self._sums_device, torch.float64).pow(2).sum()) for g in self.gradients()]
+        parts = [float(g.to(self._sums_device).double().pow(2).sum()) for g in self.gradients()]
         return [part if math.isfinite(part) else math.inf for part in parts]
 
     def apply(self, step: int, clip_coef: float, lr: float, skip: bool = False, loss_scale: float = 0.0) -> None:
