@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import RunConfig
-from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
+from geotrain.node.device import COMPUTE_DTYPES, HostCopies, HostTensor, autocast
 from geotrain.node.diloco import OuterSync
 from geotrain.node.family import call_layer
 from geotrain.node.model import build_layer, family_of, loss_fn
@@ -150,12 +150,15 @@ class StageRuntime:
         """Forward without keeping anything."""
         return self._run(x, tokens)
 
-    def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage)."""
+    def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[HostTensor, torch.Tensor | None]:
+        """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage).
+        The loss comes as a copy on its way to the host, started before backward is queued: reading it (`item()`)
+        waits for that copy alone, so the device never idles while the host asks for a number."""
         pending = self._pending.pop(key)
         loss = loss_fn(pending.outputs, self.copies.to_device(targets))
         root = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        return loss.item(), self._backward(key, pending, root, None)
+        value = self.copies.to_host_async(loss.detach())
+        return value, self._backward(key, pending, root, None)
 
     def backward(self, key: MicrobatchKey, grad_outputs: torch.Tensor) -> torch.Tensor | None:
         """Backward of a forwarded microbatch; returns the gradient for the previous stage (None on the first)."""
@@ -281,9 +284,20 @@ class StageRuntime:
     def checksum(self) -> str:
         """The parameters' checksum (framing.parameters_checksum): replicas that applied the same steps agree bit for
         bit. Under diloco, the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
+        return self.checksum_later()()
+
+    def checksum_later(self) -> Callable[[], str]:
+        """checksum(), computed by the function returned, which another thread may call: on an accelerator the
+        parameters' copies to the host start now, after the work queued so far (the step just applied) and beside
+        the next step's compute, and the hash waits for them, not the device's queue; on the CPU the hash is taken
+        now, before a later step could change the parameters it reads."""
         names = [name for name, _ in self.named_state()]
         tensors = self.sync.anchor if self.sync is not None else self.parameters()
-        return framing.parameters_checksum(zip(names, tensors, strict=True))
+        if self.device.type == "cpu":
+            digest = framing.parameters_checksum(zip(names, tensors, strict=True))
+            return lambda: digest
+        copies = [self.copies.to_host_async(t.detach()) for t in tensors]  # snapshots: later steps change no copy
+        return lambda: framing.parameters_checksum((n, c.wait()) for n, c in zip(names, copies, strict=True))
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""
