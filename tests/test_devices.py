@@ -1,7 +1,7 @@
 """The device paths (issue 29) on the CPU, and the few checks that need a CUDA GPU (skipped without one): the
 deterministic settings a CUDA device gets, capability asked of the chosen GPU, the sender's turns that keep a
-link's encodes in the worker's order off the worker thread, a checksum taken when asked, task timing by device
-events, and pinned decoding."""
+link's encodes in the worker's order off the worker thread, a checksum taken when asked, a stage's step on a
+stand-in device, the GPU smoke check's verdict, task timing by device events, and pinned decoding."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from geotrain.node.device import HostCopies, TaskClock, make_exact, supports
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 from tests.conftest import REPO
+from tests.fakedevice import FakeDevice
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -203,3 +204,37 @@ def test_the_gpu_smoke_check_fails_on_one_bit_or_a_loss_beyond_summation_order_a
         out = subprocess.run([str(REPO / "bench" / "gpu_smoke.sh")], capture_output=True, text=True, timeout=60,
                              env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
         assert out.returncode == smoke.EXIT_SKIPPED and "no CUDA device" in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_stage_steps_on_a_device_and_reads_no_value_back_before_its_backward_is_queued():
+    """A whole stage's step on an accelerator (tests.fakedevice's stand-in): forward, loss, backward, the mean, the
+    norms, the optimizer step and the checksum run without mixing devices; no value is read back from the device
+    (Tensor.item(), which waits for the device) before the backward is queued; the loss and the norms come to the
+    host close to the CPU's (the stand-in's attention decomposes otherwise than the CPU's kernel, so not bit for bit),
+    and the checksum is the one of the parameters' values."""
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=8",
+                             "train.microbatch_size=2"])
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (2, 8), generator=g) for _ in range(2))
+
+    def step(device: torch.device | None) -> tuple[float, list[float], StageRuntime, str]:
+        runtime = StageRuntime(cfg, 0, cfg.model.total_layers, device)
+        runtime.forward((0, 0), x)
+        loss, _ = runtime.loss_backward((0, 0), y)
+        runtime.mean_gradients(0)
+        parts = runtime.grad_sq_norm_parts()
+        runtime.apply(0, 1.0, 1e-3)
+        return loss.item(), parts, runtime, runtime.checksum_later()()
+
+    loss, parts, _, _ = step(None)
+    fake = FakeDevice()
+    with fake:
+        on_device, device_parts, runtime, checksum = step(torch.device("meta"))
+    names = [op.name for op in fake.ops]
+    last_backward = max(i for i, name in enumerate(names) if "backward" in name)
+    reads = [i for i, op in enumerate(fake.ops) if op.name == "aten._local_scalar_dense.default"
+             and op.tensors[0][0] == "meta"]
+    assert reads == [] or reads[0] > last_backward
+    assert on_device == pytest.approx(loss, rel=1e-5) and device_parts == pytest.approx(parts, rel=1e-4)
+    assert checksum == framing.parameters_checksum((n, fake.value(p)) for n, p in runtime.named_state())

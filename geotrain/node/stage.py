@@ -243,7 +243,8 @@ class StageRuntime:
         """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
         (TrainSection.decide adds everyone's parts exactly); inf for a tensor with an Inf or NaN (an fp16 overflow),
         so a report says the same in every replica and compares equal to itself."""
-        parts = [float(g.to(self._sums_device).double().pow(2).sum()) for g in self.gradients()]
+        squares = [g.to(self._sums_device).double().pow(2).sum() for g in self.gradients()]
+        parts = torch.stack(squares).cpu().tolist() if squares else []  # one copy to the host, not one per tensor
         return [part if math.isfinite(part) else math.inf for part in parts]
 
     def apply(self, step: int, clip_coef: float, lr: float, skip: bool = False, loss_scale: float = 0.0) -> None:
