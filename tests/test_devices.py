@@ -165,6 +165,11 @@ def test_decoded_tensors_land_in_pinned_memory_and_copies_overlap():
     on_device = copies.to_device(values)
     host = copies.to_host_async(on_device * 2)
     assert torch.equal(host.wait(), values * 2)
+    params = torch.ones(1 << 22, device="cuda:0")
+    snapshot = copies.to_host_async(params)
+    snapshot.before_writes()  # what StageRuntime.apply does after checksum_later
+    params.add_(1.0)
+    assert torch.equal(snapshot.wait(), torch.ones(1 << 22))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

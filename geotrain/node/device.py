@@ -253,6 +253,7 @@ class HostTensor:
 
     def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None = None) -> None:
         self._host, self._done = host, done
+        self._fence = done  # kept after wait(): the device may still have to order writes after the copy
 
     def wait(self) -> torch.Tensor:
         """The host tensor, complete."""
@@ -264,6 +265,12 @@ class HostTensor:
     def item(self) -> float:
         """The value of a one-element tensor, as Tensor.item()."""
         return self.wait().item()
+
+    def before_writes(self) -> None:
+        """Have the device's work queued from now on wait for this copy (without the host waiting): the source may
+        then be written in place (a snapshot of parameters before the next optimizer step)."""
+        if self._fence is not None:
+            torch.cuda.current_stream(self._fence.device).wait_event(self._fence)
 
 
 class HostCopies:

@@ -88,6 +88,7 @@ class StageRuntime:
         self.sync = OuterSync(self.parameters(), c.replica_sync_every, c.replica_sync_lr, c.replica_sync_momentum) \
             if c.diloco else None
         self.applied_step = -1  # last optimizer step applied
+        self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
         self.grads: StepGradients | None = None
         self._pending: dict[MicrobatchKey, _Pending] = {}
 
@@ -253,6 +254,7 @@ class StageRuntime:
         if step != self.applied_step + 1:
             raise ValueError(f"apply step {step} after step {self.applied_step}")
         self.set_loss_scale(loss_scale)
+        self._writes_after_snapshot()
         if self.sync is not None:
             self.sync.apply_pending(step, self.parameters())
         if skip:
@@ -297,8 +299,14 @@ class StageRuntime:
         if self.device.type == "cpu":
             digest = framing.parameters_checksum(zip(names, tensors, strict=True))
             return lambda: digest
-        copies = [self.copies.to_host_async(t.detach()) for t in tensors]  # snapshots: later steps change no copy
+        copies = self._snapshot = [self.copies.to_host_async(t.detach()) for t in tensors]
         return lambda: framing.parameters_checksum((n, c.wait()) for n, c in zip(names, copies, strict=True))
+
+    def _writes_after_snapshot(self) -> None:
+        """Order the device's next writes to the parameters after checksum_later's copies of them."""
+        for copy in self._snapshot:
+            copy.before_writes()
+        self._snapshot = []
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""
@@ -317,6 +325,7 @@ class StageRuntime:
 
     def load_full_state(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
         """Take over parameters and optimizer state at steps_done; raises ValueError if state does not fit."""
+        self._writes_after_snapshot()
         with torch.no_grad():
             for name, p in self.named_state():
                 if name not in state or state[name].shape != p.shape:
