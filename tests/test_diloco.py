@@ -4,6 +4,7 @@ within the stated bound between syncs, survive a replica's SIGKILL, and the retu
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.transport import make_channel
 from tests.conftest import LocalCluster, local_cluster, small_run, wait_until
+from tests.fakedevice import FakeDevice
 
 
 def _params(seed: int) -> list[torch.Tensor]:
@@ -65,6 +67,28 @@ def test_a_lone_replica_takes_its_parameters_as_anchor_and_nothing_else_moves():
     sync.stage(4, None)  # the step redone in a new plan epoch, alone: its commit stages again
     assert sync.apply_pending(4, params) and not sync.apply_pending(4, params)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.timeout(10)
+def test_a_sync_on_a_device_widens_on_the_host_and_takes_the_same_outer_step():
+    """Parameters on an accelerator (tests.fakedevice's stand-in): the pseudo-gradient is moved to the host before
+    it is widened to float64 (MPS has none), no float64 op runs on the device, and the outer step leaves the bits the
+    same code leaves on the CPU."""
+    anchor, trained = _params(0), _params(1)
+    results = []
+    for device in (None, FakeDevice()):
+        put = (lambda t: t.clone()) if device is None else device.put
+        params, start = [put(p) for p in trained], [put(p) for p in anchor]
+        with device or contextlib.nullcontext():
+            sync = OuterSync(start, every=2, lr=0.7, momentum=0.9)
+            pseudo = sync.pseudo_gradient(params)
+            assert {t.device.type for t in pseudo} == {"cpu"} and {t.dtype for t in pseudo} == {torch.float64}
+            sync.stage(2, pseudo)
+            assert sync.apply_pending(2, params)
+        results.append([p if device is None else device.value(p) for p in params])
+        if device is not None:
+            assert device.device_ops(torch.float64) == []
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.timeout(10)

@@ -124,6 +124,34 @@ def test_too_small_node_is_excluded_with_reason():
     assert all("tiny" not in st.node_ids for st in result.stages)
 
 
+@pytest.mark.parametrize("seed", [12, 13, 14])
+def test_replicas_of_a_stage_share_one_device_class(seed):
+    """A mixed cluster (CPUs beside two GPU models): every stage's replicas are of one class, a node whose class no
+    stage uses is out for that reason, and a newcomer joins no stage of another class when the plan adapts."""
+    rng = random.Random(seed)
+    nodes = random_nodes(seed, 12, regions=("east",))
+    kwargs = dict(model=MODEL, network=NET, shape=StepShape(microbatches=64, microbatch_size=2))
+    for node in nodes:
+        node.memory_bytes = 8 * 10**9
+        node.device_class = rng.choice(["cpu|x86_64|2.5.1|fp32", "cuda|A100|2.5.1+cu124|fp32", "cuda|H100|2.5.1+cu124|fp32"])
+    cls = {n.node_id: n.device_class for n in nodes}
+    blind = plan(nodes=[dataclasses.replace(n, device_class="") for n in nodes], **kwargs)
+    assert any(len({cls[n] for n in st.node_ids}) > 1 for st in blind.stages)  # the rule has work to do
+
+    def check(result):
+        assert all(len({cls[n] for n in st.node_ids}) == 1 for st in result.stages)
+        used = {cls[n] for st in result.stages for n in st.node_ids}
+        for n, why in result.excluded.items():
+            assert why.startswith("device class") == (cls[n] not in used), (n, why)
+
+    first = plan(nodes=nodes, **kwargs)
+    check(first)
+    assert any(len(st.node_ids) > 1 for st in first.stages)  # replicas were placed, of one class each
+    newcomer = dataclasses.replace(nodes[0], node_id="newcomer", device_class="cuda|RTX 4090|2.5.1+cu124|fp32")
+    cls["newcomer"] = newcomer.device_class
+    check(plan(nodes=[*nodes, newcomer], previous=first, **kwargs))
+
+
 def test_deterministic_and_fixed_stage_count():
     nodes = random_nodes(8, 30)
     kwargs = dict(nodes=nodes, model=MODEL, network=NET, shape=StepShape(microbatches=64, microbatch_size=2))

@@ -104,7 +104,7 @@ def _train(cfg, bounds: list[tuple[int, int]], steps: int) -> tuple[list[float],
                     assert x.dtype == COMPUTE_DTYPES[cfg.train.precision]
                     x = _through_the_wire(x, cfg.train.precision)
             loss, grad = stages[-1].loss_backward((step, mb), y)
-            step_losses.append(loss)
+            step_losses.append(loss.item())
             for s in reversed(stages[:-1]):
                 grad = s.backward((step, mb), _through_the_wire(grad, cfg.train.precision))
         parts = []
@@ -232,7 +232,7 @@ def test_a_fallback_fp32_stage_takes_and_sends_the_runs_wire_dtype():
     x = torch.randn(cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model).to(torch.bfloat16)
     fallback.forward((0, 0), x)
     loss, grad = fallback.loss_backward((0, 0), torch.zeros(x.shape[:2], dtype=torch.long))
-    assert math.isfinite(loss) and grad.dtype == torch.float32  # stepflow casts it to bf16 for the wire
+    assert math.isfinite(loss.item()) and grad.dtype == torch.float32  # stepflow casts it to bf16 for the wire
 
 
 @pytest.mark.timeout(60)

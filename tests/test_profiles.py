@@ -17,7 +17,7 @@ from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.costmodel import StepShape
 from geotrain.scheduler.planner import plan
-from geotrain.scheduler.profiles import DEFAULT_INTRA_REGION, check_report, planner_inputs
+from geotrain.scheduler.profiles import DEFAULT_INTRA_REGION, check_report, device_class, planner_inputs
 
 CFG = load_config(None, ["model.n_layers=2"])
 LAYERS = CFG.model.total_layers
@@ -77,6 +77,20 @@ def test_reports_become_planner_inputs():
     assert math.isfinite(result.step_seconds) and result.stages
 
 
+def test_a_nodes_device_class_is_its_device_kind_model_torch_build_and_precision():
+    def on(device: str, name: str = "NVIDIA H100 80GB HBM3", build: str = "2.5.1+cu124 cuda 12.4", precision="fp32"):
+        report = _report("a")
+        report.device, report.device_name, report.torch_build, report.precision = device, name, build, precision
+        return device_class(report)
+
+    assert on("cuda:0") == on("cuda:3")  # which GPU of a machine it is does not change its bits
+    others = {on("cpu"), on("cuda:0", name="NVIDIA A100-SXM4-80GB"), on("cuda:0", build="2.4.0+cu121 cuda 12.1"),
+              on("cuda:0", precision="bf16")}
+    assert len(others) == 4 and on("cuda:0") not in others
+    nodes, _, _ = planner_inputs([_member("a", "r", _report("a"))], CFG)
+    assert nodes[0].device_class == device_class(_report("a"))
+
+
 def test_without_measured_pairs_the_defaults_apply():
     nodes, _, network = planner_inputs([_member("a", "eu", _report("a"))], CFG)
     assert len(nodes) == 1 and not network.pair_overrides
@@ -107,6 +121,8 @@ def test_no_profile_yet_is_an_error():
         (lambda r: setattr(r, "device", ""), "device must be"),
         (lambda r: setattr(r, "device_name", "x\x1b[2J"), "device_name must be printable"),
         (lambda r: setattr(r, "precision", "fp8"), "precision must be"),
+        (lambda r: setattr(r, "torch_build", "2.5\n"), "torch_build must be printable"),
+        (lambda r: setattr(r, "torch_build", "2" * 101), "torch_build must be printable and at most 100"),
         (lambda r: setattr(r, "copy_bytes_per_s", -1.0), "copy_bytes_per_s"),
     ],
 )

@@ -25,6 +25,7 @@ from geotrain.scheduler.coordinator import Coordinator, Member
 from geotrain.scheduler.placement import hierarchical_allreduce
 from geotrain.scheduler.service import fetch_model_state
 from tests.conftest import free_ports, local_cluster
+from tests.fakedevice import FakeDevice
 
 
 class _Group:
@@ -89,6 +90,30 @@ def test_replicas_end_bit_identical_with_the_powersgd_projection():
     p_hat = orthonormal_columns(mean[0] @ q0)
     assert torch.allclose(grads[0][0].double(), p_hat @ (p_hat.T @ mean[0]), atol=1e-5)
     assert not torch.allclose(grads[0][0].double(), mean[0], atol=1e-2)  # rank 2 of a 64x48 matrix is lossy
+
+
+@pytest.mark.timeout(10)
+def test_powersgd_on_a_device_runs_on_the_host_and_hands_the_all_reduce_host_tensors():
+    """Gradients on an accelerator (tests.fakedevice's stand-in): the averaging moves them to the host before any
+    float64 op (MPS has none), multiplies them only with host factors, hands the all-reduce host tensors (hivemind
+    averages those), and leaves the gradients the bits the same code leaves on the CPU."""
+    codec = get_codec("powersgd:rank=2")
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(24, 16, generator=g), torch.randn(16, generator=g)]
+    handed: list[torch.device] = []
+
+    def all_reduce(round_: int, tensors: list[torch.Tensor]) -> None:
+        handed.extend(t.device for t in tensors)  # one replica: the mean is itself
+
+    on_cpu = [v.clone() for v in values]
+    LowRankAveraging(codec).average(1, on_cpu, all_reduce)
+    device = FakeDevice()
+    grads = [device.put(v) for v in values]
+    with device:
+        LowRankAveraging(codec).average(1, grads, all_reduce)
+    assert device.device_ops(torch.float64) == []
+    assert {d.type for d in handed} == {"cpu"} and len(handed) == 2 * 3  # both runs: P and the whole one, then Q
+    assert all(torch.equal(device.value(m), c) for m, c in zip(grads, on_cpu))
 
 
 def test_error_feedback_keeps_the_accumulated_error_bounded():

@@ -153,6 +153,21 @@ def read_body(view: memoryview, offset: int, count: int, dtype: torch.dtype) -> 
     return out
 
 
+def new_tensor(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised CPU tensor a decoder fills, in pinned memory if `pin` (needs a CUDA build and device)."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+
+
+def cast_into(values: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A decoder's `values` as the tensor of `shape` and `dtype` it returns: cast in the one pass that writes pinned
+    memory when `pin`, else as Tensor.to (no copy where the dtype is already right)."""
+    if not pin:
+        return values.to(dtype).view(tuple(shape))
+    out = new_tensor(shape, dtype, pin)
+    out.copy_(values.view(tuple(shape)))
+    return out
+
+
 def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """Return `shape` as a tuple of non-negative ints or raise CodecError."""
     try:
@@ -232,8 +247,9 @@ class Codec(abc.ABC):
         flat = tensor.detach().to("cpu").reshape(-1)
         return self._encode(flat, tuple(tensor.shape), state)
 
-    def decode(self, payload: Buffer, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Decode a payload into a new CPU tensor of exactly `shape` and `dtype`, validating it first."""
+    def decode(self, payload: Buffer, shape: Sequence[int], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        """Decode a payload into a new CPU tensor of exactly `shape` and `dtype`, validating it first; `pin`: in
+        pinned (page-locked) memory, which a CUDA device copies from without another copy to pin it."""
         shape = check_shape(shape)
         self._check_dtype(dtype)
         if self.headerless:
@@ -241,8 +257,8 @@ class Codec(abc.ABC):
             expected = self.encoded_nbytes(shape, dtype)
             if view.nbytes != expected:
                 raise CodecError(f"{self.name} payload for shape {shape} must be {expected} bytes, got {view.nbytes}")
-            return self._decode(view, None, shape, dtype)
-        return self._decode(*self._checked(payload, shape, dtype), shape, dtype)
+            return self._decode(view, None, shape, dtype, pin)
+        return self._decode(*self._checked(payload, shape, dtype), shape, dtype, pin)
 
     def _checked(self, payload: Buffer, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[memoryview, Header]:
         """The payload's bytes and header, once header and length agree with this codec, `shape` and `dtype`."""
@@ -276,8 +292,10 @@ class Codec(abc.ABC):
         """Encode a flat contiguous CPU tensor that has `shape`."""
 
     @abc.abstractmethod
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Decode a payload whose header and length are already validated."""
+    def _decode(
+        self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
+        """Decode a payload whose header and length are already validated (into pinned memory if `pin`)."""
 
 
 _REGISTRY: dict[int, type[Codec]] = {}

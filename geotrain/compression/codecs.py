@@ -71,8 +71,10 @@ from geotrain.compression.base import (
     FeedbackState,
     Header,
     body,
+    cast_into,
     check_shape,
     new_payload,
+    new_tensor,
     pack_header,
     peek_body,
     read_body,
@@ -183,8 +185,10 @@ class NoneCodec(Codec):
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
         return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
-    def _decode(self, view: memoryview, header: Header | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+    def _decode(
+        self, view: memoryview, header: Header | None, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
+        out = new_tensor(shape, dtype, pin)
         out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(view, np.uint8)
         return out
 
@@ -210,8 +214,10 @@ class _CastCodec(Codec):
             out[over] = (flat[over].float().sign() * torch.finfo(self.wire_dtype).max).to(self.wire_dtype)
         return payload
 
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return read_body(view, 0, header.numel, self.wire_dtype).to(dtype).view(shape)
+    def _decode(
+        self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
+        return cast_into(read_body(view, 0, header.numel, self.wire_dtype), shape, dtype, pin)
 
 
 @register
@@ -305,10 +311,12 @@ class _BlockQuantCodec(Codec):
         """Round the scaled float32 values (in [-qmax, qmax], one block per row, scratch space) to the nearest
         integer q, ties to even, and store them into the payload bytes `out`."""
 
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _decode(
+        self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
         n, block = header.numel, self.param
         if not n:
-            return torch.empty(shape, dtype=dtype)
+            return new_tensor(shape, dtype, pin)
         full, tail = divmod(n, block)
         blocks = full + (tail > 0)
         # Read in place: a copy of the scales cost as much as a tenth of the whole decode of an 8x128x1024 tensor.
@@ -320,7 +328,7 @@ class _BlockQuantCodec(Codec):
         out = torch.empty(n, dtype=torch.float32)
         packed = peek_body(view, 4 * blocks, self._packed(full * block) + self._packed(tail), torch.uint8)
         self._dequantize_all(packed, scales, out)
-        return out.to(dtype).view(shape)
+        return cast_into(out, shape, dtype, pin)
 
     def _dequantize_all(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantise all packed values with their block scales into the float32 `out`."""
@@ -574,14 +582,16 @@ class TopKCodec(_FeedbackCodec):
             raise CodecError(f"{self.name} payload has a non-finite or out-of-range base")
         return torch.outer(u, v).view(-1), torch.from_numpy(idx), values
 
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _decode(
+        self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
         out, idx, values = self._parts(view, header, shape)
         # index_add_: a fifth faster than out[idx] += values (gather, add, scatter); the indices are distinct.
         out.index_add_(0, idx, values)
         if dtype == torch.float16:
             # A base may overshoot fp16's range where the input did not; saturate as the fp16 codec does.
             out.clamp_(-_F16_MAX, _F16_MAX)
-        return out.to(dtype).view(shape)
+        return cast_into(out, shape, dtype, pin)
 
 
 @register
@@ -646,7 +656,9 @@ class PowerSgdCodec(_FeedbackCodec):
             state.q = qt if bool((qt.abs().amax(1) > 0).all()) else None
         return payload
 
-    def _decode(self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _decode(
+        self, view: memoryview, header: Header, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> torch.Tensor:
         form = self.matrix(shape)
         if form is None:
             out = values = read_body(view, 0, header.numel, torch.float32)
@@ -656,4 +668,4 @@ class PowerSgdCodec(_FeedbackCodec):
             out = values[: rows * rank].view(rows, rank) @ values[rows * rank :].view(rank, cols)
         if not _all_finite(values):
             raise CodecError(f"{self.name} payload has non-finite values")
-        return out.to(dtype).view(shape)
+        return cast_into(out, shape, dtype, pin)

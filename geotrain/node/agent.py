@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from geotrain.compression.policy import StageTimer
 from geotrain.node.dataplane import DataPlane, LinkEmulator
-from geotrain.node.device import resolve_device
+from geotrain.node.device import resolve_device, use_in_this_thread
 from geotrain.node.handover import HeldStates
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
@@ -164,7 +164,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._tasks = queue.PriorityQueue()
         self._seq = itertools.count()
         self._head = None
-        self._sender = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="send")
+        self._sender = futures.ThreadPoolExecutor(  # senders wait for copies off the node's GPU, and encode them
+            max_workers=8, thread_name_prefix="send", initializer=use_in_this_thread, initargs=(self.device,)
+        )
         self.router = ReplicaRouter()
         self.dataplane = DataPlane(
             options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure,
@@ -180,7 +182,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         # Opened at registration, where the run says whether tensors come over raw streams (listen_for_tensor_streams).
         self.tensor_streams: TensorStreamServer | None = None
         servicer = StageServicer(
-            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse
+            self, options.max_tensor_bytes, options.check_finite, self.limits.refusals, self.dataplane.reverse,
+            pin_decoded=self.device.type == "cuda",
         )
         add_stage_service(servicer, self._server)
         self._servicer = servicer

@@ -1,8 +1,8 @@
 """The data plane: activations forward and gradients backward to neighbour stages, compressed per link.
 
 One channel per peer address, one codec state per (peer, direction) so that a codec's state follows the link,
-encoded by one thread at a time under that link's own lock (PowerSGD's warm start is the previous encode's factor:
-two encodes at once would read and write it in an order set by thread timing), byte counters per link before and
+encoded by one thread at a time under that link's own lock and in the order the worker made the tensors (a turn
+each: PowerSGD's warm start is the previous encode's factor, and sender threads run in any order), byte counters per link before and
 after compression, deadlines that follow each link's measured call times, and
 an optional link emulator so that heterogeneous links are real on one machine. A link to a peer nobody can dial
 (behind NAT) is the same link sent over the stream that peer opened to this node (node/reverse.py) instead of a call.
@@ -17,11 +17,12 @@ loss over none with the residual kept on activation gradients and +6.5% without 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +63,19 @@ class Encoded:
     payload: bytes | bytearray
     raw_bytes: int
     codec: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A tensor's place among the encodes of its link (peer, address, direction), taken when the worker made it."""
+
+    link: tuple[str, str, str]
+    number: int
+
+
+# How long an encode waits for the earlier ones of its link: they were queued first, so only a sender that never
+# ran them (the node shutting down) keeps it waiting; past this it encodes out of turn rather than hang.
+_TURN_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,10 @@ class DataPlane:
         # state is read and written only under that link's lock in _codec_locks.
         self._codec_states: dict[tuple[str, str, str], tuple[str, FeedbackState | None]] = {}
         self._codec_locks: dict[tuple[str, str, str], threading.Lock] = defaultdict(threading.Lock)
+        # Per link: the next turn to give out (take_turn), and the turn whose encode may run now (in_turn).
+        self._turns_given: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._turn_now: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._turn_changed = threading.Condition(self._lock)
         self._links: dict[str, LinkEstimator] = defaultdict(LinkEstimator)
         self.sent: dict[str, LinkStats] = defaultdict(LinkStats)
         self.received: dict[str, LinkStats] = defaultdict(LinkStats)
@@ -177,9 +195,32 @@ class DataPlane:
                 }
             return self._stubs[address]
 
+    def take_turn(self, peer: str, address: str, direction: str) -> Turn:
+        """The next place among the encodes of the link to `peer` in `direction` (call in the order the tensors are
+        made, from one thread)."""
+        link = (peer, address, direction)
+        with self._lock:
+            number = self._turns_given[link]
+            self._turns_given[link] += 1
+        return Turn(link, number)
+
+    @contextlib.contextmanager
+    def in_turn(self, turn: Turn) -> Iterator[None]:
+        """Wait until the link's earlier turns are done, then hold this one until the block ends (however it ends):
+        encodes run off the worker thread, in the order the worker made their tensors."""
+        with self._turn_changed:
+            if not self._turn_changed.wait_for(lambda: self._turn_now[turn.link] >= turn.number, _TURN_WAIT_S):
+                log.warning("a tensor to %s is encoded out of turn: an earlier one was never sent", turn.link[0])
+        try:
+            yield
+        finally:
+            with self._turn_changed:
+                self._turn_now[turn.link] = max(self._turn_now[turn.link], turn.number + 1)
+                self._turn_changed.notify_all()
+
     def encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> Encoded:
         """Encode a tensor for the link to `peer` in `direction`; encodes on one link run one at a time, in the order
-        their callers take the link's lock (call from one thread to fix that order)."""
+        their callers take the link's lock (in_turn fixes that order)."""
         key = (peer, address, direction)
         with self._lock:
             link_lock = self._codec_locks[key]

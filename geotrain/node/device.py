@@ -8,9 +8,9 @@ CPU, CUDA and MPS share every code path: on the CPU the copies below are plain n
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -30,7 +30,43 @@ def _mps_available() -> bool:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """The torch device `--device spec` names: auto picks CUDA, then MPS, then the CPU; DeviceError if absent."""
+    """The torch device `--device spec` names: auto picks CUDA, then MPS, then the CPU; DeviceError if absent. A
+    CUDA device gets the deterministic settings (make_exact) here, before anything computes on it."""
+    device = _named_device(spec)
+    make_exact(device)
+    return device
+
+
+def make_exact(device: torch.device) -> None:
+    """On CUDA, the settings under which the same program computes the same bits on the same GPU model, torch build
+    and driver (what a pipeline's replicas and train-local must agree on): cuBLAS's fixed workspace (read when its
+    first handle is made, so set before any matmul), deterministic algorithms where torch has them (warn_only: an op
+    with none warns rather than stops a run; its bits may then differ), no cuDNN autotuning, no TF32, and the math
+    backend of scaled_dot_product_attention (flash and memory-efficient backwards add with atomics). A no-op on the
+    CPU (deterministic already) and on MPS (torch has no such switches for it)."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
+def use_in_this_thread(device: torch.device) -> None:
+    """Make `device` the current CUDA device of the calling thread (CUDA's current device is per thread, and is
+    GPU 0 until set): every thread that computes or copies calls it first. A no-op elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _named_device(spec: str) -> torch.device:
     name = spec.strip().lower()
     if name == "auto":
         if torch.cuda.is_available():
@@ -59,7 +95,8 @@ def supports(device: torch.device, precision: str) -> bool:
     if precision == "fp32" or device.type == "cpu":
         return True  # CPU autocast runs bf16 and fp16 (slowly without AVX512-BF16/AMX, but correctly)
     if device.type == "cuda":
-        return precision == "fp16" or torch.cuda.is_bf16_supported(including_emulation=False)
+        # Native bf16 from compute capability 8.0 (Ampere), asked of this GPU: is_bf16_supported asks the current one.
+        return precision == "fp16" or torch.cuda.get_device_capability(device)[0] >= 8
     try:  # MPS: bf16 needs macOS 14; ask the device rather than the version
         with torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision]):
             torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
@@ -82,12 +119,35 @@ def node_precision(device: torch.device, train: TrainSection) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """What the device is, e.g. 'NVIDIA A100-SXM4-80GB'."""
+    """What the device is, e.g. 'NVIDIA A100-SXM4-80GB' or a CPU's model name (part of a node's device class)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
         return "Apple GPU"
-    return platform.processor() or platform.machine() or "CPU"
+    return _cpu_model() or platform.processor() or platform.machine() or "CPU"
+
+
+def _cpu_model() -> str:
+    """Linux's name for the CPU model ('' elsewhere): platform.processor() says only 'x86_64' there."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def torch_build() -> str:
+    """torch's version and the accelerator toolkit it was built with, e.g. '2.5.1+cu124 cuda 12.4' (part of a node's
+    device class: another build may pick other kernels)."""
+    parts = [torch.__version__]
+    if torch.version.cuda:
+        parts.append(f"cuda {torch.version.cuda}")
+    if getattr(torch.version, "hip", None):
+        parts.append(f"hip {torch.version.hip}")
+    return " ".join(parts)
 
 
 def describe(device: torch.device) -> str:
@@ -137,43 +197,125 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class TaskSpan:
+    """One timed task: its host start and end, and on CUDA the events its stream passed at both."""
+
+    def __init__(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        self.started = time.monotonic()
+        self.host_s = 0.0
+        self._events = events
+        if events is not None:
+            events[0].record()
+
+    def end(self) -> None:
+        """The task has queued all its work."""
+        self.host_s = time.monotonic() - self.started
+        if self._events is not None:
+            self._events[1].record()
+
+    def seconds(self, wait: bool) -> float | None:
+        """The task's seconds, the longer of its host time and its device work (its stream from the start event to
+        the end one); None while the device is still on it, unless `wait`."""
+        if self._events is None:
+            return self.host_s
+        start, end = self._events
+        if not wait and not end.query():
+            return None
+        end.synchronize()
+        return max(self.host_s, start.elapsed_time(end) / 1e3)
+
+
+class TaskClock:
+    """Times compute tasks by what they cost the device, without waiting for it: a task's launches return before
+    its GPU work is done, so host time alone would give one task's GPU time to whichever later one waits. CUDA
+    records an event on the compute stream at a task's start and end and reads them later; MPS, without timing
+    events, waits for its queue at the task's end; the CPU's host time is its compute."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> TaskSpan:
+        """Start timing a task on the calling thread's current stream."""
+        if self.device.type == "cuda":
+            return TaskSpan((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        return TaskSpan(None)
+
+    def end(self, span: TaskSpan) -> None:
+        """The task has queued all its work."""
+        if self.device.type == "mps":
+            synchronize(self.device)
+        span.end()
+
+
+class HostTensor:
+    """A tensor on its way to host memory: `wait()` gives it once its copy is done, waiting for that copy alone
+    (its event), not for the rest of the device's queue."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None = None) -> None:
+        self._host, self._done = host, done
+        self._fence = done  # kept after wait(): the device may still have to order writes after the copy
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, complete."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host
+
+    def item(self) -> float:
+        """The value of a one-element tensor, as Tensor.item()."""
+        return self.wait().item()
+
+    def before_writes(self) -> None:
+        """Have the device's work queued from now on wait for this copy (without the host waiting): the source may
+        then be written in place (a snapshot of parameters before the next optimizer step)."""
+        if self._fence is not None:
+            torch.cuda.current_stream(self._fence.device).wait_event(self._fence)
+
+
 class HostCopies:
     """Moves tensors between host and device without stalling compute: device-to-host copies run on a side stream
-    into pinned host memory and host-to-device copies from pinned memory are non-blocking, so the next
-    microbatch's compute is queued while the previous one's activations travel. On the CPU both are the tensor
-    itself."""
+    into pinned host memory, each after an event its producer recorded (so the copy waits for that tensor, not for
+    work queued after it), and whoever needs the host tensor waits for that copy's own event, on its own thread;
+    host-to-device copies from pinned memory are non-blocking, so the next microbatch's compute is queued while the
+    previous one's activations travel. On the CPU both are the tensor itself; on MPS, plain copies."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    @contextlib.contextmanager
-    def _on_side_stream(self) -> Iterator[None]:
-        assert self._side is not None
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            yield
-
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor on the device (pinned and non-blocking from the host under CUDA)."""
+        """The tensor on the device (non-blocking from pinned memory under CUDA; a tensor decoded into pinned memory
+        is not copied to pin it)."""
         if tensor.device == self.device:
             return tensor
         if self._side is None:
             return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        with torch.cuda.device(self.device):
+            source = tensor if tensor.is_pinned() else tensor.pin_memory()
+            return source.to(self.device, non_blocking=True)
+
+    def to_host_async(self, tensor: torch.Tensor) -> HostTensor:
+        """Start copying the tensor to host memory, after the work queued so far that produces it; returns at once."""
+        if tensor.device.type == "cpu":
+            return HostTensor(tensor)
+        if self._side is None:
+            return HostTensor(tensor.cpu())
+        with torch.cuda.device(self.device):
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            done = torch.cuda.Event()
+            with torch.cuda.stream(self._side):
+                self._side.wait_event(produced)
+                tensor.record_stream(self._side)  # its memory is not reused before the copy has read it
+                host.copy_(tensor, non_blocking=True)
+                done.record(self._side)
+        return HostTensor(host, done)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor in host memory, complete when returned (the side stream's copy waits only for its producer)."""
-        if tensor.device.type == "cpu":
-            return tensor
-        if self._side is None:
-            return tensor.cpu()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        with self._on_side_stream():
-            tensor.record_stream(self._side)
-            host.copy_(tensor, non_blocking=True)
-        self._side.synchronize()
-        return host
+        """The tensor in host memory, complete when returned (waiting for its copy only)."""
+        return self.to_host_async(tensor).wait()
 
     def copy_speed(self, nbytes: int = 64 << 20) -> float:
         """Host-to-device bytes per second of a pinned copy of nbytes (0 on the CPU: nothing is copied)."""

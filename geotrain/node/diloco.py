@@ -69,8 +69,8 @@ class OuterSync:
 
     def pseudo_gradient(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Anchor minus parameters, float64 on the host: what the replicas' all-reduce averages (as presummed parts
-        of weight 1, added exactly)."""
-        return [(a.detach().double() - p.detach().double()).cpu() for a, p in zip(self.anchor, params, strict=True)]
+        of weight 1, added exactly). Moved in their own dtype and widened on the host: MPS has no float64."""
+        return [a.detach().cpu().double() - p.detach().cpu().double() for a, p in zip(self.anchor, params, strict=True)]
 
     def stage(self, step: int, averaged: list[torch.Tensor] | None) -> None:
         """Keep the replicas' mean pseudo-gradient (None: this replica was alone) for step `step`'s apply. It
@@ -92,7 +92,7 @@ class OuterSync:
                 anchor.copy_(p)
             return True
         for anchor, velocity, delta, p in zip(self.anchor, self.velocity, averaged, params, strict=True):
-            delta = delta.to(anchor.device, anchor.dtype)
+            delta = delta.to(anchor.dtype).to(anchor.device)  # rounded on the host: MPS has no float64
             velocity.mul_(self.momentum).add_(delta)
             anchor.sub_(delta.add(velocity, alpha=self.momentum), alpha=self.lr)
             p.copy_(anchor)

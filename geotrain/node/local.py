@@ -10,7 +10,7 @@ import torch
 
 from geotrain.config import RunConfig
 from geotrain.node.data import local_tokens
-from geotrain.node.device import peak_memory_bytes
+from geotrain.node.device import make_exact, peak_memory_bytes
 from geotrain.node.model import loss_fn
 from geotrain.node.stage import StageRuntime
 
@@ -22,6 +22,7 @@ def train_local(
     CPU by default); returns it and the run summary."""
     started = time.monotonic()
     corpus = local_tokens(cfg)
+    make_exact(device or torch.device("cpu"))
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers, device)
     t = cfg.train
     scale = t.initial_loss_scale()
@@ -48,11 +49,11 @@ def train_local(
         for mb in range(t.microbatches):
             x, y = batch(step, mb)
             runtime.forward((step, mb), x)
-            step_losses.append(runtime.loss_backward((step, mb), y)[0])
+            step_losses.append(runtime.loss_backward((step, mb), y)[0])  # read once the step is queued
         runtime.mean_gradients(step)
         coef, skip, scale = t.decide(runtime.grad_sq_norm_parts(), scale)
         runtime.apply(step, coef, t.lr_at(step, cfg.run.steps), skip, scale.scale)
-        losses.append(sum(step_losses) / len(step_losses))
+        losses.append(sum(loss.item() for loss in step_losses) / len(step_losses))
         record: dict[str, Any] = {"step": step, "loss": losses[-1], "seconds": time.monotonic() - t0}
         if step == cfg.run.steps - 1 or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
             val_loss = record["val_loss"] = evaluate(step)

@@ -1,7 +1,8 @@
 """PowerSGD as the replicas' gradient averaging (compression.replica_grads = "powersgd[:rank=R]").
 
 Kept apart from node.averaging, which imports hivemind: this is plain torch over any all-reduce that averages
-float64 tensors exactly alike on every replica.
+float64 tensors exactly alike on every replica. All of it runs on the host, whatever device the gradients live on:
+hivemind averages host tensors, the shared random factors are made there, and MPS has no float64.
 """
 
 from __future__ import annotations
@@ -72,15 +73,17 @@ class LowRankAveraging:
         matrices = {i: form for i, form in forms.items() if form is not None}
         whole = [i for i, form in forms.items() if form is None]
         acc: dict[int, torch.Tensor] = {}
+        # Moved to the host in their own dtype, widened there: a device may have no float64 (MPS).
+        host = [g.detach().cpu().double() for g in grads]
         for i, (rows, cols, rank) in matrices.items():
-            m = grads[i].double().view(rows, cols)
+            m = host[i].view(rows, cols)
             residual = self._residuals.get(i)
             acc[i] = m + residual if residual is not None else m
             if i not in self._q:
                 seed = torch.Generator().manual_seed(rows * cols)
                 self._q[i] = torch.randn(cols, rank, generator=seed, dtype=torch.float64)
         p = {i: acc[i] @ self._q[i] for i in matrices}
-        whole_values = [grads[i].double() for i in whole]
+        whole_values = [host[i] for i in whole]
         all_reduce(0, [p[i] for i in matrices] + whole_values)
         p_hat = {i: orthonormal_columns(p[i]) for i in matrices}
         q_local = {i: acc[i].T @ p_hat[i] for i in matrices}
@@ -90,7 +93,7 @@ class LowRankAveraging:
             approx = torch.zeros(rows, cols, dtype=torch.float64)
             for j in range(rank):  # rank-1 terms in a fixed order: elementwise products and sums round alike
                 approx = approx + p_hat[i][:, j : j + 1] * q_mean[i][:, j]
-            grads[i].copy_(approx.view(grads[i].shape))
+            grads[i].copy_(approx.to(grads[i].dtype).view(grads[i].shape))  # rounded on the host
             self._residuals[i] = acc[i] - p_hat[i] @ q_local[i].T  # local: it may round as this platform likes
             # A zero column would stay zero from the warm start on; a fresh random Q replaces it next step.
             if bool((q_mean[i].abs().amax(0) > 0).all()):
@@ -98,4 +101,4 @@ class LowRankAveraging:
             else:
                 del self._q[i]
         for i, averaged in zip(whole, whole_values):
-            grads[i].copy_(averaged)
+            grads[i].copy_(averaged.to(grads[i].dtype))

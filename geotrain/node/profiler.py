@@ -30,7 +30,7 @@ import torch
 
 from geotrain.config import RunConfig
 from geotrain.node.dataplane import DataPlane, ProbeTarget
-from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, synchronize
+from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, synchronize, torch_build
 from geotrain.node.family import call_layer
 from geotrain.node.model import VOCAB, build_layer, family_of, loss_fn
 from geotrain.protocol import geotrain_pb2 as pb
@@ -330,6 +330,7 @@ class NodeProfiler:
                 device_name=device_name(self._device),
                 copy_bytes_per_s=self._copy_bytes_per_s,
                 precision=self._precision,
+                torch_build=torch_build(),
             )
         try:
             self._coordinator.ReportProfile(request, timeout=_REPORT_DEADLINE_S)

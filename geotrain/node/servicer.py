@@ -38,12 +38,13 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(np.isfinite(tensor.numpy()).all())
 
 
-def decode_tensor(received: framing.ReceivedTensor, check_finite: bool) -> torch.Tensor:
-    """Decode a received payload with the codec its header names; raises FrameError on bad input."""
+def decode_tensor(received: framing.ReceivedTensor, check_finite: bool, pin: bool = False) -> torch.Tensor:
+    """Decode a received payload with the codec its header names (into pinned memory if `pin`: for a CUDA device);
+    raises FrameError on bad input."""
     header = received.header
     try:
         codec = codec_from_payload(header.codec, received.payload)
-        tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype])
+        tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype], pin)
     except CodecError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode tensor: {e}") from None
     if check_finite and tensor.is_floating_point() and not all_finite(tensor):
@@ -93,9 +94,10 @@ class StageServicer(rpc.StageServicer):
 
     def __init__(
         self, handler: StageHandler, max_tensor_bytes: int, check_finite: bool, refusals: RefusalLog,
-        reverse: ReverseSender, tensor_streams: TensorStreamServer | None = None,
+        reverse: ReverseSender, tensor_streams: TensorStreamServer | None = None, pin_decoded: bool = False,
     ) -> None:
         self.handler = handler
+        self.pin_decoded = pin_decoded  # the node computes on CUDA: tensors are decoded into pinned memory
         self.max_tensor_bytes = max_tensor_bytes
         self.check_finite = check_finite
         self.refusals = refusals  # one line per sending host and minute, however many bad tensors it sends
@@ -132,7 +134,8 @@ class StageServicer(rpc.StageServicer):
     def take(self, direction: str, received: framing.ReceivedTensor) -> None:
         """Decode a tensor whose payload passed its checksum (into a tensor of its own) and hand it to the node;
         FrameError when it cannot be decoded or is not finite."""
-        tensor = decode_tensor(received, self.check_finite and not self.handler.may_overflow(direction))
+        check_finite = self.check_finite and not self.handler.may_overflow(direction)
+        tensor = decode_tensor(received, check_finite, self.pin_decoded)
         self.handler.accept(direction, received.ref, tensor, wire_bytes=len(received.payload))
 
     def refused(self, peer: str, direction: str, why: str) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import RunConfig
-from geotrain.node.device import COMPUTE_DTYPES, HostCopies, autocast
+from geotrain.node.device import COMPUTE_DTYPES, HostCopies, HostTensor, autocast
 from geotrain.node.diloco import OuterSync
 from geotrain.node.family import call_layer
 from geotrain.node.model import build_layer, family_of, loss_fn
@@ -88,6 +88,7 @@ class StageRuntime:
         self.sync = OuterSync(self.parameters(), c.replica_sync_every, c.replica_sync_lr, c.replica_sync_momentum) \
             if c.diloco else None
         self.applied_step = -1  # last optimizer step applied
+        self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
         self.grads: StepGradients | None = None
         self._pending: dict[MicrobatchKey, _Pending] = {}
 
@@ -150,12 +151,15 @@ class StageRuntime:
         """Forward without keeping anything."""
         return self._run(x, tokens)
 
-    def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage)."""
+    def loss_backward(self, key: MicrobatchKey, targets: torch.Tensor) -> tuple[HostTensor, torch.Tensor | None]:
+        """Last stage: loss of a forwarded microbatch, then backward; returns (loss, gradient for the previous stage).
+        The loss comes as a copy on its way to the host, started before backward is queued: reading it (`item()`)
+        waits for that copy alone, so the device never idles while the host asks for a number."""
         pending = self._pending.pop(key)
         loss = loss_fn(pending.outputs, self.copies.to_device(targets))
         root = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        return loss.item(), self._backward(key, pending, root, None)
+        value = self.copies.to_host_async(loss.detach())
+        return value, self._backward(key, pending, root, None)
 
     def backward(self, key: MicrobatchKey, grad_outputs: torch.Tensor) -> torch.Tensor | None:
         """Backward of a forwarded microbatch; returns the gradient for the previous stage (None on the first)."""
@@ -227,7 +231,7 @@ class StageRuntime:
             for total in sums:
                 total.div_(count)
         for p, mean in zip(params, sums):
-            p.grad = mean.to(p.device, p.dtype)
+            p.grad = mean.to(p.dtype).to(p.device)  # rounded where the sums live: MPS has no float64
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
@@ -240,7 +244,8 @@ class StageRuntime:
         """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
         (TrainSection.decide adds everyone's parts exactly); inf for a tensor with an Inf or NaN (an fp16 overflow),
         so a report says the same in every replica and compares equal to itself."""
-        parts = [float(g.to(self._sums_device, torch.float64).pow(2).sum()) for g in self.gradients()]
+        squares = [g.to(self._sums_device).double().pow(2).sum() for g in self.gradients()]
+        parts = torch.stack(squares).cpu().tolist() if squares else []  # one copy to the host, not one per tensor
         return [part if math.isfinite(part) else math.inf for part in parts]
 
     def apply(self, step: int, clip_coef: float, lr: float, skip: bool = False, loss_scale: float = 0.0) -> None:
@@ -249,6 +254,7 @@ class StageRuntime:
         if step != self.applied_step + 1:
             raise ValueError(f"apply step {step} after step {self.applied_step}")
         self.set_loss_scale(loss_scale)
+        self._writes_after_snapshot()
         if self.sync is not None:
             self.sync.apply_pending(step, self.parameters())
         if skip:
@@ -281,9 +287,26 @@ class StageRuntime:
     def checksum(self) -> str:
         """The parameters' checksum (framing.parameters_checksum): replicas that applied the same steps agree bit for
         bit. Under diloco, the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
+        return self.checksum_later()()
+
+    def checksum_later(self) -> Callable[[], str]:
+        """checksum(), computed by the function returned, which another thread may call: on an accelerator the
+        parameters' copies to the host start now, after the work queued so far (the step just applied) and beside
+        the next step's compute, and the hash waits for them, not the device's queue; on the CPU the hash is taken
+        now, before a later step could change the parameters it reads."""
         names = [name for name, _ in self.named_state()]
         tensors = self.sync.anchor if self.sync is not None else self.parameters()
-        return framing.parameters_checksum(zip(names, tensors, strict=True))
+        if self.device.type == "cpu":
+            digest = framing.parameters_checksum(zip(names, tensors, strict=True))
+            return lambda: digest
+        copies = self._snapshot = [self.copies.to_host_async(t.detach()) for t in tensors]
+        return lambda: framing.parameters_checksum((n, c.wait()) for n, c in zip(names, copies, strict=True))
+
+    def _writes_after_snapshot(self) -> None:
+        """Order the device's next writes to the parameters after checksum_later's copies of them."""
+        for copy in self._snapshot:
+            copy.before_writes()
+        self._snapshot = []
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""
@@ -302,6 +325,7 @@ class StageRuntime:
 
     def load_full_state(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
         """Take over parameters and optimizer state at steps_done; raises ValueError if state does not fit."""
+        self._writes_after_snapshot()
         with torch.no_grad():
             for name, p in self.named_state():
                 if name not in state or state[name].shape != p.shape:

@@ -17,8 +17,7 @@ import torch
 from geotrain.compression.policy import CodecPolicy
 from geotrain.config import MAX_INFLIGHT
 from geotrain.lifetime import tie_children_to_this_process
-from geotrain.node.dataplane import Encoded
-from geotrain.node.device import COMPUTE_DTYPES
+from geotrain.node.device import COMPUTE_DTYPES, HostTensor
 from geotrain.node.failures import StageFailure
 from geotrain.node.link import RPC_DEADLINE_S
 from geotrain.node.lowrank import LowRankAveraging
@@ -28,6 +27,7 @@ from geotrain.node.stage import StageRuntime
 from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.transport import call_with_retry
 
 log = logging.getLogger(__name__)
 
@@ -113,32 +113,45 @@ class StepFlow:
         return pb.MicrobatchRef(plan_epoch=self.plan.epoch, step=step, microbatch=microbatch, path=path, **extra)
 
     def _forward_to_next(self, ref: pb.MicrobatchRef, outputs: torch.Tensor) -> None:
-        assert self.cfg is not None
         peer, address = self._peer(self.stage_index + 1)
         if not ref.eval:
             self.router.sent(peer, ref.step, ref.microbatch)
-        encoded = self._encode("activations", peer, address, "forward", outputs)
-        send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
-        self._send(send, f"forward to {peer}", peer, ref.plan_epoch)
+        self._send_tensor("activations", peer, address, "forward", ref, outputs)
 
-    def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
-        assert self.cfg is not None
+    def _backward_to_previous(self, ref: pb.MicrobatchRef, grad: torch.Tensor, loss: HostTensor | None = None) -> None:
+        """Send a gradient back along the microbatch's path; the last stage's `loss` goes with it, read once the
+        gradient's copy has started (the sender reads it, not the worker)."""
         peer = ref.path[self.stage_index - 1]
-        address = self._address_of(peer)
-        encoded = self._encode("activation_grads", peer, address, "backward", grad)
-        send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
-        self._send(send, f"backward to {peer}", peer, ref.plan_epoch)
+        self._send_tensor("activation_grads", peer, self._address_of(peer), "backward", ref, grad, loss)
 
-    def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
-        """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
-
-        On the worker thread, not the senders': a link's codec state (PowerSGD's warm start) then sees its tensors
-        in the order the worker produced them, whatever order the sender threads run in."""
+    def _send_tensor(
+        self, kind: str, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, tensor: torch.Tensor,
+        loss: HostTensor | None = None,
+    ) -> None:
+        """Start the tensor's copy to the host and hand its encoding and sending to a sender thread: the worker goes
+        on to its next task while the copy overlaps that task's compute. A link's encodes still run in the order the
+        worker produced its tensors (its turns): a codec's state (PowerSGD's warm start) and auto's choice see them
+        in that order, whatever order the sender threads run in."""
         assert self.runtime is not None and self.cfg is not None
-        tensor = self.runtime.copies.to_host(tensor).to(COMPUTE_DTYPES[self.cfg.train.precision])
-        estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
-        codec = self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
-        return self.dataplane.encode(peer, address, direction, codec, tensor)
+        host = self.runtime.copies.to_host_async(tensor)
+        turn = self.dataplane.take_turn(peer, address, direction)
+        wire_dtype = COMPUTE_DTYPES[self.cfg.train.precision]
+
+        def send() -> None:
+            try:
+                with self.dataplane.in_turn(turn):
+                    on_host = host.wait().to(wire_dtype)
+                    if loss is not None:
+                        ref.loss = loss.item()
+                    estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
+                    codec = self._policies[kind].codec(peer, on_host.shape, on_host.dtype, estimate, compute_s)
+                    encoded = self.dataplane.encode(peer, address, direction, codec, on_host)
+            except Exception as e:  # what the worker's task would have failed with, had it encoded
+                self._task_failed(e)
+                return
+            self.dataplane.send(peer, address, direction, ref, encoded)
+
+        self._send(send, f"{direction} to {peer}", peer, ref.plan_epoch)
 
     def _head_forward(self, step: int, microbatch: int) -> None:
         runtime = self.runtime
@@ -151,7 +164,7 @@ class StepFlow:
         if runtime.is_last:
             loss, _ = runtime.loss_backward((step, microbatch), y)
             self.throughput.tick()
-            self._microbatch_done(step, microbatch, path, loss)
+            self._microbatch_done(step, microbatch, path, loss.item())
         else:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
 
@@ -257,7 +270,7 @@ class StepFlow:
             _, y = self._batch(ref.step, ref.microbatch)
             loss, grad = runtime.loss_backward(key, y)
             self.throughput.tick()
-            self._backward_to_previous(self._ref(ref.step, ref.microbatch, path, loss=loss), grad)
+            self._backward_to_previous(self._ref(ref.step, ref.microbatch, path), grad, loss)
         else:
             self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x, tokens))
 
@@ -399,11 +412,21 @@ class StepFlow:
         assert runtime is not None
         with self._state_lock:
             runtime.apply(order.step, order.clip_coef, order.lr, order.skip, order.loss_scale)
-            checksum = runtime.checksum()
+            checksum = runtime.checksum_later()
             self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
         self._head = None
-        request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=checksum)
-        self._report(self.coordinator.StepApplied, request)
+
+        def report() -> None:  # on a sender thread: hashing the parameters' host copies keeps no compute waiting
+            try:
+                digest = checksum()
+            except Exception as e:  # what the apply task would have failed with, had it hashed
+                self._task_failed(e)
+                return
+            request = pb.StepAppliedRequest(node_id=self.node_id, step=order.step, checksum=digest)
+            # Called here, not queued through _report: a stretched task's held sends are the worker's alone.
+            call_with_retry(lambda: self.coordinator.StepApplied(request, timeout=RPC_DEADLINE_S))
+
+        self._send(report, "the checksum of the applied step")
 
     def _join_averaging(self, initial_peers: list[str]) -> None:
         """Start joining the run's hivemind DHT when the coordinator makes this node a replica: once, or again after

@@ -9,10 +9,12 @@ import logging
 import queue
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 
 from geotrain.compression.policy import StageTimer
+from geotrain.node.device import TaskClock, TaskSpan, use_in_this_thread
 from geotrain.node.failures import StageFailure, self_report
 from geotrain.node.profiler import stretch
 from geotrain.protocol import geotrain_pb2 as pb
@@ -35,6 +37,7 @@ class Worker:
     _newest_epoch: int  # newest plan epoch ordered (the worker may not have applied it yet)
     _reported_epoch: int  # plan epoch this node last reported itself failing in: one report fails it
     _timed: tuple[int, dict[str, list[float]]]  # (plan epoch, its timed tasks' seconds by kind since the commit)
+    _spans: deque[tuple[str, int | None, TaskSpan]]  # timed tasks whose device work may not be done: kind, epoch
     _held_sends: list[Callable[[], None]] | None  # what the stretched task running now sends, once it is stretched
 
     def _submit(self, priority: int, task: Callable[[], None], epoch: int | None = None) -> None:
@@ -42,6 +45,8 @@ class Worker:
         self._tasks.put((priority, next(self._seq), task, epoch))
 
     def _work_loop(self) -> None:
+        use_in_this_thread(self.device)
+        clock, self._spans = TaskClock(self.device), deque()
         while not self.stopped.is_set():
             priority, _, task, epoch = self._tasks.get()
             if task is None:
@@ -49,6 +54,7 @@ class Worker:
             if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
                 continue
             started = time.monotonic()
+            span = clock.start() if priority in _TIMED else None
             # Emulated slower hardware stretches every compute task, not the control ones, and what the task sends
             # leaves when the stretched task ends, as it would from a machine that slow (sent at once, a slow stage's
             # tensors would reach its neighbours a stretch early, and the pipeline would outrun the emulated one).
@@ -63,18 +69,30 @@ class Worker:
                 held, self._held_sends = self._held_sends or [], None
                 for send in held:
                     self._sender.submit(send)
-            if priority in _TIMED:
-                seconds = time.monotonic() - started
-                self.compute.observe(_TIMED[priority], seconds)
-                if self._timed[0] != epoch:  # an abandoned epoch's tasks count not
-                    self._timed = (epoch, {})
-                self._timed[1].setdefault(_TIMED[priority], []).append(seconds)
+            if span is not None:
+                clock.end(span)
+                self._spans.append((_TIMED[priority], epoch, span))
+            self._settle_spans(wait=False)
+
+    def _settle_spans(self, wait: bool) -> None:
+        """Count the timed tasks whose device work is done (all of them, waiting, if `wait`), in the order they ran."""
+        while self._spans:
+            kind, epoch, span = self._spans[0]
+            seconds = span.seconds(wait)
+            if seconds is None:
+                return
+            self._spans.popleft()
+            self.compute.observe(kind, seconds)
+            if self._timed[0] != epoch:  # an abandoned epoch's tasks count not
+                self._timed = (epoch, {})
+            self._timed[1].setdefault(kind, []).append(seconds)
 
     def take_compute_s(self, epoch: int) -> float:
         """Seconds of training compute per microbatch (the median forward task plus the median backward task,
         emulated slowdown included) since the last call in plan epoch `epoch`, 0 for none; read by the commit, on the
         worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones reuse
         (connections, buffers), which a mean would spread over them all."""
+        self._settle_spans(wait=True)
         tasks = self._timed[1] if self._timed[0] == epoch else {}
         self._timed = (epoch, {})
         return sum(statistics.median(seconds) for seconds in tasks.values())

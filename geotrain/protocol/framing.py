@@ -297,5 +297,6 @@ def parameters_checksum(params: Iterable[tuple[str, torch.Tensor]]) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(params, key=lambda item: item[0]):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        # Hashed where the bytes lie (a host tensor's own memory, not a copy of it); hashlib lets go of the GIL.
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()

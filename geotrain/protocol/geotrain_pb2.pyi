@@ -687,7 +687,7 @@ class LinkProbe(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class NodeProfileReport(_message.Message):
-    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes", "device", "device_name", "copy_bytes_per_s", "precision")
+    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes", "device", "device_name", "copy_bytes_per_s", "precision", "torch_build")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -700,6 +700,7 @@ class NodeProfileReport(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_BUILD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     boundary_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -712,7 +713,8 @@ class NodeProfileReport(_message.Message):
     device_name: str
     copy_bytes_per_s: float
     precision: str
-    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., copy_bytes_per_s: _Optional[float] = ..., precision: _Optional[str] = ...) -> None: ...
+    torch_build: str
+    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., copy_bytes_per_s: _Optional[float] = ..., precision: _Optional[str] = ..., torch_build: _Optional[str] = ...) -> None: ...
 
 class LayerShapes(_message.Message):
     __slots__ = ("tensors",)

@@ -95,6 +95,8 @@ class NodeProfile:
     """Accelerator (or host) memory the node can give to its stage."""
     unreachable: bool = False
     """Nobody can dial it (behind NAT): its links with another such node go through a relay."""
+    device_class: str = ""
+    """What it computes on (scheduler.profiles.device_class): replicas of a stage share one (scheduler.planner)."""
 
     def __post_init__(self) -> None:
         if not self.node_id:

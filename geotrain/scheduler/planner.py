@@ -1,7 +1,9 @@
 """Pipeline planner: stages, layer ranges, replicas and stage order that minimise the cost model's step time.
 
 How it searches (every candidate is scored by CostModel, the same model that scores any other plan):
-1. Nodes without memory for even a one-layer stage are left out, with the reason.
+1. Nodes without memory for even a one-layer stage are left out, with the reason. A stage's replicas share one
+   device class (NodeProfile.device_class: their parameter checksums must agree bit for bit): a replica group that
+   mixes classes keeps the class with the most compute, and no move puts a node among replicas of another class.
 2. Regions are ordered into a chain that makes consecutive regions cheap to cross (exact for up to 7 regions,
    nearest neighbour + 2-opt above), so the pipeline crosses each slow link once and only where it must.
 3. For both directions of the chain and a few node subsets (all nodes; without the slowest links; without the
@@ -104,6 +106,7 @@ class Planner:
         self._link_tables: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
         self._starts, self._ends = np.ogrid[: cm.model.n_layers + 1, : cm.model.n_layers + 1]  # [a, b] grids
         self._below_diagonal = np.tril_indices(self.n_layers + 1)
+        self.device_class = [n.device_class for n in cm.nodes]
         self._previously_out: set[int] = set()
         self._region_members: dict[tuple, tuple[dict[str, list[int]], list[float]]] = {}
         self._best_split = math.inf  # the DP's best step time over every group list split so far
@@ -188,12 +191,18 @@ class Planner:
     def _exclusions(self, stages: Sequence[Stage]) -> dict[str, str]:
         cm = self.cm
         used = {i for _, _, nodes in stages for i in nodes}
+        classes = {self.device_class[i] for i in used}
         smallest_stage = min(cm.stage_memory_bytes(a, b, len(stages)) for a, b, _ in stages)
         reasons = {}
         for i, node in enumerate(cm.nodes):
             if i in used:
                 continue
-            if cm.memory[i] < smallest_stage:
+            if self.device_class[i] not in classes:
+                reasons[node.node_id] = (
+                    f"device class: no stage computes on {self.device_class[i] or 'its kind of device'}, and the "
+                    "replicas of a stage share device, torch build and precision"
+                )
+            elif cm.memory[i] < smallest_stage:
                 reasons[node.node_id] = (
                     f"memory: has {cm.memory[i] / _GIB:.2f} GiB, the smallest stage needs {smallest_stage / _GIB:.2f} GiB"
                 )
@@ -408,10 +417,19 @@ class Planner:
         cm, n_stages = self.cm, len(groups)
         if n_stages > self.n_layers:
             return None
-        groups = tuple(tuple(g) for g in groups)
+        groups = tuple(self._one_class(g) for g in groups)
         if groups not in self._splits:
             self._splits[groups] = self._split(groups)
         return self._splits[groups]
+
+    def _one_class(self, group: Sequence[int]) -> tuple[int, ...]:
+        """The group's members of one device class: the class with the most summed speed (ties: the first name)."""
+        classes = {self.device_class[i] for i in group}
+        if len(classes) <= 1:
+            return tuple(group)
+        speed = {c: sum(self.speed[i] for i in group if self.device_class[i] == c) for c in classes}
+        keep = min(classes, key=lambda c: (-speed[c], c))
+        return tuple(i for i in group if self.device_class[i] == keep)
 
     def _split(self, groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[Stage, ...], float] | None:
         """split_layers, unmemoised."""
@@ -671,6 +689,8 @@ class Planner:
             for dst in [*range(len(stages)), None]:
                 if dst == src or (src is not None and len(stages[src][2]) == 1):
                     continue
+                if dst is not None and self.device_class[stages[dst][2][0]] != self.device_class[i]:
+                    continue
                 trial = list(stages)
                 if src is not None:
                     a, b, nodes = trial[src]
@@ -722,8 +742,9 @@ class Planner:
         for i in newcomers:
             options = [
                 s
-                for s, (a, b, _) in enumerate(kept)
+                for s, (a, b, nodes) in enumerate(kept)
                 if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept))
+                and self.device_class[nodes[0]] == self.device_class[i]
             ]
             if not options:
                 continue
@@ -732,7 +753,7 @@ class Planner:
             occupancy = {s: cm.occupancy(kept[s][0], kept[s][1], kept[s][2]) for s in pool}
             kept[max(pool, key=lambda s: (occupancy[s], -s))][2].append(i)
         stages = tuple(
-            (a, b, tuple(sorted(i for i in nodes if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept)))))
+            (a, b, self._one_class(sorted(i for i in nodes if cm.memory[i] >= cm.stage_memory_bytes(a, b, len(kept)))))
             for a, b, nodes in kept
         )
         return stages if all(nodes for _, _, nodes in stages) else None

@@ -42,6 +42,7 @@ class Profiled(Protocol):
 
 _DEVICE = re.compile(r"cpu|mps|cuda:\d{1,4}")
 _MAX_NAME = 200
+_MAX_BUILD = 100
 # What a profile may claim. Numbers outside these are no hardware's; inside them the planner's arithmetic stays finite
 # (a 5e-324 bit/s link once made a step last longer than any float, and the coordinator failed at its next commit).
 LAYER_SECONDS = (1e-7, 1e5)
@@ -92,6 +93,8 @@ def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
         raise ValueError(f"device must be cpu, mps or cuda:N, got {report.device[:40]!r}")
     if len(report.device_name) > _MAX_NAME or not report.device_name.isprintable():
         raise ValueError(f"device_name must be printable and at most {_MAX_NAME} characters")
+    if len(report.torch_build) > _MAX_BUILD or not report.torch_build.isprintable():
+        raise ValueError(f"torch_build must be printable and at most {_MAX_BUILD} characters")
     if report.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {report.precision[:40]!r}")
     _in_range("copy_bytes_per_s", report.copy_bytes_per_s, COPY_BYTES_PER_S, "bytes/s")
@@ -102,6 +105,15 @@ def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
             raise ValueError(f"a link probe's peer must be 1-{_MAX_PEER} characters")
         _in_range(f"bandwidth to {link.peer}", link.bandwidth_bps, BANDWIDTH_BPS, "bit/s")
         _in_range(f"round trip to {link.peer}", link.rtt_s, RTT_S, "s")
+
+
+def device_class(report: pb.NodeProfileReport) -> str:
+    """What a node computes on, as far as its bits go: device type (not its index), device model, torch build and
+    precision. Replicas of a stage must report equal parameter checksums, and AdamW steps on different kernels or
+    hardware may round differently (FMA contraction, reduction order), so the planner keeps each stage's replicas to
+    one class."""
+    kind = report.device.split(":", 1)[0]
+    return "|".join((kind, report.device_name, report.torch_build, report.precision))
 
 
 def measured_link(probe: pb.LinkProbe | None) -> dict[str, float]:
@@ -189,6 +201,7 @@ def planner_inputs(
             layer_seconds=[t * scale(m.node_id) for t in m.profile.layer_seconds],
             memory_bytes=m.profile.memory_bytes,
             unreachable=m.unreachable,
+            device_class=device_class(m.profile),
         )
         for m in profiled
     ]
