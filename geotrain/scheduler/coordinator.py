@@ -130,6 +130,9 @@ class Coordinator:
         self._status_stale = False  # an event since it was rendered
         self.step = self.store.committed_steps()
         self.finished = False
+        # Why the run owner ended the run for every node (the Stop RPC); None while nobody has. A stop_requested
+        # without it is the coordinator's own process stopping, which only pauses the run.
+        self.ended_by_owner: str | None = None
         self.state = "waiting"
         self.failures = 0
         self.recoveries: list[float] = []
@@ -518,6 +521,13 @@ class Coordinator:
                 self._status_stale = False
                 self._status, self._status_at = render(self.snapshot()), now
             return self._status
+
+    def end_run(self, reason: str) -> None:
+        """The run owner ends the run for every node: the run loop stops at its next wait."""
+        log.warning("the run owner ends the run: %s", reason)
+        self.store.event("stopped", detail=reason)
+        self.ended_by_owner = reason
+        self.stop_requested.set()
 
     def shutdown_nodes(self, reason: str, grace_s: float = 3.0, *, aborted: bool = False) -> None:
         """Tell every live node the run is over (aborted: failed or stopped, so nodes exit non-zero) and give their

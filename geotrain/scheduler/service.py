@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 COORDINATOR_ID = "coordinator"
 _FETCH_DEADLINE_S = 300.0
 _DHT_READY_S = 30.0
+_STOP_DEADLINE_S = 10.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
 # event loop, which holds every order stream and heartbeat, is never among them.
 _BLOCKING_WORKERS = 8
@@ -224,6 +225,14 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "StateUpload", first.node_id)
         return pb.Ack()
 
+    async def Stop(self, request, context):  # noqa: D102, N802
+        # The run owner's act: every volunteer holds the token, only the owner holds the coordinator's key.
+        if signer(context) != self.c.key.public:
+            why = "only the run owner may end the run: sign the call with the coordinator's key (geotrain stop --state-dir)"
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "Stop", None)
+        await self._off_loop(self.c.end_run, request.reason[:200] or "the run owner stopped the run")  # SQLite
+        return pb.Ack()
+
     async def Probe(self, request_iterator, context):  # noqa: D102, N802
         count = ProbeCount()
         try:
@@ -300,6 +309,15 @@ def make_coordinator_server(
 
     server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)
     return server, server.port
+
+
+def stop_run(address: str, token: str, key: NodeKey, reason: str, tls: TlsFiles | None = None) -> None:
+    """Ask the coordinator at `address` to end its run for every node, signed with its own `key` (geotrain stop)."""
+    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
+    try:
+        rpc.CoordinatorStub(channel).Stop(pb.StopRequest(reason=reason), timeout=_STOP_DEADLINE_S)
+    finally:
+        channel.close()
 
 
 def fetch_stage_state(
