@@ -153,6 +153,13 @@ def _corpus_fingerprint(cfg: RunConfig) -> str:
 
         try:
             dataset = PreparedDataset.open(cfg.data.prepared, verify=True)
+            if cfg.model.family == "byte-gpt" and dataset.vocab_size > cfg.model.vocab:
+                # model.vocab_size is a llama key: advising it alone leads to the byte GPT refusing it.
+                raise UsageError(
+                    f"data.prepared: the tokenizer of {dataset.directory} has {dataset.vocab_size} tokens, and the "
+                    f"byte GPT (the default model.family) reads bytes: set model.family = \"llama\" and "
+                    f"model.vocab_size = {dataset.vocab_size}"
+                )
             dataset.check_fits(vocab=cfg.model.vocab, seq_len=cfg.model.seq_len)
         except DatasetError as e:
             raise UsageError(f"data.prepared: {e}") from None

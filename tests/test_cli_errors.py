@@ -216,6 +216,15 @@ def test_resume_without_a_run_to_resume_is_refused_in_one_line(capsys, monkeypat
     assert code == EXIT_USAGE and len(lines) == 1 and "holds no coordinator key (node.key)" in lines[0], lines
 
 
+@pytest.mark.timeout(30)
+def test_a_binary_config_file_is_one_line(capsys, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    code, lines = _main_says(capsys, ["train-local", "--config", str(config)])
+    assert code == EXIT_USAGE and lines == [f"geotrain: error: {config} is not a text file (not UTF-8): a run config "
+                                            "is TOML text"], lines
+
+
 @pytest.mark.timeout(60)
 def test_only_the_owner_ends_the_run_a_token_holder_cannot(capsys, tmp_path):
     # Every volunteer holds the token: the Stop call must be signed by the coordinator's own key, kept in its
