@@ -686,7 +686,11 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     from geotrain.node.local import train_local  # torch: only once the arguments are known good
 
     _corpus_fingerprint(cfg)  # train_local reads it again (a second or so), but cannot say what is wrong with it
-    torch_threads()
+    import torch
+
+    # The nodes' thread count, not every core's: torch sums some gradients in per-thread chunks, so only the same
+    # count computes the same bits.
+    torch.set_num_threads(args.threads)
     out = _out(args.json)
 
     def progress(r: dict[str, Any]) -> None:
@@ -1031,6 +1035,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("train-local", "Train the same run in one process: the reference the pipeline must match.", [common])
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
+    p.add_argument(
+        "--threads", type=_count(1, 4096), default=1, metavar="N",
+        help="compute threads (default 1, as the demo's local nodes compute): torch sums some gradients in "
+        "per-thread chunks, so the pipeline equals train-local to the bit only at its nodes' thread count "
+        "(a `geotrain join` uses OMP_NUM_THREADS, else every core)",
+    )
     p.add_argument(
         "--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps (default cpu: the exactness reference)"
     )

@@ -216,6 +216,22 @@ def test_resume_without_a_run_to_resume_is_refused_in_one_line(capsys, monkeypat
     assert code == EXIT_USAGE and len(lines) == 1 and "holds no coordinator key (node.key)" in lines[0], lines
 
 
+@pytest.mark.timeout(60)
+def test_train_local_computes_with_the_nodes_thread_count_unless_told(capsys, tmp_path):
+    # The README's bit-equality with the demo's nodes (one thread each) must hold without OMP_NUM_THREADS.
+    import torch
+
+    before = torch.get_num_threads()
+    tiny = ["--steps", "1", "--set", "model.n_layers=1", "--set", "model.d_model=16", "--set", "run.eval_every=0",
+            "--set", "run.eval_microbatches=1", "--set", "train.microbatches=1"]
+    try:
+        torch.set_num_threads(2)
+        assert main(["train-local", *tiny]) == 0 and torch.get_num_threads() == 1
+        assert main(["train-local", *tiny, "--threads", "2"]) == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.timeout(30)
 def test_a_binary_config_file_is_one_line(capsys, tmp_path):
     config = tmp_path / "run.toml"
