@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -335,6 +336,8 @@ def _run_coordinator(
     http_listen = _listen(args.http, "--http") if args.http != "off" else None
     _writable_file(args.save_final, "--save-final")
     _check_state_dir(cfg, args.state_dir, args.resume)
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'geotrain[tensorboard]'")
     # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     import grpc
 
@@ -348,7 +351,7 @@ def _run_coordinator(
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls,
-        advertise=advertise, dht_port=dht_port,
+        advertise=advertise, dht_port=dht_port, tensorboard=args.tensorboard or "",
     )
     coordinator = process.coordinator
     http = StatusPageProcess(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
@@ -910,6 +913,14 @@ def build_parser() -> argparse.ArgumentParser:
             "--tls-dir", metavar="DIR", help="the run's TLS files from `geotrain tls init DIR` (default: plaintext)"
         )
 
+    def metrics_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--tensorboard", metavar="DIR",
+            help="write TensorBoard event files here: losses, tokens/s, step time, each node's compute, averaging and "
+            "idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the same figures "
+            "go to metrics.jsonl in --state-dir always",
+        )
+
     def http_options(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument(
             "--http",
@@ -945,6 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     tls_option(p)
     http_options(p, "off")
+    metrics_option(p)
     run_outputs(p)
     p.set_defaults(func=cmd_coordinator)
 
@@ -1030,6 +1042,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tls_option(p)
     http_options(p, "127.0.0.1:0")
+    metrics_option(p)
     run_outputs(p)
     p.set_defaults(func=cmd_demo)
 

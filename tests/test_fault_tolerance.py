@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -345,6 +346,10 @@ def test_coordinator_killed_then_stopped_and_resumed_later_finishes_with_the_sam
     state = load_file(state_dir / "final.safetensors")
     reference = train_local_state(load_config(None, settings))
     assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
+    # Every incarnation appended its steps' figures to the state dir's metrics (step 4, decided before the kill,
+    # was completed by the restart and measured nothing).
+    lines = [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if line["kind"] == "step"] == [1, 2, 3, 5, 6, 7, 8]
 
 
 @pytest.mark.timeout(150)

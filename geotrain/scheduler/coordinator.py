@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,7 @@ from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
+from geotrain.scheduler.metrics import RunMetrics
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
 from geotrain.scheduler.reachability import DialedBack
@@ -102,8 +104,10 @@ class Coordinator:
         run_id: str = "run",
         on_event: EventSink | None = None,
         key: NodeKey | None = None,
+        metrics: RunMetrics | None = None,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics  # where each committed step's figures and each failure are written
         # Signs the coordinator's own calls to nodes (state downloads); its public half travels in every plan.
         self.key = key or NodeKey.generate()
         # The prepared data set whose windows the nodes fetch (Windows); None: every node reads the byte corpus.
@@ -396,6 +400,8 @@ class Coordinator:
             self.step += 1
             record = self._after_commit(record)
             bits = None if record.val_loss is None else self.bits_per_byte(record.val_loss)
+            if self.metrics is not None:
+                self.metrics.step(record, self.driver.timings, self._microbatches_through(), self._link_bytes(), bits)
             self._on_event("step", {"record": record, "of": self.cfg.run.steps, "val_bits_per_byte": bits})
         if self.recovery.checkpoint_due(self.step):
             self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
@@ -426,6 +432,15 @@ class Coordinator:
             inflight=self.plan.inflight if self.plan else 0,
         )
 
+    def _microbatches_through(self) -> Counter[str]:
+        """Node -> the microbatches of the step just committed whose path went through it."""
+        return Counter(n for _, path in self.driver.progress.done.values() for n in path)
+
+    def _link_bytes(self) -> dict[tuple[str, str], int]:
+        """(sender, receiver) -> the wire bytes the sender counted on that link (its last heartbeat's)."""
+        with self.membership.cond:
+            return {(m.node_id, link.peer): link.wire_bytes for m in self.membership.alive() for link in m.links}
+
     def _note_failure(self, why: str) -> None:
         self.planning.dirty = True  # a new epoch drops whatever the failed step left half-done
         self.failures += 1
@@ -433,6 +448,8 @@ class Coordinator:
             self._failed_at = time.monotonic()
         log.warning("step %d failed (%s); re-planning", self.step, why)
         self.store.event("failure", detail=f"step {self.step}: {why}")
+        if self.metrics is not None:
+            self.metrics.failure(self.step, why)
         self._on_event("failure", {"step": self.step, "why": why})
 
     def _after_commit(self, record: StepRecord) -> StepRecord:

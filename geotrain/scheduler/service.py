@@ -34,6 +34,7 @@ from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, C
 from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
+from geotrain.scheduler.metrics import METRICS_FILE, RunMetrics, tensorboard_writer
 from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
@@ -451,6 +452,7 @@ class CoordinatorProcess:
         tls: TlsFiles | None = None,
         advertise: str = "",
         dht_port: int = 0,
+        tensorboard: str = "",
     ) -> None:
         self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
         committed = self.store.committed_steps()
@@ -472,7 +474,12 @@ class CoordinatorProcess:
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
+        self.metrics = RunMetrics(None)
         try:
+            self.metrics = RunMetrics(
+                Path(state_dir) / METRICS_FILE if state_dir else None,
+                tensorboard_writer(tensorboard) if tensorboard else None,
+            )
             self.coordinator = Coordinator(
                 cfg,
                 store=self.store,
@@ -482,15 +489,18 @@ class CoordinatorProcess:
                 run_id=self.store.get("run_id", ""),
                 on_event=on_event,
                 key=key,
+                metrics=self.metrics,
             )
             self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
         except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind
             self.dht.close()
+            self.metrics.close()
             self.store.close()
             raise
 
     def close(self) -> None:
-        """Stop the server and the DHT, and close the run state."""
+        """Stop the server and the DHT, and close the run state and its metrics."""
         self.server.stop(grace=1.0).wait(3.0)
         self.dht.close()
+        self.metrics.close()
         self.store.close()
