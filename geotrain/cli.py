@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ EXAMPLES = {
     "train-local": "geotrain train-local --config run.toml --json",
     "plan": "geotrain plan --cluster deploy/clusters/four-regions-wan.yaml --set model.n_layers=24",
     "status": "geotrain status --coordinator coordinator.example.org:7000 --token $TOKEN --watch",
+    "stop": "geotrain stop --coordinator coordinator.example.org:7000 --token $TOKEN --state-dir run-state",
     "tls": "geotrain tls init run-tls",
     "data": "geotrain data prepare --input 'corpus/**/*.txt' --tokenizer tok.json --out data/",
     "tokenizer": "geotrain tokenizer train --input 'corpus/**/*.txt' --vocab 8192 --out tok.json",
@@ -152,6 +154,13 @@ def _corpus_fingerprint(cfg: RunConfig) -> str:
 
         try:
             dataset = PreparedDataset.open(cfg.data.prepared, verify=True)
+            if cfg.model.family == "byte-gpt" and dataset.vocab_size > cfg.model.vocab:
+                # model.vocab_size is a llama key: advising it alone leads to the byte GPT refusing it.
+                raise UsageError(
+                    f"data.prepared: the tokenizer of {dataset.directory} has {dataset.vocab_size} tokens, and the "
+                    f"byte GPT (the default model.family) reads bytes: set model.family = \"llama\" and "
+                    f"model.vocab_size = {dataset.vocab_size}"
+                )
             dataset.check_fits(vocab=cfg.model.vocab, seq_len=cfg.model.seq_len)
         except DatasetError as e:
             raise UsageError(f"data.prepared: {e}") from None
@@ -193,13 +202,19 @@ def _check_state_dir(cfg: RunConfig, state_dir: str | None, resume: bool) -> Non
     from geotrain.scheduler.state import STORE_FILE, RunStore
 
     if not state_dir:
+        if resume:
+            raise UsageError("--resume continues the run held in --state-dir: name that directory")
         return
+    if resume and not (Path(state_dir) / STORE_FILE).is_file():
+        raise UsageError(f"--resume: {state_dir} holds no run (no {STORE_FILE}): start one without --resume")
     try:
         store = RunStore(Path(state_dir) / STORE_FILE)
     except (OSError, sqlite3.Error) as e:
         raise UsageError(f"--state-dir {state_dir}: {e}") from None
     try:
         committed = store.committed_steps()
+        if resume and not store.get("run_id"):
+            raise UsageError(f"--resume: {state_dir} holds no run: start one without --resume")
         if committed and not resume:
             raise UsageError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
         differing = store.adopt_model(dataclasses.asdict(cfg.model), check=resume)
@@ -307,10 +322,12 @@ def _run_coordinator(
     stop_reason: Callable[[], str | None] = lambda: None,
     advertise: str = "",
     dht_port: int = 0,
+    pause_on_stop: bool = False,
 ) -> int:
     """Serve a coordinator until its run ends; shared by `coordinator` and `demo` (preload: what the forkserver the
     DHT process is forked from imports, unless the command started it already; stop_reason: why the command set
-    stop_requested itself, if it did)."""
+    stop_requested itself, if it did; pause_on_stop: a signal pauses the run, leaving the nodes to wait for
+    --resume, instead of ending it for them)."""
     out = _out(args.json)
     tls = _tls(args)
     listen = _listen(listen, "--listen")
@@ -319,6 +336,8 @@ def _run_coordinator(
     http_listen = _listen(args.http, "--http") if args.http != "off" else None
     _writable_file(args.save_final, "--save-final")
     _check_state_dir(cfg, args.state_dir, args.resume)
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'geotrain[tensorboard]'")
     # Imported once the arguments are known good: torch takes seconds to load, a mistyped flag should not.
     import grpc
 
@@ -332,7 +351,7 @@ def _run_coordinator(
     cfg.data.fingerprint = _corpus_fingerprint(cfg)
     process = CoordinatorProcess(
         cfg, token, listen, state_dir=args.state_dir, resume=args.resume, on_event=ProgressPrinter(out), tls=tls,
-        advertise=advertise, dht_port=dht_port,
+        advertise=advertise, dht_port=dht_port, tensorboard=args.tensorboard or "",
     )
     coordinator = process.coordinator
     http = StatusPageProcess(coordinator.status, http_listen, args.http_token) if http_listen is not None else None
@@ -352,6 +371,19 @@ def _run_coordinator(
             summary = coordinator.run()
         except RunAborted as e:
             why = stop_reason()
+            if coordinator.ended_by_owner is not None:
+                ended = f"the run owner ended the run: {coordinator.ended_by_owner}"
+                print(f"geotrain: {ended}", file=sys.stderr, flush=True)
+                coordinator.shutdown_nodes(ended)  # not a failure of the nodes: they exit 0
+                return EXIT_INTERRUPTED
+            if pause_on_stop and why is None and coordinator.stop_requested.is_set():
+                # The nodes keep their state and wait for this coordinator to come back (link.py).
+                print(
+                    f"geotrain: coordinator stopped; the run is paused, its nodes wait for `geotrain coordinator "
+                    f"--resume --state-dir {args.state_dir}` (`geotrain stop` ends the run for them)",
+                    file=sys.stderr, flush=True,
+                )
+                return EXIT_INTERRUPTED
             print(f"geotrain: {why or f'run aborted: {e}'}", file=sys.stderr, flush=True)
             coordinator.shutdown_nodes(f"run aborted: {why or e}", aborted=True)
             return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
@@ -381,9 +413,37 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = _config(args, **{"scheduler.min_nodes": args.min_nodes})
     # Its forkserver imports nothing: this command forks no node, and the DHT process (once a plan has replicas) and
     # the status page's process import what they need.
+    # Without a state dir nothing can resume the run: a stop ends it for every node.
     return _run_coordinator(
-        cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise), dht_port=args.dht_port
+        cfg, _token(args), args.listen, args, [], advertise=_advertised_host(args.advertise), dht_port=args.dht_port,
+        pause_on_stop=bool(args.state_dir),
     )
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """geotrain stop."""
+    from geotrain.protocol.identity import KEY_FILE
+
+    token, tls = _token(args), _tls(args)
+    _resolvable(args.coordinator, "--coordinator")
+    if not (Path(args.state_dir) / KEY_FILE).is_file():
+        raise UsageError(f"--state-dir {args.state_dir} holds no coordinator key ({KEY_FILE}): name the directory "
+                         "the coordinator was started with")
+    import grpc
+
+    from geotrain.protocol.identity import IdentityError, NodeKey
+    from geotrain.scheduler.service import stop_run
+
+    try:
+        key = NodeKey.load_or_create(args.state_dir)[0]
+    except IdentityError as e:
+        raise UsageError(f"--state-dir: {e}") from None
+    try:
+        stop_run(args.coordinator, token, key, args.reason, tls)
+    except grpc.RpcError as e:
+        raise CommandFailed(f"the coordinator at {args.coordinator} did not stop the run: {e.code().name}: {e.details()}") from None
+    print(f"the coordinator at {args.coordinator} ends the run", flush=True)
+    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -629,7 +689,11 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     from geotrain.node.local import train_local  # torch: only once the arguments are known good
 
     _corpus_fingerprint(cfg)  # train_local reads it again (a second or so), but cannot say what is wrong with it
-    torch_threads()
+    import torch
+
+    # The nodes' thread count, not every core's: torch sums some gradients in per-thread chunks, so only the same
+    # count computes the same bits.
+    torch.set_num_threads(args.threads)
     out = _out(args.json)
 
     def progress(r: dict[str, Any]) -> None:
@@ -849,6 +913,14 @@ def build_parser() -> argparse.ArgumentParser:
             "--tls-dir", metavar="DIR", help="the run's TLS files from `geotrain tls init DIR` (default: plaintext)"
         )
 
+    def metrics_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--tensorboard", metavar="DIR",
+            help="write TensorBoard event files here: losses, tokens/s, step time, each node's compute, averaging and "
+            "idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the same figures "
+            "go to metrics.jsonl in --state-dir always",
+        )
+
     def http_options(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument(
             "--http",
@@ -884,8 +956,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run held in --state-dir")
     tls_option(p)
     http_options(p, "off")
+    metrics_option(p)
     run_outputs(p)
     p.set_defaults(func=cmd_coordinator)
+
+    p = add("stop", "End a run for every node (stopping the coordinator's process only pauses it).", [])
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    p.add_argument("--token", help="run token (or set GEOTRAIN_TOKEN)")
+    p.add_argument(
+        "--state-dir", required=True,
+        help="the coordinator's --state-dir (or a copy of its node.key): only a call signed with the coordinator's "
+        "own key ends the run, since every volunteer holds the token",
+    )
+    p.add_argument("--reason", default="the run owner stopped the run", help="what every node is told")
+    tls_option(p)
+    p.set_defaults(func=cmd_stop)
 
     p = add("join", "Join a run as a node: serve a pipeline stage for the coordinator.", [])
     p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
@@ -913,8 +998,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mbps", type=_number(0.0), default=0.0, help="emulate this egress bandwidth to every peer")
     p.add_argument("--latency-ms", type=_number(0.0), default=0.0, help="emulate this one-way latency to every peer")
     p.add_argument(
-        "--give-up-after", type=_number(0.0, above=True), default=60.0, metavar="SECONDS",
-        help="exit (code 1) when the coordinator has been unreachable this long (default 60)",
+        "--give-up-after", type=_number(0.0, above=True), default=1800.0, metavar="SECONDS",
+        help="exit (code 1) when the coordinator has been unreachable this long (default 1800: 30 min); until then "
+        "a stopped coordinator pauses the run, and this node keeps its state and rejoins it once resumed",
     )
     p.add_argument(
         "--device", default="auto",
@@ -956,11 +1042,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tls_option(p)
     http_options(p, "127.0.0.1:0")
+    metrics_option(p)
     run_outputs(p)
     p.set_defaults(func=cmd_demo)
 
     p = add("train-local", "Train the same run in one process: the reference the pipeline must match.", [common])
     p.add_argument("--steps", type=int, help="same as --set run.steps=N")
+    p.add_argument(
+        "--threads", type=_count(1, 4096), default=1, metavar="N",
+        help="compute threads (default 1, as the demo's local nodes compute): torch sums some gradients in "
+        "per-thread chunks, so the pipeline equals train-local to the bit only at its nodes' thread count "
+        "(a `geotrain join` uses OMP_NUM_THREADS, else every core)",
+    )
     p.add_argument(
         "--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps (default cpu: the exactness reference)"
     )

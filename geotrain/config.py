@@ -7,6 +7,7 @@ node needs only the coordinator's address and the token. Every field has a defau
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import sys
@@ -627,13 +628,57 @@ def _coerce(section: str, key: str, hint: Any, value: Any) -> Any:
     raise ConfigError(f"{where} has an unsupported type")  # pragma: no cover
 
 
+def _suggest(section: str, key: str, known: Iterable[str]) -> str:
+    """"did you mean X?" for a mistyped key or section close to a known one, else the list of known ones."""
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    return f"known: {', '.join(sorted(known))}"
+
+
+# A Hugging Face config.json's keys for the [model] keys its shape gives (model.init_from).
+_HF_SHAPE = {
+    "n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "mlp_width": "intermediate_size", "norm_eps": "rms_norm_eps",
+    "vocab_size": "vocab_size", "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def _init_from_shape(model: dict[str, Any]) -> dict[str, Any]:
+    """The shape keys a llama [model] leaves unset, from the config.json of its model.init_from directory (read
+    where the config is loaded: a coordinator without that directory needs them set). Keys the run config sets are
+    kept; one that differs from the checkpoint's is refused where config.json is checked (node/llama.py)."""
+    missing = [key for key in (*_HF_SHAPE, "rope_base") if key not in model]
+    if not missing or model.get("family") != "llama":  # another family refuses init_from by itself
+        return {}
+    path = Path(model["init_from"]) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not a JSON file ({e})"
+        raise ConfigError(
+            f"model.init_from {model['init_from']}: cannot read config.json ({why}) for the model.{', model.'.join(missing)} "
+            "the run config does not set: set them, or load the config where that directory is"
+        ) from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.init_from {model['init_from']}: config.json is not a JSON object")
+    shape: dict[str, Any] = {key: hf[theirs] for key, theirs in _HF_SHAPE.items() if hf.get(theirs) is not None}
+    # transformers 5 nests the rotary base in rope_parameters; 4.x has rope_theta (and rope_scaling) at the top.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta")) if isinstance(rope, dict) else hf.get("rope_theta")
+    if theta is not None:
+        shape["rope_base"] = theta
+    return {key: value for key, value in shape.items() if key in missing}
+
+
 def build_config(raw: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from a nested dict (a parsed TOML file)."""
     sections = _section_types()
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
         if name not in sections:
-            raise ConfigError(f"unknown section [{name}]; known: {', '.join(sections)}")
+            raise ConfigError(f"unknown section [{name}]; {_suggest('', name, sections)}")
         if not isinstance(value, dict):
             raise ConfigError(f"[{name}] must be a table")
         cls = sections[name]
@@ -642,10 +687,13 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
         fields_: dict[str, Any] = {}
         for key, v in value.items():
             if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}; known: {', '.join(sorted(known))}")
+                raise ConfigError(f"unknown key {name}.{key}; {_suggest(name, key, known)}")
             if v == "auto" and "auto" in known[key].metadata:
                 v = known[key].metadata["auto"]
             fields_[key] = _coerce(name, key, hints[key], v)
+        if name == "model" and fields_.get("init_from"):
+            for key, v in _init_from_shape(fields_).items():
+                fields_[key] = _coerce(name, key, hints[key], v)
         kwargs[name] = cls(**fields_)
     return RunConfig(**kwargs)
 
@@ -673,6 +721,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(Path(path).read_text())
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not a text file (not UTF-8): a run config is TOML text") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     return build_config(apply_overrides(raw, overrides or []))

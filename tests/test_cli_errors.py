@@ -187,6 +187,105 @@ def test_resume_records_the_model_and_compares_it(tmp_path):
     store.close()
 
 
+def _main_says(capsys, args: list[str]) -> tuple[int, list[str]]:
+    """main(args) in this process: its exit code and the non-blank lines it wrote on stderr."""
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's way out
+        code = e.code
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(30)
+def test_resume_without_a_run_to_resume_is_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    # Without the check, the first started a new run and waited for nodes as if resumed.
+    monkeypatch.setenv("GRPC_VERBOSITY", "NONE")
+    coordinator = ["coordinator", "--token", TOKEN, "--listen", "127.0.0.1:0", "--resume"]
+    code, lines = _main_says(capsys, coordinator)
+    assert code == EXIT_USAGE and lines == ["geotrain: error: --resume continues the run held in --state-dir: name "
+                                            "that directory"]
+    code, lines = _main_says(capsys, [*coordinator, "--state-dir", str(tmp_path / "new")])
+    assert code == EXIT_USAGE and len(lines) == 1 and "holds no run" in lines[0], lines
+    assert not (tmp_path / "new").exists()  # the refusal leaves nothing behind
+    RunStore(tmp_path / "empty" / "run.sqlite").close()  # a store some earlier command made, with no run in it
+    code, lines = _main_says(capsys, [*coordinator, "--state-dir", str(tmp_path / "empty")])
+    assert code == EXIT_USAGE and len(lines) == 1 and "holds no run" in lines[0], lines
+    code, lines = _main_says(capsys, ["stop", "--coordinator", "127.0.0.1:1", "--token", TOKEN, "--state-dir",
+                                      str(tmp_path / "empty")])
+    assert code == EXIT_USAGE and len(lines) == 1 and "holds no coordinator key (node.key)" in lines[0], lines
+
+
+@pytest.mark.timeout(60)
+def test_train_local_computes_with_the_nodes_thread_count_unless_told(capsys, tmp_path):
+    # The README's bit-equality with the demo's nodes (one thread each) must hold without OMP_NUM_THREADS.
+    import torch
+
+    before = torch.get_num_threads()
+    tiny = ["--steps", "1", "--set", "model.n_layers=1", "--set", "model.d_model=16", "--set", "run.eval_every=0",
+            "--set", "run.eval_microbatches=1", "--set", "train.microbatches=1"]
+    try:
+        torch.set_num_threads(2)
+        assert main(["train-local", *tiny]) == 0 and torch.get_num_threads() == 1
+        assert main(["train-local", *tiny, "--threads", "2"]) == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(30)
+def test_a_binary_config_file_is_one_line(capsys, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    code, lines = _main_says(capsys, ["train-local", "--config", str(config)])
+    assert code == EXIT_USAGE and lines == [f"geotrain: error: {config} is not a text file (not UTF-8): a run config "
+                                            "is TOML text"], lines
+
+
+@pytest.mark.timeout(60)
+def test_only_the_owner_ends_the_run_a_token_holder_cannot(capsys, tmp_path):
+    # Every volunteer holds the token: the Stop call must be signed by the coordinator's own key, kept in its
+    # state dir.
+    import grpc
+
+    from geotrain.protocol.identity import NodeKey
+    from geotrain.scheduler.service import stop_run
+
+    process = CoordinatorProcess(load_config(None, ["scheduler.min_nodes=100"]), TOKEN, "127.0.0.1:0",
+                                 state_dir=tmp_path)
+    process.server.start()
+    address = f"127.0.0.1:{process.port}"
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stop_run(address, TOKEN, NodeKey.generate(), "a volunteer's wish")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "only the run owner" in err.value.details()
+        assert process.coordinator.ended_by_owner is None and not process.coordinator.stop_requested.is_set()
+        code, lines = _main_says(capsys, ["stop", "--coordinator", address, "--token", TOKEN, "--state-dir",
+                                          str(tmp_path), "--reason", "upgrading the model"])
+        assert code == 0 and lines == []
+        assert process.coordinator.ended_by_owner == "upgrading the model"
+        assert process.coordinator.stop_requested.is_set()
+    finally:
+        process.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_join_where_another_server_answers_says_it_is_not_a_coordinator(tmp_path):
+    # gRPC's own words were "Failed parsing HTTP/2 ... frame type 79", after --give-up-after of retries.
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        result = run_cli("join", "--coordinator", address, "--token", TOKEN, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    one_line_error(result, EXIT_FAILED, f"something answers at {address}, but that is not a geotrain coordinator")
+
+
 # -- failed while talking to others: exit 1 ---------------------------------------------------------------------------
 
 

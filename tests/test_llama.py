@@ -240,6 +240,28 @@ def test_byte_gpt_numerics_are_unchanged():
         assert x.double().abs().sum().item() == pytest.approx(abs_sum, rel=1e-5)
 
 
+def test_init_from_gives_the_shape_the_run_config_leaves_unset_and_refuses_only_real_conflicts(tmp_path):
+    # A LlamaConfig as transformers saves it: its intermediate size and norm epsilon are not geotrain's defaults,
+    # which the run config then had to repeat by hand.
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    cfg = load_config(None, ["model.family=llama", f"model.init_from={tmp_path}", "model.seq_len=16"])
+    model = cfg.model
+    assert (model.n_layers, model.d_model, model.n_heads, model.kv_heads, model.mlp_hidden) == (3, 48, 6, 2, 80)
+    assert (model.vocab, model.norm_eps, model.rope_base, model.tie_embeddings) == (300, 1e-6, 20000.0, True)
+    Checkpoint(tmp_path).check_config(model)  # what a node checks before it reads a tensor
+    assert from_proto(to_proto(cfg)).model == model  # the nodes get the shape, and need not read config.json
+    # What the run config sets stays, and a value the checkpoint contradicts is refused, by name.
+    cfg = load_config(None, ["model.family=llama", f"model.init_from={tmp_path}", "model.n_layers=2"])
+    assert cfg.model.n_layers == 2 and cfg.model.mlp_hidden == 80
+    assert Checkpoint(tmp_path).differences(cfg.model) == ["model.n_layers 3 there, 2 here"]
+    with pytest.raises(ConfigError, match="cannot read config.json .* for the model.n_layers, model.d_model"):
+        load_config(None, ["model.family=llama", f"model.init_from={tmp_path / 'absent'}"])
+
+
 def test_llama_settings_travel_to_nodes_and_byte_gpt_refuses_them():
     cfg = load_config(None, [*LLAMA, "model.tie_embeddings=true", "model.init_from=/ckpt", "model.norm_eps=1e-6"])
     assert from_proto(to_proto(cfg)).model == cfg.model

@@ -233,9 +233,9 @@ def test_links_measured_again_slower_make_the_coordinator_replan(tmp_path):
 
 def test_in_run_times_move_the_estimate_and_a_plans_second_step_fixes_its_prediction(tmp_path):
     coordinator = Coordinator(CFG, checkpoints=CheckpointStore(tmp_path, keep=1))  # measured placement re-plans
-    for node_id in ("a", "b"):
+    for node_id, peer in (("a", "b"), ("b", "a")):
         coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1"))
-        coordinator.report_profile(_report(node_id, seconds=0.01))
+        coordinator.report_profile(_report(node_id, seconds=0.01, links={peer: (100, 20)}))
     planning = coordinator.planning
     ranges, groups = planning._planned_layout()  # the planner's, as replan() installs it
     planning.update_estimate(ranges, groups)
@@ -269,6 +269,36 @@ def test_in_run_times_move_the_estimate_and_a_plans_second_step_fixes_its_predic
     planning.after_commit(timings(1.0))
     assert planning.estimate.step_seconds < expected
     assert json.loads(coordinator.store.get("predicted_step_s"))["step_s"] == pytest.approx(expected)
+    coordinator.store.close()
+
+
+def test_no_drift_is_judged_before_the_plans_links_are_measured(tmp_path):
+    # A plan is made from profiles that price its links with defaults: its nodes probe their next stage once they
+    # take it up. Those reports move the estimate a lot, and are no drift; drift is judged from the estimate once
+    # every link is in.
+    coordinator = Coordinator(CFG, checkpoints=CheckpointStore(tmp_path, keep=1))  # measured placement re-plans
+    for node_id in ("a", "b"):
+        coordinator.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"{node_id}:1"))
+        coordinator.report_profile(_report(node_id, links={"coordinator": (500, 2)}))
+    planning = coordinator.planning
+    ranges = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
+    planning.plan = pb.Plan(epoch=1, stages=[
+        pb.StageAssignment(index=i, layer_start=start, layer_end=end, node_ids=[node_id])
+        for i, ((start, end), node_id) in enumerate(zip(ranges, ("a", "b")))
+    ])
+    groups = [[coordinator.members["a"]], [coordinator.members["b"]]]
+    planning.update_estimate(ranges, groups)
+    assert not planning.drifted()
+    made = planning.estimate.step_seconds
+    coordinator.report_profile(_report("a", links={"coordinator": (500, 2), "b": (1, 300)}))  # a's probe of b
+    planning.update_estimate(ranges, groups)
+    assert planning.estimate.step_seconds > 2 * made  # what a drift of the plan would be
+    assert not planning.drifted()
+    assert [kind for _, kind, _, _ in coordinator.store.events() if kind == "drift"] == []
+    # From then on, the estimate with every link in is the plan's own, and a link slower again is drift.
+    coordinator.report_profile(_report("a", links={"coordinator": (500, 2), "b": (0.05, 600)}))
+    planning.update_estimate(ranges, groups)
+    assert planning.drifted() or any(kind == "drift" for _, kind, _, _ in coordinator.store.events())
     coordinator.store.close()
 
 

@@ -67,8 +67,9 @@ class NodeOptions:
     max_tensor_bytes: int = framing.MAX_TENSOR_BYTES
     check_finite: bool = True
     """Reject incoming tensors with NaN or Inf before any compute."""
-    give_up_after_s: float = 60.0
-    """Stop when the coordinator has been unreachable this long."""
+    give_up_after_s: float = 1800.0
+    """Stop when the coordinator has been unreachable this long: until then its absence pauses the run, and the node
+    keeps its state for the resumed coordinator."""
     slowdown: float = 1.0
     """Emulate a slower machine: every compute task takes this many times as long."""
     bandwidth_mbps: float = 0.0

@@ -29,6 +29,10 @@ from geotrain.protocol.version import PROTOCOL_VERSION
 log = logging.getLogger(__name__)
 
 RPC_DEADLINE_S = 30.0
+# The longest wait between attempts to reach a coordinator that is away: a resumed run finds its nodes within it.
+_MAX_BACKOFF_S = 2.0
+# An absence is said once it lasts this long: a blip of the network is no news.
+_AWAY_NOTICE_S = 3.0
 # Kinds of traffic the data plane carries, by the [compression] key of their codec.
 _TRAFFIC = ("activations", "activation_grads")
 
@@ -49,6 +53,8 @@ class CoordinatorLink:
     _orders: grpc.Future | None  # the open order stream, cancelled by stop()
     key: NodeKey  # the node's identity: its id belongs to this key, which signs every call
     _must_register: threading.Event
+    _away_since: float | None = None  # time.monotonic() since which the coordinator has not answered; None: it does
+    _away_said: bool = False  # the node's owner was told of this absence
     limits: PeerLimits  # what peers may hold of the node's server: the run's [limits] once registered
     on_reachability: Callable[[str], None]  # hears that outcome as one line for the node's owner
     behind_nat: bool = False  # the coordinator's dial-back reached this node nowhere
@@ -104,23 +110,62 @@ class CoordinatorLink:
             log.info("no --state-dir: this node's key lives in memory only, so once restarted it joins as a new node")
 
     def _retry_until_reachable(self, call: Callable[[], object]):
-        """Call the coordinator, retrying with backoff while it is unreachable, up to give_up_after_s."""
-        deadline = time.monotonic() + self.options.give_up_after_s
+        """Call the coordinator, retrying with backoff while it is away (_coordinator_away says when to give up)."""
         backoff = 0.2
         while True:
             try:
-                return call()
+                reply = call()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise NodeError(f"the coordinator refused the run token ({e.details()})") from None
+                self._check_is_coordinator(e)
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 self._check_tls_matches()
-                if time.monotonic() > deadline or self.stopped.is_set():
-                    raise NodeError(f"coordinator {self.options.coordinator} unreachable: {e.details()}") from None
+                self._coordinator_away(e.details())
+                if self.stopped.is_set():
+                    raise NodeError("stopped while waiting for the coordinator") from None
                 log.debug("coordinator unreachable, retrying in %.1fs", backoff)
                 self.stopped.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            else:
+                self._coordinator_back()
+                return reply
+
+    def _coordinator_away(self, detail: str) -> None:
+        """Note that the coordinator cannot be reached, said once per absence: a coordinator that stops (a restart,
+        an upgrade, a crash) pauses the run, and this node keeps its state for when it is back. NodeError once it has
+        been away longer than give_up_after_s."""
+        now = time.monotonic()
+        bound = self.options.give_up_after_s
+        if self._away_since is None:
+            self._away_since, self._away_said = now, False
+        if not self._away_said and now - self._away_since >= _AWAY_NOTICE_S:
+            self._away_said = True
+            log.warning(
+                "the coordinator at %s is away (%s): keeping this node's state and waiting up to %s for it",
+                self.options.coordinator, detail, _duration(bound),
+            )
+        if now - self._away_since > bound:
+            raise NodeError(
+                f"coordinator {self.options.coordinator} unreachable for {_duration(bound)} (--give-up-after): {detail}"
+            )
+
+    def _coordinator_back(self) -> None:
+        """The coordinator answers again: say so once, after an absence."""
+        if self._away_since is not None and self._away_said:
+            log.warning("the coordinator at %s is back after %.0fs", self.options.coordinator,
+                        time.monotonic() - self._away_since)
+        self._away_since = None
+
+    def _check_is_coordinator(self, e: grpc.RpcError) -> None:
+        """NodeError when what answers at --coordinator is no geotrain coordinator (another HTTP server, a node's
+        Stage port): gRPC reports the first as a frame it failed to parse, which retrying cannot fix."""
+        details = e.details() or ""
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED or "Failed parsing HTTP/2" in details or (
+            e.code() == grpc.StatusCode.UNKNOWN and "content-type" in details.lower()
+        ):
+            raise NodeError(f"something answers at {self.options.coordinator}, but that is not a geotrain coordinator")
 
     def _check_tls_matches(self) -> None:
         """Raise NodeError when the coordinator answers but not in this node's TLS (or plaintext): gRPC reports that
@@ -130,14 +175,16 @@ class CoordinatorLink:
             raise NodeError(f"the coordinator {problem}")
 
     def _orders_loop(self) -> None:
+        backoff = 0.2
         while not self.stopped.is_set():
             if self._must_register.is_set():
                 self._register()
-            self._orders = self._retry_until_reachable(
-                lambda: self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
-            )
+            # Opening a stream raises nothing: its first read says whether the coordinator answers.
+            self._orders = self.coordinator.Orders(pb.OrdersRequest(node_id=self.node_id))
             try:
                 for order in self._orders:
+                    self._coordinator_back()
+                    backoff = 0.2
                     if self._on_order(order):
                         return
             except grpc.RpcError as e:
@@ -145,10 +192,16 @@ class CoordinatorLink:
                     return
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._must_register.set()  # a restarted coordinator does not know us yet
-                elif e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    log.debug("the coordinator does not know this node (restarted): registering again")
+                    continue
+                if e.code() == grpc.StatusCode.CANCELLED and self._must_register.is_set():
+                    continue  # the heartbeat cancelled it to register again
+                self._check_is_coordinator(e)
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
-                log.warning("order stream broke (%s); reconnecting", e.details())
-                self.stopped.wait(0.2)
+                self._coordinator_away(e.details())
+                self.stopped.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     def _on_order(self, order: pb.Order) -> bool:
         """Queue one order; True when it ends the node's work."""
@@ -259,3 +312,12 @@ class CoordinatorLink:
             self.coordinator.ReportFailure(request, timeout=5.0)
         except grpc.RpcError as e:
             log.debug("failure report lost: %s", e.details())
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a person reads them: 45s, 30 min, 1.5 h."""
+    if seconds < 120:
+        return f"{seconds:g}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -928,6 +928,12 @@ class WindowsReply(_message.Message):
     tokens: bytes
     def __init__(self, fingerprint: _Optional[str] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
+class StopRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class MicrobatchRef(_message.Message):
     __slots__ = ("plan_epoch", "step", "microbatch", "path", "eval", "loss")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]

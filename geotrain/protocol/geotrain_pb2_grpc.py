@@ -104,6 +104,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/geotrain.v1.Coordinator/Stop',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -197,6 +202,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stop(self, request, context):
+        """Ends the run for every node (`geotrain stop`): only a call signed by the coordinator's own key, which lives in
+        its state dir, is obeyed; the run token alone, which every volunteer holds, is not enough.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +281,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'UploadState': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadState,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
@@ -648,6 +666,33 @@ class Coordinator:
             target,
             '/geotrain.v1.Coordinator/UploadState',
             geotrain_dot_protocol_dot_geotrain__pb2.StateUpload.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/Stop',
+            geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
             options,
             channel_credentials,

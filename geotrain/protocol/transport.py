@@ -35,6 +35,9 @@ _OPTIONS = [
     # an idle channel with GOAWAY "too_many_pings").
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # A channel whose server is down dials again at most this far apart (gRPC's default grows to 2 minutes): a
+    # resumed coordinator finds its waiting nodes within seconds.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # Without SO_REUSEPORT a second server on a taken port fails instead of sharing its connections.
 _SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,7 @@ from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
+from geotrain.scheduler.metrics import RunMetrics
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
 from geotrain.scheduler.reachability import DialedBack
@@ -102,8 +104,10 @@ class Coordinator:
         run_id: str = "run",
         on_event: EventSink | None = None,
         key: NodeKey | None = None,
+        metrics: RunMetrics | None = None,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics  # where each committed step's figures and each failure are written
         # Signs the coordinator's own calls to nodes (state downloads); its public half travels in every plan.
         self.key = key or NodeKey.generate()
         # The prepared data set whose windows the nodes fetch (Windows); None: every node reads the byte corpus.
@@ -130,6 +134,9 @@ class Coordinator:
         self._status_stale = False  # an event since it was rendered
         self.step = self.store.committed_steps()
         self.finished = False
+        # Why the run owner ended the run for every node (the Stop RPC); None while nobody has. A stop_requested
+        # without it is the coordinator's own process stopping, which only pauses the run.
+        self.ended_by_owner: str | None = None
         self.state = "waiting"
         self.failures = 0
         self.recoveries: list[float] = []
@@ -418,6 +425,8 @@ class Coordinator:
             self.step += 1
             record = self._after_commit(record)
             bits = None if record.val_loss is None else self.bits_per_byte(record.val_loss)
+            if self.metrics is not None:
+                self.metrics.step(record, self.driver.timings, self._microbatches_through(), self._link_bytes(), bits)
             self._on_event("step", {"record": record, "of": self.cfg.run.steps, "val_bits_per_byte": bits})
         if self.recovery.checkpoint_due(self.step):
             self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
@@ -448,6 +457,15 @@ class Coordinator:
             inflight=self.plan.inflight if self.plan else 0,
         )
 
+    def _microbatches_through(self) -> Counter[str]:
+        """Node -> the microbatches of the step just committed whose path went through it."""
+        return Counter(n for _, path in self.driver.progress.done.values() for n in path)
+
+    def _link_bytes(self) -> dict[tuple[str, str], int]:
+        """(sender, receiver) -> the wire bytes the sender counted on that link (its last heartbeat's)."""
+        with self.membership.cond:
+            return {(m.node_id, link.peer): link.wire_bytes for m in self.membership.alive() for link in m.links}
+
     def _note_failure(self, why: str) -> None:
         self.planning.dirty = True  # a new epoch drops whatever the failed step left half-done
         self.failures += 1
@@ -455,6 +473,8 @@ class Coordinator:
             self._failed_at = time.monotonic()
         log.warning("step %d failed (%s); re-planning", self.step, why)
         self.store.event("failure", detail=f"step {self.step}: {why}")
+        if self.metrics is not None:
+            self.metrics.failure(self.step, why)
         self._on_event("failure", {"step": self.step, "why": why})
 
     def _after_commit(self, record: StepRecord) -> StepRecord:
@@ -543,6 +563,13 @@ class Coordinator:
                 self._status_stale = False
                 self._status, self._status_at = render(self.snapshot()), now
             return self._status
+
+    def end_run(self, reason: str) -> None:
+        """The run owner ends the run for every node: the run loop stops at its next wait."""
+        log.warning("the run owner ends the run: %s", reason)
+        self.store.event("stopped", detail=reason)
+        self.ended_by_owner = reason
+        self.stop_requested.set()
 
     def shutdown_nodes(self, reason: str, grace_s: float = 3.0, *, aborted: bool = False) -> None:
         """Tell every live node the run is over (aborted: failed or stopped, so nodes exit non-zero) and give their

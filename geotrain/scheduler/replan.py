@@ -96,6 +96,7 @@ class Planning:
         self.dirty = True  # a failed step or drift: the next step needs a new epoch
         self.estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
         self._planned_step_s: float | None = None  # its estimated step time when the plan was made
+        self._baseline_measured = False  # _planned_step_s was taken with every link of the plan measured
         self.excluded: dict[str, str] = {}  # nodes the planner left out, and why: they stay spares
         self._join_misses: dict[str, tuple[float, int]] = {}  # node -> (its incarnation's joined_at, plans it missed)
         self._estimated_from: dict[str, pb.NodeProfileReport | None] = {}  # the profiles behind self.estimate
@@ -207,8 +208,12 @@ class Planning:
         would only drop the step in between; in-run times move most estimates that far after a plan's first step)."""
         if not self._replans_measured() or self.estimate is None:
             return False
-        if self._planned_step_s is None:  # the plan's profiles came in after it was made
+        if self._planned_step_s is None or not self._baseline_measured:
+            # The plan's profiles were not all in (they came in after it was made, or its links were still being
+            # probed): each report moves the estimate, which is no drift; the estimate once they are in is the
+            # plan's own.
             self._planned_step_s = self.estimate.step_seconds
+            self._baseline_measured = self._links_measured()
             return False
         slower = placement.slowdown(self.estimate.step_seconds, self._planned_step_s)
         if slower <= _DRIFT_REPLAN:
@@ -221,6 +226,19 @@ class Planning:
             return False
         log.info("re-planning: %s", why)
         self.store.event("drift", detail=why)
+        return True
+
+    def _links_measured(self) -> bool:
+        """Whether every node of the plan has reported its link to each node of the next stage it can dial: a node
+        probes them once it takes the plan up (node/holder.py), so its first profile prices them with defaults."""
+        members = self.membership.members
+        stages = self.plan.stages if self.plan is not None else []
+        for stage, after in zip(stages, stages[1:]):
+            targets = {n for i, n in enumerate(after.node_ids) if not (i < len(after.unreachable) and after.unreachable[i])}
+            for node_id in stage.node_ids:
+                profile = members[node_id].profile if node_id in members else None
+                if profile is None or not targets <= {link.peer for link in profile.links}:
+                    return False
         return True
 
     def _planner_keeps_layout(self) -> bool:
@@ -400,6 +418,7 @@ class Planning:
         before = self._estimate_while_whole() if moved else None
         self.update_estimate(ranges, groups)
         self._planned_step_s = self.estimate.step_seconds if self.estimate is not None else None
+        self._baseline_measured = False  # drifted() takes its baseline again once the plan's links are measured
         loads, steps_done = self.recovery.sources(ranges, groups, self.plan, self.membership.alive(), steps_done)
         epoch = max(self.plan.epoch if self.plan else 0, int(self.store.get("plan_epoch", "0"))) + 1
         members = self.membership.members

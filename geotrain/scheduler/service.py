@@ -35,6 +35,7 @@ from geotrain.scheduler.coordinator import Coordinator, EventSink
 from geotrain.scheduler import reachability
 from geotrain.scheduler.errors import ReportRefused, RunAborted, Unauthorized
 from geotrain.scheduler.membership import Member
+from geotrain.scheduler.metrics import METRICS_FILE, RunMetrics, tensorboard_writer
 from geotrain.scheduler.reachability import DialedBack, Dialler
 from geotrain.scheduler.state import RunStore
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 COORDINATOR_ID = "coordinator"
 _FETCH_DEADLINE_S = 300.0
 _DHT_READY_S = 30.0
+_STOP_DEADLINE_S = 10.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
 # event loop, which holds every order stream and heartbeat, is never among them.
 _BLOCKING_WORKERS = 8
@@ -281,6 +283,14 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "StateUpload", first.node_id)
         return pb.Ack()
 
+    async def Stop(self, request, context):  # noqa: D102, N802
+        # The run owner's act: every volunteer holds the token, only the owner holds the coordinator's key.
+        if signer(context) != self.c.key.public:
+            why = "only the run owner may end the run: sign the call with the coordinator's key (geotrain stop --state-dir)"
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "Stop", None)
+        await self._off_loop(self.c.end_run, request.reason[:200] or "the run owner stopped the run")  # SQLite
+        return pb.Ack()
+
     async def Probe(self, request_iterator, context):  # noqa: D102, N802
         count = ProbeCount()
         try:
@@ -362,6 +372,15 @@ def make_coordinator_server(
 
     server = AioServerThread(make, "coordinator-grpc", _BLOCKING_WORKERS)
     return server, server.port
+
+
+def stop_run(address: str, token: str, key: NodeKey, reason: str, tls: TlsFiles | None = None) -> None:
+    """Ask the coordinator at `address` to end its run for every node, signed with its own `key` (geotrain stop)."""
+    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
+    try:
+        rpc.CoordinatorStub(channel).Stop(pb.StopRequest(reason=reason), timeout=_STOP_DEADLINE_S)
+    finally:
+        channel.close()
 
 
 def fetch_stage_state(
@@ -495,6 +514,7 @@ class CoordinatorProcess:
         tls: TlsFiles | None = None,
         advertise: str = "",
         dht_port: int = 0,
+        tensorboard: str = "",
     ) -> None:
         self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
         committed = self.store.committed_steps()
@@ -516,7 +536,12 @@ class CoordinatorProcess:
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
+        self.metrics = RunMetrics(None)
         try:
+            self.metrics = RunMetrics(
+                Path(state_dir) / METRICS_FILE if state_dir else None,
+                tensorboard_writer(tensorboard) if tensorboard else None,
+            )
             self.coordinator = Coordinator(
                 cfg,
                 store=self.store,
@@ -526,15 +551,18 @@ class CoordinatorProcess:
                 run_id=self.store.get("run_id", ""),
                 on_event=on_event,
                 key=key,
+                metrics=self.metrics,
             )
             self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
         except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind
             self.dht.close()
+            self.metrics.close()
             self.store.close()
             raise
 
     def close(self) -> None:
-        """Stop the server and the DHT, and close the run state."""
+        """Stop the server and the DHT, and close the run state and its metrics."""
         self.server.stop(grace=1.0).wait(3.0)
         self.dht.close()
+        self.metrics.close()
         self.store.close()
