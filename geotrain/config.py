@@ -302,7 +302,23 @@ class SchedulerSection:
     stages: int = _bounded(0, 0, 1024, "pipeline stages; 0 = one per node")
     heartbeat_interval_s: float = _bounded(1.0, 0.05, 60.0, "how often nodes heartbeat")
     heartbeat_timeout_s: float = _bounded(5.0, 0.2, 600.0, "silence after which a node is dead")
-    step_timeout_s: float = _bounded(120.0, 1.0, 86400.0, "a step not done by then fails the run")
+    step_timeout_s: float = _bounded(
+        120.0, 1.0, 86400.0,
+        "the least time a step has before it fails: a step fails once it took step_timeout_factor times the plan's "
+        "estimate, or this long if that is longer (or no estimate yet)",
+    )
+    step_timeout_factor: float = _bounded(
+        10.0, 1.0, 10000.0, "a step fails once it took this many times the plan's estimated step time (at least "
+        "step_timeout_s): a big model on slow nodes has the time its plan says it needs"
+    )
+    state_deadline_floor_s: float = _bounded(
+        300.0, 1.0, 86400.0, "the least time a state transfer (a checkpoint, a node loading its stage) has, whatever "
+        "its bytes; it has twice its bytes' time over its link on top"
+    )
+    state_link_mbps: float = _bounded(
+        10.0, 0.001, 1e6, "the bandwidth, in Mbit/s, a state transfer is given time for over a link no probe measured "
+        "(a node's link to the coordinator is probed; others are assumed this slow)"
+    )
     replicas: int = _bounded(0, 0, 100000, "most replicas per stage; 0 = every node serves; extra nodes are spares")
     checkpoint_every: int = _bounded(10, 0, 10**9, "steps between checkpoints (needs a state dir); 0 = only at the end")
     keep_checkpoints: int = _bounded(3, 1, 1000, "complete checkpoints kept")

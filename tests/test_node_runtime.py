@@ -372,12 +372,12 @@ def test_layers_moved_through_a_checkpoint_load_to_the_checksum_the_coordinator_
     stages = _trained_stages(cfg)
     store = RunStore()
     store.commit_step(*_first_step({i: stage.checksum() for i, stage in enumerate(stages)}))
-    holders = [SimpleNamespace(node_id=f"node-{i}", held=(s.start, s.end), applied_steps=1, unreachable=False)
-               for i, s in enumerate(stages)]
+    holders = [SimpleNamespace(node_id=f"node-{i}", held=(s.start, s.end), applied_steps=1, unreachable=False,
+                               profile=None) for i, s in enumerate(stages)]
     plan = pb.Plan(epoch=1, stages=[pb.StageAssignment(index=i, layer_start=s.start, layer_end=s.end)
                                     for i, s in enumerate(stages)])
     sent = {holder.node_id: dict(stage.full_state()) for holder, stage in zip(holders, stages)}
-    recovery = Recovery(CheckpointStore(tmp_path, keep=2), lambda m, rng, steps: sent[m.node_id], store,
+    recovery = Recovery(CheckpointStore(tmp_path, keep=2), lambda m, rng, steps: framing.state_chunks(sent[m.node_id].items()), store,
                         lambda kind, data: None, diloco)
     manifest = recovery.checkpoint(plan, 1, holders)
     assert manifest is not None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from geotrain.compression.policy import StageTimer
 from geotrain.node.dataplane import DataPlane, LinkEmulator
 from geotrain.node.device import resolve_device, use_in_this_thread
-from geotrain.node.handover import HeldStates
+from geotrain.node.handover import HeldStates, Snapshots
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
 from geotrain.node.profiler import NodeProfiler
@@ -156,6 +156,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.runtime = None
         self.state_epoch = 0
         self.held = HeldStates()
+        self.snapshots = Snapshots(options.state_dir)
         self._newest_epoch = 0
         self._reported_epoch = 0
         self._timed = (0, {})

@@ -6,11 +6,25 @@ through two step timeouts). So a node lets go of a layer range only once no one 
 runtime it held, at its committed step, and serves FetchState from it until the run has committed past that step
 (the node applies a newer step, or a plan says the run stands at another step). A later plan that gives the node
 those layers back takes the kept copy instead of starting afresh.
+
+It also keeps the snapshots a node serves its state from: a transfer of step k's state goes on after the node
+applied step k+1 (the coordinator writes its checkpoint while the run trains), without a second copy in memory.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import torch
+
 from geotrain.node.stage import StageRuntime
+from geotrain.protocol import framing
 
 LayerRange = tuple[int, int]
 
@@ -44,3 +58,127 @@ class HeldStates:
     def release_except(self, steps_done: int) -> None:
         """Let go of every copy not at steps_done: the run has committed past it (or rolled back to a checkpoint)."""
         self._held = {k: r for k, r in self._held.items() if r.applied_step + 1 == steps_done}
+
+
+TRANSFER_BUFFER_BYTES = 4 * framing.CHUNK_BYTES
+"""Host memory one state transfer in flight holds beyond the stage's own tensors: the chunk being read and those
+gRPC holds behind it."""
+
+
+def transfer_memory_bytes(transfers: int = 1) -> int:
+    """Host bytes a node holds for state snapshots and transfer buffers while `transfers` state transfers run at once
+    (serving or loading), beyond its stage's own state: a snapshot keeps the tensors it has not sent yet in a file,
+    not in memory, once the stage changes them (StateSnapshot.preserve), and a stage loading its state takes each
+    chunk straight into its own tensors. The file's pages are the kernel's page cache, which it reclaims."""
+    return transfers * TRANSFER_BUFFER_BYTES
+
+
+class StateSnapshot:
+    """The state of a stage at one committed step, served tensor by tensor while the stage may move on (a checkpoint
+    is written while the run trains): each tensor is read from the live stage itself until the stage is about to
+    change it (preserve(), under the state lock, before an optimizer step or a load), and the tensors not sent by
+    then from copies in a file (in `spill_dir`, deleted when closed). So the snapshot costs no memory, and a file
+    only when the next step comes before the transfer ends. Tensors are served in name order (the coordinator
+    computes the stage's checksum as they pass)."""
+
+    def __init__(self, items: list[tuple[str, torch.Tensor]], spill_dir: str) -> None:
+        self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
+        self._meta = [(t.dtype, tuple(t.shape)) for _, t in self._items]
+        self._lock = threading.Lock()
+        self._sent = 0  # tensors before this index were sent: no one needs them again
+        self._copies: dict[int, tuple[int, int]] = {}  # index -> (offset in the spill file, crc32)
+        self._spill_dir = spill_dir
+        self._spill: BinaryIO | None = None
+        self._closed = False
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the state."""
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self._meta)
+
+    def sources(self) -> Iterator[framing.StateSource]:
+        """The tensors as a state transfer sends them (framing.state_stream)."""
+        for i, (name, _) in enumerate(self._items):
+            dtype, shape = self._meta[i]
+            with self._lock:
+                if i not in self._copies:
+                    crc = framing.tensor_crc32(self._live(i))
+                else:
+                    crc = self._copies[i][1]
+            yield framing.StateSource(name, dtype, shape, crc, lambda at, n, i=i: self._read(i, at, n))
+            with self._lock:
+                self._sent = i + 1
+                self._items[i] = (name, None)
+
+    def _live(self, i: int) -> torch.Tensor:
+        tensor = self._items[i][1]
+        assert tensor is not None
+        return framing.flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+    def _read(self, i: int, at: int, n: int) -> bytes:
+        with self._lock:
+            if i in self._copies:
+                assert self._spill is not None
+                return os.pread(self._spill.fileno(), n, self._copies[i][0] + at)
+            flat = self._live(i)[at : at + n]
+            return flat.numpy().tobytes() if flat.device.type == "cpu" else flat.cpu().numpy().tobytes()
+
+    def preserve(self) -> None:
+        """Copy the tensors not yet sent to the spill file: the stage is about to change them (call under the state
+        lock, which every change of the stage's tensors holds)."""
+        with self._lock:
+            if self._closed:
+                return
+            for i in range(self._sent, len(self._items)):
+                if i in self._copies:
+                    continue
+                if self._spill is None:
+                    self._spill = tempfile.TemporaryFile(dir=self._spill_dir or None)
+                flat, offset, crc = self._live(i), self._spill.tell(), 0
+                for at in range(0, flat.numel(), framing.CHUNK_BYTES):
+                    part = flat[at : at + framing.CHUNK_BYTES]
+                    data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
+                    self._spill.write(data)
+                    crc = zlib.crc32(data, crc)
+                self._spill.flush()
+                self._copies[i] = (offset, crc)
+                self._items[i] = (self._items[i][0], None)
+
+    def close(self) -> None:
+        """The transfer ended: let go of the tensors and the file."""
+        with self._lock:
+            self._closed = True
+            self._items = [(name, None) for name, _ in self._items]
+            if self._spill is not None:
+                self._spill.close()
+                self._spill = None
+
+
+class Snapshots:
+    """The snapshots a node is serving, with the stage runtime each reads (thread-safe)."""
+
+    def __init__(self, spill_dir: str) -> None:
+        self._spill_dir = spill_dir
+        self._lock = threading.Lock()
+        self._open: list[tuple[StageRuntime, StateSnapshot]] = []
+
+    def open(self, runtime: StageRuntime) -> StateSnapshot:
+        """A snapshot of the runtime's state as it is now (call under the state lock); close it with close()."""
+        snapshot = StateSnapshot(runtime.full_state(), self._spill_dir)
+        with self._lock:
+            self._open.append((runtime, snapshot))
+        return snapshot
+
+    def close(self, snapshot: StateSnapshot) -> None:
+        """The transfer of `snapshot` ended."""
+        snapshot.close()
+        with self._lock:
+            self._open = [(r, s) for r, s in self._open if s is not snapshot]
+
+    def preserve(self, runtime: StageRuntime) -> None:
+        """Keep what the open snapshots of `runtime` have not sent: it is about to change (call under the state
+        lock)."""
+        with self._lock:
+            serving = [s for r, s in self._open if r is runtime]
+        for snapshot in serving:
+            snapshot.preserve()

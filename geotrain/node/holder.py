@@ -15,7 +15,7 @@ from geotrain.config import RunConfig
 from geotrain.node.data import Corpus, CoordinatorTokens, Tokens
 from geotrain.node.dataplane import LinkShape
 from geotrain.node.failures import StageFailure
-from geotrain.node.handover import HeldStates
+from geotrain.node.handover import HeldStates, Snapshots, StateSnapshot
 from geotrain.node.link import NodeError
 from geotrain.node.reverse import ReverseReceiver
 from geotrain.node.routing import ReplicaRouter
@@ -28,7 +28,6 @@ from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
 
-_STATE_DEADLINE_S = 300.0
 
 
 def _unreachable(stage: pb.StageAssignment, position: int) -> bool:
@@ -56,6 +55,7 @@ class StageHolder:
     runtime: StageRuntime | None
     state_epoch: int  # plan epoch whose LoadState this node completed
     held: HeldStates  # layers a new plan moved this node away from, served until taken over
+    snapshots: Snapshots  # the states this node is sending, kept as they were while the stage moves on
     router: ReplicaRouter
     _state_lock: threading.Lock  # parameters change only under it (apply, load) and are read under it
     _peer_regions: dict[str, str]  # from plans and probe orders: what the link emulator shapes by
@@ -199,12 +199,20 @@ class StageHolder:
             self._heartbeat()
             return
         source = order.source_address or "the coordinator's checkpoint"
+        with self._state_lock:
+            self.snapshots.preserve(runtime)  # its tensors are about to be overwritten
         try:
-            state = self._fetch_state(order, runtime.start, runtime.end)
+            state = self._fetch_state(order, runtime)
             with self._state_lock:
                 runtime.load_full_state(state, order.steps_done)
                 checksum = runtime.checksum()
         except (grpc.RpcError, FrameError, ValueError) as e:
+            with self._state_lock:
+                # The state arrived into the runtime's own tensors: what came of it before the failure is no step's.
+                if self.runtime is runtime:
+                    self.runtime = None
+                    self.runtime = self._new_runtime(runtime.start, runtime.end)
+                    self.runtime.set_loss_scale(runtime.loss_scale)
             detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
             raise StageFailure(
                 pb.FAILURE_REASON_STATE, f"cannot load the state after {order.steps_done} steps from {source}: {detail}"
@@ -220,26 +228,32 @@ class StageHolder:
         )
         self._heartbeat()
 
-    def _fetch_state(self, order: pb.LoadState, start: int, end: int) -> dict[str, torch.Tensor]:
-        """Layers [start, end) after order.steps_done steps, from the order's source node or the checkpoint."""
+    def _fetch_state(self, order: pb.LoadState, runtime: StageRuntime) -> dict[str, torch.Tensor]:
+        """The runtime's layers after order.steps_done steps, from the order's source node or the checkpoint, each
+        tensor checked against the runtime's own and written into it (its parameters) or into a new tensor of its
+        shape (the optimizer's state) as its chunks arrive."""
+        assert self.cfg is not None
+        expected = StateExpectation(runtime)
+        sched = self.cfg.scheduler
+        deadline = framing.state_deadline_s(expected.nbytes, sched.state_link_mbps * 1e6 / 8, sched.state_deadline_floor_s)
+        sink = framing.TensorSink(expected)
         if order.source_address:
             channel = make_channel(
                 order.source_address, self.options.token, lambda: self.node_id, self.options.tls, self.key
             )
             try:
-                request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=start, layer_end=end)
-                stream = rpc.StageStub(channel).FetchState(request, timeout=_STATE_DEADLINE_S)
-                return framing.read_state(stream, self.options.max_tensor_bytes)
+                request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=runtime.start, layer_end=runtime.end)
+                framing.receive_state(rpc.StageStub(channel).FetchState(request, timeout=deadline), sink)
+                return sink.tensors
             finally:
                 channel.close()
-        request = pb.FetchCheckpointRequest(layer_start=start, layer_end=end, steps_done=order.steps_done)
-        return framing.read_state(
-            self.coordinator.FetchCheckpoint(request, timeout=_STATE_DEADLINE_S), self.options.max_tensor_bytes
-        )
+        request = pb.FetchCheckpointRequest(layer_start=runtime.start, layer_end=runtime.end, steps_done=order.steps_done)
+        framing.receive_state(self.coordinator.FetchCheckpoint(request, timeout=deadline), sink)
+        return sink.tensors
 
     def _upload_state(self, order: pb.UploadState) -> None:
-        """Send the coordinator the state it asked for: it cannot dial this node to fetch it. The copy is taken here,
-        on the worker, between steps; it travels from the sender pool."""
+        """Send the coordinator the state it asked for: it cannot dial this node to fetch it. The snapshot is taken
+        here, on the worker, between steps; it travels from the sender pool, as it stood then."""
         layers = (order.layer_start, order.layer_end)
         snapshot = self.state_snapshot(order.steps_done, layers)
         first = pb.StateUpload(node_id=self.node_id, request=order.request)
@@ -249,25 +263,43 @@ class StageHolder:
                 first.error = f"this node holds no layers [{layers[0]}, {layers[1]}) after {order.steps_done} steps"
                 yield first
                 return
-            for i, chunk in enumerate(framing.state_chunks(snapshot)):
-                upload = first if i == 0 else pb.StateUpload()
-                upload.chunk.CopyFrom(chunk)
-                yield upload
+            try:
+                for i, chunk in enumerate(framing.state_stream(snapshot.sources())):
+                    upload = first if i == 0 else pb.StateUpload()
+                    upload.chunk.CopyFrom(chunk)
+                    yield upload
+            finally:
+                self.snapshots.close(snapshot)
 
-        self._send(lambda: self.coordinator.UploadState(uploads(), timeout=_STATE_DEADLINE_S), "state upload")
+        assert self.cfg is not None
+        sched = self.cfg.scheduler
+        nbytes = snapshot.nbytes if snapshot else 0
+        deadline = framing.state_deadline_s(nbytes, sched.state_link_mbps * 1e6 / 8, sched.state_deadline_floor_s)
 
-    def state_snapshot(
-        self, steps_done: int, layers: tuple[int, int] | None = None
-    ) -> list[tuple[str, torch.Tensor]] | None:
-        """Copies of the parameters and optimizer state of `layers` (None: the current stage's) after steps_done
-        steps, from the current stage or one a newer plan moved this node away from; None if not held."""
+        def send() -> pb.Ack:
+            try:
+                return self.coordinator.UploadState(uploads(), timeout=deadline)
+            finally:  # the call may end before it read the stream
+                if snapshot is not None:
+                    self.snapshots.close(snapshot)
+
+        self._send(send, "state upload")
+
+    def state_snapshot(self, steps_done: int, layers: tuple[int, int] | None = None) -> StateSnapshot | None:
+        """A snapshot of the parameters and optimizer state of `layers` (None: the current stage's) after steps_done
+        steps, from the current stage or one a newer plan moved this node away from, to send and then close
+        (snapshots.close); None if not held. It costs no copy until the stage changes (node.handover)."""
         with self._state_lock:
             runtime = self.runtime
             if layers is not None and (runtime is None or (runtime.start, runtime.end) != layers):
                 runtime = self.held.get(layers, steps_done)
             if runtime is None or runtime.applied_step + 1 != steps_done:
                 return None
-            return [(name, t.detach().cpu().clone()) for name, t in runtime.full_state()]
+            return self.snapshots.open(runtime)
+
+    def close_snapshot(self, snapshot: StateSnapshot) -> None:
+        """A snapshot's transfer ended (sent, failed or cancelled)."""
+        self.snapshots.close(snapshot)
 
     def may_read_state(self, signer: bytes | None) -> bool:
         """Whether `signer` is the coordinator's key or a node's in the plan this node runs (which the coordinator
@@ -317,3 +349,45 @@ class StageHolder:
                 "set data.paths in the run config to files every node has"
             )
         self.corpus = corpus
+
+
+class StateExpectation:
+    """What a stage's incoming state must be (a framing.Expectation), from the runtime that takes it: each of its
+    parameters (`layers.<i>.…`, written into the parameter itself), AdamW's moments of each (`optim.<param>.<slot>`,
+    its shape and dtype; the step count a scalar) and under diloco its anchor and outer momentum
+    (`sync.<slot>.<param>`). Nothing else, and nothing of another shape or dtype, whatever its size."""
+
+    def __init__(self, runtime: StageRuntime) -> None:
+        self._params = {name: p.detach() for name, p in runtime.named_state()}
+        self._layers = (runtime.start, runtime.end)
+        copies = 3 + (2 if runtime.sync is not None else 0)
+        self.nbytes = copies * sum(p.numel() * p.element_size() for p in self._params.values())
+        """The bytes of such a state (its scalars aside)."""
+
+    def __call__(self, header: pb.TensorHeader) -> torch.Tensor:  # noqa: D102
+        name, shape = header.name, tuple(header.shape)
+        dtype = framing.WIRE_TO_TORCH[header.dtype]
+        if name.startswith("optim."):
+            param, _, slot = name.removeprefix("optim.").rpartition(".")
+        elif name.startswith("sync."):
+            slot, _, param = name.removeprefix("sync.").partition(".")
+        else:
+            param, slot = name, ""
+        p = self._params.get(param)
+        if p is None:
+            raise FrameError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"state tensor {name} is no parameter's of layers [{self._layers[0]}, {self._layers[1]})",
+            )
+        if slot == "step" and name.startswith("optim."):  # AdamW's step count, a float scalar on the host
+            want: tuple[tuple[int, ...], torch.dtype] = ((), torch.float32)
+        else:
+            want = (tuple(p.shape), p.dtype)
+        if (shape, dtype) != want:
+            raise FrameError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"state tensor {name} of shape {list(shape)} {dtype} where this stage has {list(want[0])} {want[1]}",
+            )
+        if not slot and p.is_contiguous():
+            return p  # the parameter itself: load_full_state's copy into it is then none
+        return torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from geotrain.compression import CodecError, codec_from_payload
+from geotrain.node.handover import StateSnapshot
 from geotrain.node.reverse import ReverseError, ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -67,11 +68,12 @@ class StageHandler(Protocol):
     def may_overflow(self, direction: str) -> bool:
         """Whether tensors of this direction may hold Inf or NaN by design (fp16's scaled gradients)."""
 
-    def state_snapshot(
-        self, steps_done: int, layers: tuple[int, int] | None = None
-    ) -> list[tuple[str, torch.Tensor]] | None:
-        """Copies of the state of `layers` (None: the current stage's) after steps_done committed steps, or None if
-        the node holds none."""
+    def state_snapshot(self, steps_done: int, layers: tuple[int, int] | None = None) -> StateSnapshot | None:
+        """A snapshot of the state of `layers` (None: the current stage's) after steps_done committed steps, or None
+        if the node holds none; closed with close_snapshot once sent."""
+
+    def close_snapshot(self, snapshot: StateSnapshot) -> None:
+        """A snapshot's transfer ended (sent, failed or cancelled)."""
 
     def reverse_receiver(self, signer: bytes | None) -> str | None:
         """The node id of the neighbour, one nobody can dial, that the current plan has this node send to and whose
@@ -170,7 +172,10 @@ class StageServicer(rpc.StageServicer):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no {which} after {request.steps_done} steps"
             )
-        yield from framing.state_chunks(snapshot)
+        try:
+            yield from framing.state_stream(snapshot.sources())
+        finally:
+            self.handler.close_snapshot(snapshot)
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802
         return serve_probe(request_iterator, context, self.refusals)

@@ -333,7 +333,9 @@ class StageRuntime:
                 p.copy_(state[name])
                 slots = {
                     # AdamW keeps its step count on the host unless capturable
-                    k.rsplit(".", 1)[1]: v.to(self.device if v.dim() else "cpu", copy=True)
+                    # The state's tensors become the optimizer's: a state transfer allocates them for it
+                    # (node.holder.StateExpectation), and a copy would hold the stage's moments twice.
+                    k.rsplit(".", 1)[1]: v.to(self.device if v.dim() else "cpu")
                     for k, v in state.items()
                     if k.startswith(f"optim.{name}.")
                 }

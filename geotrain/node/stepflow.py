@@ -411,6 +411,7 @@ class StepFlow:
         runtime = self.runtime
         assert runtime is not None
         with self._state_lock:
+            self.snapshots.preserve(runtime)  # a transfer of the committed state goes on as it was (node.handover)
             runtime.apply(order.step, order.clip_coef, order.lr, order.skip, order.loss_scale)
             checksum = runtime.checksum_later()
             self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans

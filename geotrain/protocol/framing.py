@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -28,7 +29,8 @@ from geotrain.protocol import geotrain_pb2 as pb
 Buffer = bytes | bytearray | memoryview
 
 CHUNK_BYTES = 1 << 20
-# Default cap on one tensor's encoded size; servers may lower it.
+# Default cap on one activation's or gradient's encoded size; servers may lower it. State transfers have none of
+# their own: each tensor is checked against what the receiver expects it to be (read_state).
 MAX_TENSOR_BYTES = 1 << 30
 MAX_RANK = 8
 
@@ -277,17 +279,225 @@ def raw_tensor(header: pb.TensorHeader, payload: Buffer) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+@dataclass(frozen=True)
+class StateSource:
+    """One tensor of a state transfer as its sender serves it: its header's fields and a reader of its raw bytes, so
+    that a stream never holds more of it than the chunk it is sending."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc32: int
+    read: Callable[[int, int], Buffer]
+    """(offset, size) -> that many payload bytes from offset."""
+
+    @property
+    def nbytes(self) -> int:  # noqa: D102
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor (the same memory, on its device)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def tensor_crc32(flat: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """crc32 of a flat uint8 tensor, read in place on the CPU, a chunk at a time from another device."""
+    if flat.device.type == "cpu":
+        return zlib.crc32(memoryview(flat.numpy()))
+    crc = 0
+    for offset in range(0, flat.numel(), chunk_bytes):
+        crc = zlib.crc32(memoryview(flat[offset : offset + chunk_bytes].cpu().numpy()), crc)
+    return crc
+
+
+def tensor_source(name: str, tensor: torch.Tensor) -> StateSource:
+    """A tensor served from its own memory: no copy of it but the chunk being sent (and a contiguous copy of a tensor
+    that is not contiguous). The caller keeps the tensor unchanged until the stream has sent it."""
+    t = tensor.detach()
+    t = t if t.is_contiguous() else t.contiguous()
+    flat = flat_bytes(t)
+    if flat.device.type == "cpu":
+        view = memoryview(flat.numpy())
+        return StateSource(name, t.dtype, tuple(t.shape), zlib.crc32(view), lambda at, n: view[at : at + n])
+    return StateSource(
+        name, t.dtype, tuple(t.shape), tensor_crc32(flat), lambda at, n: flat[at : at + n].cpu().numpy().tobytes()
+    )
+
+
+def state_stream(sources: Iterable[StateSource], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """The chunks of a state transfer, uncompressed, tensor after tensor; each chunk's data is read when it is made."""
+    for source in sources:
+        header = pb.TensorHeader(
+            name=source.name, dtype=TORCH_TO_WIRE[source.dtype], shape=list(source.shape), codec=pb.CODEC_NONE,
+            payload_bytes=source.nbytes, crc32=source.crc32,
+        )
+        yield pb.TensorChunk(header=header, data=bytes(source.read(0, min(chunk_bytes, source.nbytes))))
+        for offset in range(chunk_bytes, source.nbytes, chunk_bytes):
+            yield pb.TensorChunk(data=bytes(source.read(offset, min(chunk_bytes, source.nbytes - offset))))
+
+
 def state_chunks(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[pb.TensorChunk]:
     """Named tensors, uncompressed, one after another: the stream of a state transfer."""
-    for name, tensor in items:
-        payload = raw_payload(tensor)
-        header = make_header(name, tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
-        yield from chunk_tensor(header, payload)
+    return state_stream(tensor_source(name, tensor) for name, tensor in items)
 
 
-def read_state(chunks: Iterable[pb.TensorChunk], max_bytes: int = MAX_TENSOR_BYTES) -> dict[str, torch.Tensor]:
-    """The named tensors of a state-transfer stream."""
-    return {r.header.name: raw_tensor(r.header, r.payload) for r in read_tensors(chunks, max_bytes)}
+def check_state_header(header: pb.TensorHeader) -> None:
+    """Reject a state tensor's header that is self-inconsistent: a state transfer is uncompressed, so its payload is
+    exactly its shape's bytes. Its size is bounded by what the receiver expects of the tensor (StateSink.begin)."""
+    if header.dtype not in WIRE_TO_TORCH:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported tensor dtype {header.dtype}")
+    if header.codec != pb.CODEC_NONE:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "state tensors travel uncompressed")
+    if not header.name or len(header.name) > MAX_STATE_NAME:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "a state tensor without a name, or with a name too long")
+    if len(header.shape) > MAX_RANK:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor shape {list(header.shape)}")
+    if header.payload_bytes != math.prod(header.shape) * WIRE_TO_TORCH[header.dtype].itemsize:
+        raise FrameError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"state tensor {header.name}: {header.payload_bytes} bytes do not fill shape {list(header.shape)}",
+        )
+
+
+MAX_STATE_NAME = 512
+
+
+class StateSink:
+    """Where a state transfer's tensors go as they arrive (StateReceiver): `begin` checks a tensor's header against
+    what the receiver expects, raising FrameError if it is not that, and returns the writer its payload is passed to
+    in order, chunk by chunk; `end` is told once the tensor is whole and its crc32 checked."""
+
+    def begin(self, header: pb.TensorHeader) -> Callable[[memoryview], None]:  # noqa: D102
+        raise NotImplementedError
+
+    def end(self, header: pb.TensorHeader) -> None:  # noqa: D102
+        pass
+
+
+class StateReceiver:
+    """A state-transfer stream read chunk by chunk (`feed`, then `close` at its end) into a StateSink: each header is
+    checked before any of its payload is taken, each payload is checked for its size and crc32 as it passes, and no
+    chunk is kept once it has been written."""
+
+    def __init__(self, sink: StateSink) -> None:
+        self._sink = sink
+        self._header: pb.TensorHeader | None = None
+        self._write: Callable[[memoryview], None] | None = None
+        self._filled = self._crc = 0
+        self.tensors = 0
+        self.bytes = 0
+
+    def feed(self, chunk: pb.TensorChunk | WireChunk) -> None:
+        """Take the stream's next chunk."""
+        if chunk.HasField("header"):
+            self._finish()
+            check_state_header(chunk.header)
+            self._header, self._filled, self._crc = chunk.header, 0, 0
+            self._write = self._sink.begin(chunk.header)
+        elif self._header is None:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "tensor stream does not start with a header chunk")
+        data = memoryview(chunk.data)
+        self._filled += len(data)
+        if self._filled > self._header.payload_bytes:
+            raise FrameError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tensor stream carries more than the {self._header.payload_bytes} bytes its header declares",
+            )
+        self._crc = zlib.crc32(data, self._crc)
+        if len(data):
+            self._write(data)
+
+    def close(self) -> None:
+        """The stream ended: the last tensor must be whole; an empty stream is refused."""
+        if self._header is None:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "empty tensor stream")
+        self._finish()
+
+    def _finish(self) -> None:
+        header = self._header
+        if header is None:
+            return
+        if self._filled != header.payload_bytes:
+            raise FrameError(
+                grpc.StatusCode.DATA_LOSS,
+                f"truncated tensor stream: got {self._filled} of {header.payload_bytes} payload bytes",
+            )
+        if self._crc != header.crc32:
+            raise FrameError(grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
+        self._sink.end(header)
+        self._header, self.tensors, self.bytes = None, self.tensors + 1, self.bytes + header.payload_bytes
+
+
+def receive_state(chunks: Iterable[pb.TensorChunk | WireChunk], sink: StateSink) -> StateReceiver:
+    """Read a whole state-transfer stream into `sink`; returns the receiver (its counts of tensors and bytes)."""
+    receiver = StateReceiver(sink)
+    for chunk in chunks:
+        receiver.feed(chunk)
+    receiver.close()
+    return receiver
+
+
+Expectation = Callable[[pb.TensorHeader], torch.Tensor]
+"""A header -> the tensor its payload is written into (of the header's shape and dtype, contiguous, on any device),
+or FrameError when the receiver expects no such tensor."""
+
+
+def bounded(max_bytes: int) -> Expectation:
+    """An expectation for a receiver that knows no shapes: any tensor of at most max_bytes, into a new CPU tensor."""
+
+    def expect(header: pb.TensorHeader) -> torch.Tensor:
+        if header.payload_bytes > max_bytes:
+            raise FrameError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tensor payload of {header.payload_bytes} bytes exceeds the limit of {max_bytes} bytes",
+            )
+        return torch.empty(tuple(header.shape), dtype=WIRE_TO_TORCH[header.dtype])
+
+    return expect
+
+
+class TensorSink(StateSink):
+    """State tensors written straight into the tensors `expect` gives for them (a stage's own, or new ones): each
+    chunk is copied once, into its place. `tensors`: what arrived, by name; a name twice is refused."""
+
+    def __init__(self, expect: Expectation) -> None:
+        self._expect = expect
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def begin(self, header: pb.TensorHeader) -> Callable[[memoryview], None]:  # noqa: D102
+        if header.name in self.tensors:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"state tensor {header.name} sent twice")
+        tensor = self._expect(header)
+        self.tensors[header.name] = tensor
+        flat, at = flat_bytes(tensor), 0
+        host = flat.numpy() if flat.device.type == "cpu" else None
+
+        def write(data: memoryview) -> None:
+            nonlocal at
+            if host is not None:
+                host[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            else:  # a chunk staged on the host on its way to the device
+                flat[at : at + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            at += len(data)
+
+        return write
+
+
+def read_state(
+    chunks: Iterable[pb.TensorChunk | WireChunk], max_bytes: int = MAX_TENSOR_BYTES, expect: Expectation | None = None
+) -> dict[str, torch.Tensor]:
+    """The named tensors of a state-transfer stream: into what `expect` gives for each (no size cap but what it
+    expects), else into new tensors of at most max_bytes each."""
+    sink = TensorSink(expect or bounded(max_bytes))
+    receive_state(chunks, sink)
+    return sink.tensors
+
+
+def state_deadline_s(nbytes: int, bytes_per_s: float, floor_s: float) -> float:
+    """How long a state transfer of nbytes may take over a link of bytes_per_s: floor_s (the connection, the
+    snapshot, a slow disk) and twice the time its bytes take (the link's measure is one probe)."""
+    return floor_s + 2.0 * nbytes / max(bytes_per_s, 1.0)
 
 
 def parameters_checksum(params: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -22,7 +22,7 @@ import logging
 from collections import Counter
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.probe import COORDINATOR_PEER
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.checkpoint import CheckpointStore
@@ -42,12 +43,12 @@ from geotrain.scheduler.metrics import RunMetrics
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.profiles import check_report
 from geotrain.scheduler.reachability import DialedBack
-from geotrain.scheduler.recovery import Recovery
+from geotrain.scheduler.recovery import Recovery, stage_bound
 from geotrain.scheduler.replan import Planning
 from geotrain.scheduler.state import RunStore, StepRecord
 from geotrain.scheduler.status import StatusSnapshot, render
 from geotrain.scheduler.stepdriver import StepDriver
-from geotrain.scheduler.uploads import StateUploads
+from geotrain.scheduler.uploads import StateUploads, UploadInbox
 
 __all__ = ["Coordinator", "EventSink", "Member", "RunAborted", "RunSummary", "StepFailed"]
 
@@ -99,7 +100,7 @@ class Coordinator:
         *,
         store: RunStore | None = None,
         checkpoints: CheckpointStore | None = None,
-        fetch_state: Callable[[str, int], dict[str, Any]] | None = None,
+        fetch_state: Callable[[str, int, float], Iterator[pb.TensorChunk]] | None = None,
         dht_peers: Callable[[], list[str]] = list,
         run_id: str = "run",
         on_event: EventSink | None = None,
@@ -118,16 +119,20 @@ class Coordinator:
         self.orders = OrderQueues()
         self.membership = Membership(cfg.scheduler, self.store, self.orders, self._on_event)
         self.uploads = StateUploads(self.orders)
-        self._dial_state = fetch_state  # (address, steps_done) -> the state of the stage the node there serves
+        # (address, steps_done, deadline seconds) -> the chunks of the state of the stage the node there serves
+        self._dial_state = fetch_state
         self.recovery = Recovery(
-            checkpoints, self.member_state if fetch_state is not None else None, self.store, self._on_event,
+            checkpoints, self.member_stream if fetch_state is not None else None, self.store, self._on_event,
             cfg.compression.diloco,
         )
         self.planning = Planning(
             cfg, self.membership, self.orders, self.store, self.recovery, self._on_event, dht_peers,
             self.key.public,
         )
-        self.driver = StepDriver(cfg, self.membership, self.orders, self.store, self._on_event)
+        self.driver = StepDriver(
+            cfg, self.membership, self.orders, self.store, self._on_event,
+            lambda: self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
+        )
         self._status_lock = threading.Lock()
         self._status: pb.StatusReply | None = None  # see status()
         self._status_at = float("-inf")
@@ -236,13 +241,34 @@ class Coordinator:
             )
         return None
 
-    def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
-        """The state of `layers` after steps_done steps from a member that holds them: downloaded by dialling it, or
-        uploaded by it when nobody can dial it."""
+    def member_stream(self, member: Member, layers: tuple[int, int], steps_done: int) -> Iterator[pb.TensorChunk]:
+        """The chunks of the state of `layers` after steps_done steps from a member that holds them, as they arrive:
+        downloaded by dialling it, or uploaded by it when nobody can dial it; within a deadline for its bytes over
+        its measured link to the coordinator."""
+        deadline = self._state_deadline_s(member, layers)
         if member.unreachable:
-            return self.uploads.fetch(member.node_id, steps_done, layers, self.cfg.scheduler.step_timeout_s)
+            return self.uploads.stream(member.node_id, steps_done, layers, deadline)
         assert self._dial_state is not None
-        return self._dial_state(member.address, steps_done)
+        return self._dial_state(member.address, steps_done, deadline)
+
+    def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
+        """The state of `layers` after steps_done steps from a member that holds them, in memory (member_stream's)."""
+        bound = stage_bound(member, layers, self.cfg.compression.diloco)
+        expect = framing.bounded(bound.tensor_bytes if bound else framing.MAX_TENSOR_BYTES)
+        try:
+            return framing.read_state(self.member_stream(member, layers, steps_done), expect=expect)
+        except FrameError as e:
+            raise LookupError(f"{member.node_id} sent malformed state: {e}") from None
+
+    def _state_deadline_s(self, member: Member, layers: tuple[int, int]) -> float:
+        """How long the state of `layers` may take to come from `member`: its bytes (the plan's bound) over the
+        member's measured link to the coordinator, or over scheduler.state_link_mbps where none was measured."""
+        sched = self.cfg.scheduler
+        bound = stage_bound(member, layers, self.cfg.compression.diloco)
+        links = member.profile.links if member.profile is not None else []
+        measured = [link.bandwidth_bps for link in links if link.peer == COORDINATOR_PEER and link.bandwidth_bps > 0]
+        bits_per_s = measured[0] if measured else sched.state_link_mbps * 1e6
+        return framing.state_deadline_s(bound.total_bytes if bound else 0, bits_per_s / 8, sched.state_deadline_floor_s)
 
     def model_state(self, steps_done: int) -> dict[str, Any]:
         """The whole model's parameters (no optimizer state) after steps_done steps, stage by stage from a live holder
@@ -258,20 +284,12 @@ class Coordinator:
             state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
         return state
 
-    def upload_state(self, node_id: str, request: int, chunks: list[pb.TensorChunk], error: str) -> None:
-        """A member's upload for an UploadState order (chunks of its state, or why it has none); ReportRefused for
-        one that was not asked of it, or whose chunks do not frame a state."""
-        if not self.uploads.expects(node_id, request):
+    def upload_inbox(self, node_id: str, request: int) -> UploadInbox:
+        """Where a member's upload for an UploadState order goes; ReportRefused for one that was not asked of it."""
+        inbox = self.uploads.inbox(node_id, request)
+        if inbox is None:
             raise ReportRefused(f"no state upload {request} was asked of {node_id}")
-        if error:
-            self.uploads.received(request, None, error)
-            return
-        try:
-            state = framing.read_state(chunks)
-        except FrameError as e:
-            self.uploads.received(request, None, str(e))
-            raise ReportRefused(f"bad state upload from {node_id}: {e}") from None
-        self.uploads.received(request, state)
+        return inbox
 
     def authorize(self, node_id: str, signer: bytes | None) -> None:
         """Unauthorized unless a call about member `node_id` was signed by its key (Membership.authorize)."""
@@ -366,19 +384,24 @@ class Coordinator:
         steps from the coordinator (Membership.load_ordered): FetchCheckpoint serves nobody else."""
         return self.membership.load_ordered(key, self.plan, (layer_start, layer_end), steps_done)
 
-    def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
-        """Parameters and optimizer state of a layer range at steps_done: from the checkpoint, else uploaded by a live
-        holder nobody can dial (a node told to load its state from such a holder fetches it here); None if neither."""
-        state = self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+    def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> Iterator[pb.TensorChunk] | None:
+        """The chunks of the parameters and optimizer state of a layer range at steps_done: from the checkpoint, read
+        from its files as they are sent, else passed on as a live holder nobody can dial uploads them (a node told to
+        load its state from such a holder fetches it here; it checks what it gets); None if neither."""
+        sources = self.recovery.checkpoint_state(layer_start, layer_end, steps_done)
+        if sources is not None:
+            return framing.state_stream(sources)
         layers = (layer_start, layer_end)
         with self.membership.cond:
             undialable = [m for m in placement.holders(self.membership.alive(), layers, steps_done) if m.unreachable]
-        if state is None and undialable:
-            try:
-                state = self.member_state(undialable[0], layers, steps_done)
-            except LookupError as e:
-                log.warning("layers [%d, %d) after %d steps: %s", layer_start, layer_end, steps_done, e)
-        return state
+        if not undialable:
+            return None
+        chunks = self.member_stream(undialable[0], layers, steps_done)
+        try:
+            return itertools.chain([next(chunks)], chunks)
+        except (LookupError, StopIteration) as e:
+            log.warning("layers [%d, %d) after %d steps: %s", layer_start, layer_end, steps_done, e)
+            return None
 
     # -- the run ------------------------------------------------------------------------------------------------
 
@@ -493,7 +516,7 @@ class Coordinator:
                 record = replace(record, val_loss=val_loss)
         every = self.cfg.scheduler.checkpoint_every
         if self.recovery.checkpoints is not None and every and self.step % every == 0:
-            self.recovery.checkpoint(self.plan, self.step, self.membership.alive())
+            self.recovery.start_checkpoint(self.plan, self.step, self.membership.alive())
         return record
 
     # -- data (called from RPC threads) -------------------------------------------------------------------------

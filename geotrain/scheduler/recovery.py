@@ -1,22 +1,47 @@
 """Recovery: checkpoints of the committed state, snapshots when layers move, and rollback when a stage lost every
-copy of the committed step (DESIGN.md "Failure, join, restart")."""
+copy of the committed step (DESIGN.md "Failure, join, restart").
+
+A checkpoint streams: each stage's state goes from one live holder straight into its file, chunk by chunk, so the
+coordinator never holds more than a few chunks of it. The coordinator writes the durable copy itself rather than
+having holders write shards (torch.distributed.checkpoint's way): holders are volunteers who may vanish or lie, so
+the copy that survives them must be on the coordinator's disk, and their bytes must pass through it anyway to be
+checked against the checksum their replicas agreed on.
+
+And it does not stop the run (torchtitan's async checkpointing): `start_checkpoint` returns once every holder has
+begun sending, which pins the snapshot it sends from (node.handover.StateSnapshot: it keeps serving the committed
+step after the next one is applied), and the files are written by a thread of their own while the run goes on. One
+checkpoint is written at a time; whatever reads checkpoints to decide (sources, rollback) waits for it first.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.framing import StateReceiver, StateSource
 from geotrain.scheduler import placement
-from geotrain.scheduler.checkpoint import CheckpointStore, Manifest, StageState, stage_checksum
+from geotrain.scheduler.checkpoint import CheckpointStore, CheckpointWrite, Manifest, StateBound, state_bound
 from geotrain.scheduler.membership import EventSink, Member
 from geotrain.scheduler.state import RunStore
 
 log = logging.getLogger(__name__)
 
-StateFetcher = Callable[[Member, tuple[int, int], int], dict[str, Any]]
-"""(a member holding the layers, the layer range, steps done) -> the state tensors (Coordinator.member_state)."""
+StateFetcher = Callable[[Member, tuple[int, int], int], Iterator[pb.TensorChunk]]
+"""(a member holding the layers, the layer range, steps done) -> the chunks of that state, as they arrive
+(Coordinator.member_stream)."""
+
+
+def stage_bound(member: Member, layers: tuple[int, int], diloco: bool) -> StateBound | None:
+    """The most the state of `layers` may hold, from the parameter shapes in the member's profile (None: it sent
+    none, and its state is bounded only by the file system)."""
+    profile = member.profile
+    if profile is None or len(profile.param_shapes) < layers[1]:
+        return None
+    shapes = [[tuple(t.dims) for t in profile.param_shapes[i].tensors] for i in range(*layers)]
+    return state_bound(shapes, diloco)
 
 
 class Recovery:
@@ -35,46 +60,98 @@ class Recovery:
         self.store = store
         self._on_event = on_event
         self._diloco = diloco  # a stage's checksum covers its anchor (node.stage)
+        self._writing: threading.Thread | None = None  # the checkpoint being written
+        self._written: Manifest | None = None  # what it wrote
 
     def checkpoint(self, plan: pb.Plan, steps_done: int, alive: list[Member]) -> Manifest | None:
-        """Write a checkpoint of the committed state, fetched from a live holder of each stage and checked against
-        the checksum its replicas reported; None (and no checkpoint) when a stage has none, a download fails, or a
-        holder sends other parameters."""
+        """Write a checkpoint of the committed state and wait until it is written (start_checkpoint's)."""
+        self.start_checkpoint(plan, steps_done, alive)
+        return self.finish_checkpoint()
+
+    def start_checkpoint(self, plan: pb.Plan, steps_done: int, alive: list[Member]) -> None:
+        """Start a checkpoint of the committed state, streamed from a live holder of each stage and checked against
+        the checksum its replicas reported: returns once every holder has begun sending (its snapshot of this step
+        is pinned), while the files are written on. No checkpoint when a stage has no holder, a download fails, or a
+        holder sends other parameters (finish_checkpoint says None)."""
         assert self.checkpoints is not None and self._fetch_state is not None
+        self.finish_checkpoint()
         checksums = self.store.checksums(steps_done - 1)
-        stages = []
+        streams: list[tuple[pb.StageAssignment, Member, pb.TensorChunk, Iterator[pb.TensorChunk]]] = []
         try:
             for s in plan.stages:
                 have = placement.holders(alive, (s.layer_start, s.layer_end), steps_done)
                 if not have:
                     raise LookupError(f"no live node holds stage {s.index}")
-                state = self._fetch_state(have[0], (s.layer_start, s.layer_end), steps_done)
+                chunks = self._fetch_state(have[0], (s.layer_start, s.layer_end), steps_done)
+                streams.append((s, have[0], next(chunks), chunks))
+        except Exception as e:  # a node lost before it began sending: the next checkpoint will do
+            log.warning("checkpoint of step %d skipped: %s", steps_done, e)
+            for *_, chunks in streams:
+                _close(chunks)
+            return
+        pending = self.checkpoints.begin(steps_done, plan.epoch)
+        self._writing = threading.Thread(
+            target=self._write, args=(pending, streams, checksums), name=f"checkpoint-{steps_done}", daemon=True
+        )
+        self._writing.start()
+
+    def finish_checkpoint(self) -> Manifest | None:
+        """Wait for the checkpoint being written, if any; the checkpoint it wrote (None: none, or it failed)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.join()
+        written, self._written = self._written, None
+        return written
+
+    def _write(
+        self, pending: CheckpointWrite, streams: list[tuple[pb.StageAssignment, Member, Any, Iterator[pb.TensorChunk]]],
+        checksums: dict[int, str],
+    ) -> None:
+        """Stream every stage into its file, then commit the checkpoint (the checkpoint thread)."""
+        steps_done = pending.steps_done
+        try:
+            for s, member, first, chunks in streams:
+                layers = (s.layer_start, s.layer_end)
                 recorded = checksums.get(s.index, "")
-                if recorded and stage_checksum(state, self._diloco) != recorded:
-                    raise ValueError(f"{have[0].node_id} sent stage {s.index} with another checksum than its replicas'")
-                stages.append(StageState(s.layer_start, s.layer_end, recorded, state))
+                writer = pending.stage(*layers, recorded, self._diloco, stage_bound(member, layers, self._diloco))
+                try:
+                    receiver = StateReceiver(writer)
+                    receiver.feed(first)
+                    for chunk in chunks:
+                        receiver.feed(chunk)
+                    receiver.close()
+                    checksum = writer.finish()
+                finally:
+                    writer.close()
+                if recorded and checksum != recorded:
+                    raise ValueError(f"{member.node_id} sent stage {s.index} with another checksum than its replicas'")
+            manifest = pending.commit()
         except Exception as e:  # a node lost mid-download: the next checkpoint will do
             log.warning("checkpoint of step %d skipped: %s", steps_done, e)
-            return None
-        manifest = self.checkpoints.write(steps_done, plan.epoch, stages)
+            pending.abandon()
+            for *_, chunks in streams:
+                _close(chunks)
+            return
         self.store.put("checkpoint", str(manifest.path))
         self.store.event("checkpoint", detail=f"step {steps_done}")
         self._on_event("checkpoint", {"steps_done": steps_done, "path": str(manifest.path)})
-        return manifest
+        self._written = manifest
 
     def checkpoint_due(self, steps_done: int) -> bool:
         """Whether the newest checkpoint is older than steps_done (a finished run writes one)."""
         if self.checkpoints is None:
             return False
+        self.finish_checkpoint()
         latest = self.checkpoints.latest()
         return latest is None or latest.steps_done != steps_done
 
-    def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> dict[str, Any] | None:
-        """Parameters and optimizer state of a layer range from the checkpoint at steps_done, if there is one."""
+    def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> Iterator[StateSource] | None:
+        """Parameters and optimizer state of a layer range from the checkpoint at steps_done, if there is one: its
+        tensors, each read from the file as it is sent."""
         manifest = self.checkpoints.latest(at_most=steps_done) if self.checkpoints else None
         if manifest is None or manifest.steps_done != steps_done:
             return None
-        return self.checkpoints.load_layers(manifest, layer_start, layer_end)
+        return self.checkpoints.layer_sources(manifest, layer_start, layer_end)
 
     def _snapshot(self, plan: pb.Plan | None, steps_done: int, alive: list[Member]) -> Manifest | None:
         """A checkpoint of the committed step: the newest one if it is of this step, else one written now from
@@ -82,6 +159,7 @@ class Recovery:
         current plan has no live copy of this step."""
         if self.checkpoints is None or plan is None:
             return None
+        self.finish_checkpoint()
         latest = self.checkpoints.latest(at_most=steps_done)
         if latest is not None and latest.steps_done == steps_done:
             return latest
@@ -105,6 +183,7 @@ class Recovery:
             return sources, steps_done
         manifest = self._snapshot(plan, steps_done, alive)
         if manifest is None:
+            self.finish_checkpoint()
             manifest = self.checkpoints.latest(at_most=steps_done) if self.checkpoints else None
             back_to = manifest.steps_done if manifest else 0
             log.warning("a stage lost every copy of step %d: rolling back to step %d", steps_done, back_to)
@@ -116,3 +195,10 @@ class Recovery:
             for m in groups[i]:
                 sources[m.node_id] = ("", checksum)
         return sources, steps_done
+
+
+def _close(chunks: Iterator[Any]) -> None:
+    """End a state stream that will not be read on (a gRPC call is cancelled, a generator closed)."""
+    cancel = getattr(chunks, "cancel", None) or getattr(chunks, "close", None)
+    if cancel is not None:
+        cancel()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from geotrain.config import RunConfig
+from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel, placement
 from geotrain.scheduler.calibration import Calibration, StepTimings
@@ -25,7 +26,7 @@ from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.planner import PlannerConfig
 from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import planner_inputs
-from geotrain.scheduler.recovery import Recovery
+from geotrain.scheduler.recovery import Recovery, stage_bound
 from geotrain.scheduler.state import RunStore
 from geotrain.scheduler.stepdriver import current_loss_scale
 
@@ -275,6 +276,18 @@ class Planning:
         alive = self._placeable()
         return placement.assign_groups(ranges, alive, self.plan, set(self.left_out()), self._replica_cap(len(alive)))
 
+    def _load_deadline_s(self, plan: pb.Plan, loads: dict[str, tuple[str, str]]) -> float:
+        """How long the bytes of the slowest state load of `loads` take, as the loading node times them
+        (node.holder): its stage's state bytes (the plan's bound, from the node's profile) over
+        scheduler.state_link_mbps; the time a plan's take-up has on top of a step's."""
+        sched, members, slowest = self.cfg.scheduler, self.membership.members, 0.0
+        for s in plan.stages:
+            for node_id in (n for n in s.node_ids if n in loads and n in members):
+                bound = stage_bound(members[node_id], (s.layer_start, s.layer_end), self.cfg.compression.diloco)
+                nbytes = bound.total_bytes if bound is not None else 0
+                slowest = max(slowest, framing.state_deadline_s(nbytes, sched.state_link_mbps * 1e6 / 8, 0.0))
+        return slowest
+
     def _layout(self) -> tuple[placement.Ranges, placement.Groups]:
         """Layer ranges and their nodes: the planner's over measured profiles (see the module docstring), else the
         current ranges (an even split at first) with nodes reassigned."""
@@ -487,7 +500,7 @@ class Planning:
                 for n in nodes
             ),
             "nodes to take up the plan",
-            self.cfg.scheduler.step_timeout_s,
+            self.cfg.scheduler.step_timeout_s + self._load_deadline_s(plan, loads),
             Scope(epoch, tuple(nodes)),
         )
         self.membership.serving(plan)

@@ -8,7 +8,7 @@ import multiprocessing
 import secrets
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -42,7 +42,6 @@ from geotrain.scheduler.state import RunStore
 log = logging.getLogger(__name__)
 
 COORDINATOR_ID = "coordinator"
-_FETCH_DEADLINE_S = 300.0
 _DHT_READY_S = 30.0
 _STOP_DEADLINE_S = 10.0
 # Threads for the calls that block (SQLite, checkpoint files, status, probes): they queue beyond this, and the
@@ -228,14 +227,17 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
 
     async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
         await self._check_fetch(context, request)
-        state = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
-        if not state:
+        chunks = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
+        if chunks is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
                                 f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
-        chunks = framing.state_chunks(state.items())
-        # Each chunk copies up to a MiB out of a tensor: made on the pool, one at a time, as the stream is read.
-        while (chunk := await self._off_loop(next, chunks, None)) is not None:
-            yield chunk
+        # Each chunk reads up to a MiB of a file (or waits for an upload): made on the pool, one at a time, as the
+        # stream is read.
+        try:
+            while (chunk := await self._off_loop(next, chunks, None)) is not None:
+                yield chunk
+        except LookupError as e:  # the upload it passes on stopped
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def _check_fetch(self, context: grpc.aio.ServicerContext, request: pb.FetchCheckpointRequest) -> None:
         """PERMISSION_DENIED (an offence of the signer's member, if any) unless a live member of the signer's key was
@@ -274,13 +276,19 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         if first is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty state upload")
         await self._check_member(context, first)
-        chunks = [first.chunk] if first.HasField("chunk") else []
-        async for upload in request_iterator:
-            chunks.append(upload.chunk)
         try:
-            await self._off_loop(self.c.upload_state, first.node_id, first.request, chunks, first.error)
+            inbox = self.c.upload_inbox(first.node_id, first.request)
         except ReportRefused as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "StateUpload", first.node_id)
+        if first.error:
+            await self._off_loop(inbox.end, first.error)
+            return pb.Ack()
+        # Each chunk waits on the pool until its reader takes it: the reader's pace holds the uploader back.
+        uploads = [first] if first.HasField("chunk") else []
+        async for upload in _chain(uploads, request_iterator):
+            if not await self._off_loop(inbox.put, upload.chunk):
+                await context.abort(grpc.StatusCode.CANCELLED, "the coordinator no longer reads this upload")
+        await self._off_loop(inbox.end)
         return pb.Ack()
 
     async def Stop(self, request, context):  # noqa: D102, N802
@@ -383,17 +391,34 @@ def stop_run(address: str, token: str, key: NodeKey, reason: str, tls: TlsFiles 
         channel.close()
 
 
+def stage_state_stream(
+    address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None, deadline_s: float = 300.0
+) -> Iterator[pb.TensorChunk]:
+    """The chunks of a stage's parameters and optimizer state after `steps_done` steps as they arrive from a node
+    serving it (the call starts at the first read; the channel closes with the stream); the call is signed by the
+    coordinator's `key` (a node serves its state to no other caller outside its plan)."""
+    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
+    try:
+        yield from rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=deadline_s)
+    except grpc.RpcError as e:
+        raise LookupError(f"the state download from {address} failed: {e.code().name} {e.details()}") from None
+    finally:
+        channel.close()
+
+
 def fetch_stage_state(
     address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None
 ) -> dict[str, torch.Tensor]:
-    """A stage's parameters and optimizer state after `steps_done` steps, downloaded from a node serving it; the
-    call is signed by the coordinator's `key` (a node serves its state to no other caller outside its plan)."""
-    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
-    try:
-        stream = rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=_FETCH_DEADLINE_S)
-        return framing.read_state(stream)
-    finally:
-        channel.close()
+    """A stage's parameters and optimizer state after `steps_done` steps, downloaded into memory (stage_state_stream's)."""
+    return framing.read_state(stage_state_stream(address, token, steps_done, key, tls))
+
+
+async def _chain(first: Iterable[T], rest: AsyncIterable[T]) -> AsyncIterator[T]:
+    """`first`'s items, then `rest`'s."""
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
 
 
 def fetch_model_state(
@@ -546,7 +571,9 @@ class CoordinatorProcess:
                 cfg,
                 store=self.store,
                 checkpoints=checkpoints,
-                fetch_state=lambda address, steps_done: fetch_stage_state(address, token, steps_done, key, tls),
+                fetch_state=lambda address, steps_done, deadline_s: stage_state_stream(
+                    address, token, steps_done, key, tls, deadline_s
+                ),
                 dht_peers=self.dht.maddrs,
                 run_id=self.store.get("run_id", ""),
                 on_event=on_event,

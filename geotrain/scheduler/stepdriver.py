@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
@@ -119,9 +120,11 @@ class StepDriver:
     """Runs steps: dispatches microbatches, collects reports, decides, and commits."""
 
     def __init__(
-        self, cfg: RunConfig, membership: Membership, orders: OrderQueues, store: RunStore, on_event: EventSink
+        self, cfg: RunConfig, membership: Membership, orders: OrderQueues, store: RunStore, on_event: EventSink,
+        estimate_s: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.cfg = cfg
+        self._estimate_s = estimate_s  # the current plan's estimated step time (None: not priced yet)
         self.membership = membership
         self.orders = orders
         self.store = store
@@ -129,6 +132,13 @@ class StepDriver:
         self.progress = StepProgress(step=-1)
         self.phase = StepPhase.IDLE
         self.timings: StepTimings | None = None  # what the last committed step measured
+
+    def step_timeout_s(self) -> float:
+        """How long a step (and each of its phases) may take: scheduler.step_timeout_factor times the plan's
+        estimate, and at least scheduler.step_timeout_s, so that a plan the cost model prices slow is not failed by
+        a constant sized for a small model."""
+        sched, estimate = self.cfg.scheduler, self._estimate_s()
+        return max(sched.step_timeout_s, sched.step_timeout_factor * estimate if estimate else 0.0)
 
     def _enter(self, phase: StepPhase, step: int) -> None:
         self.phase = phase
@@ -200,7 +210,7 @@ class StepDriver:
             if earlier[0] is not None and earlier != reported:
                 _refuse(request.node_id, f"a second, different gradient norm for step {request.step}")
             # Measurements, not state: bounded by the step timeout (a step that took longer would have failed).
-            timeout = self.cfg.scheduler.step_timeout_s
+            timeout = self.step_timeout_s()
             measured = (request.compute_s_per_microbatch, request.averaging_s, request.round_trip_s)
             if not all(0 <= v <= timeout for v in measured):
                 _refuse(request.node_id, f"its compute, averaging or round trip seconds are not in [0, {timeout:g}]")
@@ -237,7 +247,7 @@ class StepDriver:
         """Train step `step` under `plan` and commit it; StepFailed if it cannot complete under this plan."""
         t0 = time.monotonic()
         total = self.cfg.train.microbatches
-        timeout = self.cfg.scheduler.step_timeout_s
+        timeout = self.step_timeout_s()
         nodes = placement.plan_nodes(plan)
         in_step = Scope(plan.epoch, tuple(nodes))
         wait = self.membership.wait
@@ -344,7 +354,7 @@ class StepDriver:
         self.membership.wait(
             lambda: all(n in self.progress.checksums for n in behind),
             "the decided step's apply",
-            self.cfg.scheduler.step_timeout_s,
+            self.step_timeout_s(),
         )
         self.store.commit_step(record, {})
         return step + 1
@@ -374,7 +384,7 @@ class StepDriver:
         self.membership.wait(
             lambda: len(self.progress.eval_losses) == n,
             "validation",
-            self.cfg.scheduler.step_timeout_s,
+            self.step_timeout_s(),
             Scope(plan.epoch, tuple(placement.plan_nodes(plan))),
         )
         return sum(self.progress.eval_losses.values()) / n
