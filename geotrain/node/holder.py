@@ -56,6 +56,7 @@ class StageHolder:
     state_epoch: int  # plan epoch whose LoadState this node completed
     held: HeldStates  # layers a new plan moved this node away from, served until taken over
     snapshots: Snapshots  # the states this node is sending, kept as they were while the stage moves on
+    _loading: StageRuntime | None = None  # the runtime whose tensors a state load is overwriting
     router: ReplicaRouter
     _state_lock: threading.Lock  # parameters change only under it (apply, load) and are read under it
     _peer_regions: dict[str, str]  # from plans and probe orders: what the link emulator shapes by
@@ -201,6 +202,7 @@ class StageHolder:
         source = order.source_address or "the coordinator's checkpoint"
         with self._state_lock:
             self.snapshots.preserve(runtime)  # its tensors are about to be overwritten
+            self._loading = runtime  # and until they are whole, it serves no state (state_snapshot)
         try:
             state = self._fetch_state(order, runtime)
             with self._state_lock:
@@ -217,6 +219,8 @@ class StageHolder:
             raise StageFailure(
                 pb.FAILURE_REASON_STATE, f"cannot load the state after {order.steps_done} steps from {source}: {detail}"
             ) from e
+        finally:
+            self._loading = None
         if order.expected_checksum and checksum != order.expected_checksum:
             raise StageFailure(
                 pb.FAILURE_REASON_STATE, f"state loaded for step {order.steps_done} from {source} fails its checksum"
@@ -293,7 +297,7 @@ class StageHolder:
             runtime = self.runtime
             if layers is not None and (runtime is None or (runtime.start, runtime.end) != layers):
                 runtime = self.held.get(layers, steps_done)
-            if runtime is None or runtime.applied_step + 1 != steps_done:
+            if runtime is None or runtime is self._loading or runtime.applied_step + 1 != steps_done:
                 return None
             return self.snapshots.open(runtime)
 

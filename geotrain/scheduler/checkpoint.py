@@ -12,6 +12,7 @@ and it is read tensor by tensor (StageFile: only the tensors of the layers asked
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -151,12 +152,13 @@ class CheckpointStore:
             if (entry["layer_start"], entry["layer_end"]) == (layer_start, layer_end) and entry["checksum"]:
                 return entry["checksum"]
         prefix = "sync.anchor." if diloco else ""
-        counted = []
-        for stage, names in self._files_of(manifest, layer_start, layer_end):
-            counted += [(name, stage.path) for name in names if name.startswith(prefix + "layers.")]
         digest = hashlib.sha256()
-        for name, path in sorted(counted):
-            with StageFile(path) as stage:
+        with contextlib.ExitStack() as files:
+            counted: list[tuple[str, StageFile]] = []
+            for stage, names in self._files_of(manifest, layer_start, layer_end):
+                opened = files.enter_context(stage)
+                counted += [(name, opened) for name in names if name.startswith(prefix + "layers.")]
+            for name, stage in sorted(counted, key=lambda item: item[0]):
                 digest.update(name.removeprefix(prefix).encode())
                 for data in stage.chunks(name):
                     digest.update(data)
