@@ -48,6 +48,13 @@ steps/s with 6,000 a window, see below). The page costs the coordinator nothing 
 a second, the coordinator renders from SQLite at most twice a second whoever asks): what is left is CPU on the shared
 cores, ~0.2 of a core for the page's process at nice 10 answering ~600 requests a second (nearly all 429) and ~0.15 for
 the attacker's clients. A window may carry more than its 3,000: when its ten batches end early the attack starts again.
+Issue 30's attacks (--window 5 --rounds 3, ~30 steps/s), ratio of the medians, each with 0 honest nodes dead, 0
+honest registrations refused, 0 bytes of state to the attacker, 0 connections to the host it named and
+final_max_diff 0.0: forged failure reports 1.03, raw-port hold 0.92 (0.61 before a host's new connections past 20 a
+second were closed at accept, without a thread), checkpoint fetch 0.95, dial-back to a third host 0.95 (0.79 and 0.82
+at --window 4 --rounds 2 before refusals for room were held by the backoff), dial-back to a tarpit 1.07, fake-id fill
+0.95. In one longer run three steps timed out at the step timeout (120 s): a data head past limits.calls_per_s (200
+calls a second) at ~30 steps/s had a MicrobatchDone refused RESOURCE_EXHAUSTED, which it does not retry.
 Before the backoff and the page's process (10 s windows, one each): 0.30x for the page, 0.58-0.84x for forged tensors,
 0.72x for idle streams.
 """
