@@ -482,8 +482,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         device=args.device,
         state_dir=args.state_dir,
     )
-    _announce_device(args.device)
     torch_threads()  # torch may have been imported before this process had OMP_NUM_THREADS (a local node is forked)
+    _announce_device(args.device)
     try:
         agent = Agent(options)
     except IdentityError as e:
@@ -517,12 +517,14 @@ def _announce_device(spec: str) -> None:
     """Print the device a node will compute on, its usable memory and a measured speed, before it registers (on
     stdout: stderr is for what went wrong, one line of it)."""
     from geotrain.node.device import describe, matmul_flops
-    from geotrain.node.profiler import available_memory_bytes
+    from geotrain.node.profiler import available_memory_bytes, host_turn
 
     device = _device(spec)
+    with host_turn():  # nodes starting together on one machine time it in turn, as they time their layers
+        flops = matmul_flops(device)
     print(
         f"device {describe(device)}: {available_memory_bytes(device) / 2**30:.1f} GiB free, "
-        f"{matmul_flops(device) / 1e12:.2f} TFLOP/s fp32 matmul",
+        f"{flops / 1e12:.2f} TFLOP/s fp32 matmul",
         flush=True,
     )
 

@@ -177,6 +177,10 @@ def test_status_page_tracks_a_live_demo(demo, tmp_path):
     assert first.find("li", data_kind="join") and first.find("li", data_kind="plan")
     points = first.points("loss-chart")
     assert points >= 3 and first.points("tokens-chart") == points
+    # Both charts over the same axis, the run's steps.
+    (loss_canvas,), (tokens_canvas,) = first.find("canvas", id="loss-chart"), first.find("canvas", id="tokens-chart")
+    assert loss_canvas["data-x-axis"] == tokens_canvas["data-x-axis"] == f"step 1-{status['steps']}"
+    assert first.find("section", id="problems", hidden="")  # nothing went wrong yet: no panel
 
     _wait_status(url, lambda s: int(s["step"]) >= points + 3, "more steps", 30)
 
@@ -193,6 +197,9 @@ def test_status_page_tracks_a_live_demo(demo, tmp_path):
     assert all("dead" not in classes for node, classes in cards.items() if node != victim)
     assert final.find("tr", data_node=victim, **{"class": "dead"})
     assert final.find("li", data_kind="dead")
+    # The death is in the problems panel at the top, without scrolling the event log.
+    assert final.find("li", data_kind="dead", **{"class": "problem"})
+    assert final.find("section", id="problems") and not final.find("section", id="problems", hidden="")
 
     with urllib.request.urlopen(url + "metrics", timeout=5) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}

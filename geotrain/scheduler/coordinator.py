@@ -428,6 +428,7 @@ class Coordinator:
         if self.cfg.compression.inexact_replicas:
             log.warning("%s", self.cfg.compression.inexact_replicas)
         if self.plan is not None:
+            self._await_returning_nodes()
             self.step = self.driver.finish_decided(self.plan) or self.step
         first_step = self.step
         while self.step < self.cfg.run.steps:
@@ -488,6 +489,24 @@ class Coordinator:
         """(sender, receiver) -> the wire bytes the sender counted on that link (its last heartbeat's)."""
         with self.membership.cond:
             return {(m.node_id, link.peer): link.wire_bytes for m in self.membership.alive() for link in m.links}
+
+    def _await_returning_nodes(self) -> None:
+        """On resume, give the restored plan's nodes a moment (scheduler.heartbeat_timeout_s) to register again and
+        resend their profiles, as each does at once on its return: a plan made before they are all in would be made
+        again as each one comes in (a plan epoch apiece)."""
+        nodes = set(placement.plan_nodes(self.plan))
+
+        def back() -> bool:
+            alive = self.membership.alive()
+            return nodes <= {m.node_id for m in alive} and all(m.profile is not None for m in alive if m.held)
+
+        try:
+            self.membership.wait(back, "the plan's nodes to come back", self.cfg.scheduler.heartbeat_timeout_s)
+        except RunAborted:
+            if self.stop_requested.is_set():
+                raise
+            log.info("planning without every node of the last plan: not all came back within %.0fs",
+                     self.cfg.scheduler.heartbeat_timeout_s)
 
     def _note_failure(self, why: str) -> None:
         self.planning.dirty = True  # a new epoch drops whatever the failed step left half-done

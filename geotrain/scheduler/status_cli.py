@@ -96,7 +96,7 @@ def render_status(reply: pb.StatusReply) -> str:
         ]
         for n in reply.nodes
     ]
-    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "REACH", "DEVICE", "MB/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
+    header = ["NODE", "REGION", "STAGE", "LAYERS", "ROLE", "STATE", "REACH", "DEVICE", "MICROBATCHES/S", "HEARTBEAT", "IN", "OUT", "RATIO"]
     lines += _table(header, rows)
     if reply.links:
         lines.append("")

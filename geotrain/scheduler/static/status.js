@@ -34,9 +34,17 @@ function setText(id, text) {
   document.getElementById(id).textContent = text;
 }
 
+// The step driver's phases (scheduler/stepdriver.py) in words.
+const PHASES = {
+  dispatched: "computing microbatches", microbatches_done: "averaging gradients", norms_in: "deciding the update",
+  decided: "applying the update", applied: "committing the step", committed: "step committed",
+  evaluating: "validating",
+};
+
 function renderFigures(s) {
   const hasVal = s.history.some((p) => p.has_val_loss);
-  setText("state", s.phase && s.phase !== "idle" ? `${s.state} (${s.phase})` : s.state);
+  const phase = PHASES[s.phase];
+  setText("state", phase ? `${s.state}: ${phase}` : s.state);
   setText("step", `${num(s.step)} / ${num(s.steps)}`);
   setText("loss", s.history.length ? s.loss.toFixed(4) : "n/a");
   setText("val-loss", hasVal ? `${s.val_loss.toFixed(4)} (${s.val_bits_per_byte.toFixed(3)} bits/byte)` : "n/a");
@@ -94,7 +102,7 @@ function renderPipeline(s) {
       }
       if (n) {
         card.style.background = nodeColour(n, fastest);
-        card.append(el("div", "detail", `${n.region} · ${n.device || "?"} · ${n.role} · ${n.microbatches_per_s.toFixed(2)} mb/s`));
+        card.append(el("div", "detail", `${n.region} · ${n.device || "?"} · ${n.role} · ${n.microbatches_per_s.toFixed(2)} microbatches/s`));
       }
       col.append(card);
     }
@@ -117,6 +125,28 @@ function renderNodes(s) {
     return tr;
   });
   document.querySelector("#nodes tbody").replaceChildren(...rows);
+}
+
+// What went wrong, shown above everything else: an operator must not scroll the event log to see it.
+const PROBLEMS = new Set(["failure", "dead", "aborted", "evicted", "clipped", "stopped"]);
+const PROBLEMS_SHOWN = 5;
+
+function renderProblems(s) {
+  const problems = s.events.filter((e) => PROBLEMS.has(e.kind)).slice(-PROBLEMS_SHOWN).reverse();
+  const box = document.getElementById("problems");
+  box.hidden = !problems.length;
+  const items = problems.map((e) => {
+    const li = el("li", "problem");
+    li.dataset.kind = e.kind;
+    li.append(el("span", "time", new Date(e.at * 1000).toLocaleTimeString("en-GB") + " "));
+    li.append(el("span", `kind kind-${e.kind}`, e.kind));
+    li.append(document.createTextNode(` ${e.node_id} ${e.detail}`));
+    return li;
+  });
+  const failures = num(s.failures), dead = s.nodes.filter((n) => !n.alive).length;
+  document.getElementById("problems-summary").textContent =
+    `${failures} failed step(s), ${dead} node(s) gone; the latest:`;
+  document.getElementById("problem-list").replaceChildren(...items);
 }
 
 function renderEvents(s) {
@@ -151,7 +181,7 @@ const lossChart = lineChart("loss-chart", "step", "loss", [
   { label: "training", data: [], borderColor: "#1f5fbf", backgroundColor: "#1f5fbf", pointRadius: 0, borderWidth: 1.5 },
   { label: "validation", data: [], borderColor: "#d9730d", backgroundColor: "#d9730d", pointRadius: 3 },
 ]);
-const tokensChart = lineChart("tokens-chart", "training time (s)", "tokens/s", [
+const tokensChart = lineChart("tokens-chart", "step", "tokens/s", [
   { label: "tokens/s", data: [], borderColor: "#17803d", backgroundColor: "#17803d", pointRadius: 0, borderWidth: 1.5 },
 ]);
 
@@ -159,9 +189,13 @@ function renderCharts(s) {
   const steps = s.history.map((p) => num(p.step) + 1);
   lossChart.data.datasets[0].data = s.history.map((p, i) => ({ x: steps[i], y: p.loss }));
   lossChart.data.datasets[1].data = s.history.flatMap((p, i) => (p.has_val_loss ? [{ x: steps[i], y: p.val_loss }] : []));
-  let elapsed = 0;
-  tokensChart.data.datasets[0].data = s.history.map((p) => ({ x: (elapsed += p.seconds), y: p.tokens_per_s }));
+  tokensChart.data.datasets[0].data = s.history.map((p, i) => ({ x: steps[i], y: p.tokens_per_s }));
+  // One x-axis for both, the run's steps: a step's loss and its speed sit one above the other.
+  const last = Math.max(num(s.steps), steps.length ? steps[steps.length - 1] : 1);
   for (const chart of [lossChart, tokensChart]) {
+    chart.options.scales.x.min = 1;
+    chart.options.scales.x.max = last;
+    chart.canvas.dataset.xAxis = `step 1-${last}`;
     chart.update();
     // The point count lets tests (and curious users) see that the chart grows without reading pixels.
     chart.canvas.dataset.points = String(chart.data.datasets[0].data.length);
@@ -175,6 +209,7 @@ async function poll() {
     if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
     const s = await reply.json();
     renderFigures(s);
+    renderProblems(s);
     renderPipeline(s);
     renderCharts(s);
     renderNodes(s);
