@@ -125,7 +125,7 @@ class Planner:
         """Search and return the chosen plan."""
         cm = self.cm
         if not cm.usable:
-            raise ValueError("no node has memory for even a one-layer stage")
+            raise ValueError(f"no node has memory for even a one-layer stage: {cm.no_room()}")
         if self.config.stages is not None and self.config.stages > min(self.n_layers, len(cm.usable)):
             raise ValueError(
                 f"cannot make {self.config.stages} stages from {self.n_layers} layers and {len(cm.usable)} usable nodes"
@@ -193,9 +193,12 @@ class Planner:
         for i, node in enumerate(cm.nodes):
             if i in used:
                 continue
-            if cm.memory[i] < smallest_stage:
+            if node.unfit:
+                reasons[node.node_id] = node.unfit
+            elif cm.memory[i] < smallest_stage:
                 reasons[node.node_id] = (
-                    f"memory: has {cm.memory[i] / _GIB:.2f} GiB, the smallest stage needs {smallest_stage / _GIB:.2f} GiB"
+                    f"memory: has {max(cm.memory[i], 0) / _GIB:.2f} GiB beyond its baseline, the smallest stage needs"
+                    f" {smallest_stage / _GIB:.2f} GiB"
                 )
             else:
                 reasons[node.node_id] = (
