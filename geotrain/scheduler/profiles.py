@@ -199,4 +199,6 @@ def planner_inputs(
         )
         for m in profiled
     ]
-    return nodes, model_profile(profiled[0].profile, cfg), measured_network(profiled)
+    # The model's sizes from a node that measured every layer (one that could not hold a layer filled some in).
+    sizes = next((m.profile for m in profiled if not m.profile.unfit), profiled[0].profile)
+    return nodes, model_profile(sizes, cfg), measured_network(profiled)
