@@ -824,6 +824,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         replica_rank=cfg.compression.replica_rank, compute_bytes=4 if cfg.train.precision == "fp32" else 2,
         recompute=cfg.train.recompute,
         replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
+        diloco=cfg.compression.diloco,
     )
 
 

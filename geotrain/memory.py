@@ -6,11 +6,12 @@ A replica of a stage with P parameters (node/stage.py, node/holder.py) peaks in 
                     + 8 float64 gradient sums + 8 AdamW moments [+ 8 DiLoCo's fp32 anchor and outer velocity])
                + the activations of the microbatches in flight, as the node measured them in its precision:
                  autocast's 16-bit weight copies are among each microbatch's saved tensors, so they count there, once
-               + the largest parameter tensor once more: the single-tensor AdamW step's temporary
+               + the largest parameter tensor twice more: its float32 gradient widened to float64 as it is added
+                 into its sum
     serving    after the commit (the sums freed) a copy of its state for a checkpoint or a new replica:
                P x (4 + 4 + 8 [+ 8]) + P x (4 + 8 [+ 8]) the snapshot + the largest tensor (its bytes being framed)
-and the process's own baseline (interpreter, torch, gRPC, the data: measured by the node before it builds a
-layer) comes on top of the larger phase.
+and the process's own baseline (interpreter, torch, gRPC, the data, and what timing the layers left allocated: measured
+by the node once it has profiled, before it builds its stage) comes on top of the larger phase.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def serving_bytes_per_param(diloco: bool) -> int:
 def training_bytes(params: Bytes, activations: Bytes, largest_tensor: Bytes, *, diloco: bool) -> Bytes:
     """Bytes of a replica beyond the process's baseline while it trains: `params` parameters, `activations` bytes kept
     for the microbatches in flight, `largest_tensor` bytes of its largest parameter tensor (numbers or arrays)."""
-    return params * training_bytes_per_param(diloco) + activations + largest_tensor
+    return params * training_bytes_per_param(diloco) + activations + largest_tensor * (FLOAT64_BYTES // FP32_BYTES)
 
 
 def stage_bytes(params: Bytes, activations: Bytes, largest_tensor: Bytes, *, diloco: bool) -> Bytes:

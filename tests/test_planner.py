@@ -206,7 +206,7 @@ def test_auto_window_is_larger_over_a_slow_link():
     nodes = [
         NodeProfile(node_id=f"n{i}", region=("east", "west")[i % 2],
                     layer_seconds=[f / 4e12 for f in model.layer_flops],
-                    memory_bytes=int(2.4 * sum(model.layer_param_bytes) + 2e8))
+                    memory_bytes=int(4 * sum(model.layer_param_bytes) + 2e8))
         for i in range(2)
     ]
     windows = {}

@@ -330,17 +330,17 @@ def test_stage_memory_counts_precision_and_recomputation():
     largest = max(model.largest_tensor_bytes[1:5])
     need = {name: cm.stage_memory_bytes(1, 5, 4) for name, cm in
             (("fp32", fp32), ("bf16", bf16), ("recompute", recompute))}
-    # fp32: weight, gradient, float64 sum and AdamW's two moments, 24 bytes a parameter, the largest tensor once more,
-    # plus 4 microbatches' activations.
-    assert need["fp32"] == 24 * params + largest + 4 * sum(model.layer_activation_bytes[1:5])
+    # fp32: weight, gradient, float64 sum and AdamW's two moments, 24 bytes a parameter, the largest tensor's
+    # gradient widened to float64, plus 4 microbatches' activations.
+    assert need["fp32"] == 24 * params + 2 * largest + 4 * sum(model.layer_activation_bytes[1:5])
     # bf16: the same fp32 state, and activations of half the bytes with autocast's 2-byte weight copies among them
     # (each microbatch's: counted once, there).
     copies = 2 * sum(math.prod(shape) for layer in model.layer_param_shapes[1:5] for shape in layer if len(shape) == 2)
     assert sum(bf16_model.layer_activation_bytes[1:5]) == sum(model.layer_activation_bytes[1:5]) / 2 + copies
-    assert need["bf16"] == 24 * params + largest + 4 * sum(bf16_model.layer_activation_bytes[1:5])
+    assert need["bf16"] == 24 * params + 2 * largest + 4 * sum(bf16_model.layer_activation_bytes[1:5])
     # Recomputation: each layer's input per microbatch in flight, and one layer's activations at a time.
     inputs = sum(model.boundary_bytes[0:4])
-    assert need["recompute"] == 24 * params + largest + 4 * inputs + max(model.layer_activation_bytes[1:5])
+    assert need["recompute"] == 24 * params + 2 * largest + 4 * inputs + max(model.layer_activation_bytes[1:5])
     assert need["recompute"] < need["bf16"] < need["fp32"]
 
 

@@ -418,11 +418,10 @@ class NodeProfiler:
 
     def measure_layers(self, cfg: RunConfig, precision: str) -> None:
         """Time the model's layers in `precision` (or take them from the state dir's cache of this device and model),
-        read the process's baseline, its usable memory and copy speed (run it where nothing else computes: the
+        then read the process's baseline, its usable memory and copy speed (run it where nothing else computes: the
         worker); log one line when this node can hold no stage."""
         try:
             started = time.monotonic()
-            baseline = baseline_bytes(self._device)
             cache = ProfileCache(self._state_dir, cache_key(cfg, self._device, precision, self._slowdown)) \
                 if self._state_dir else None
             layers, unfit, source = cache.load() if cache else None, "", "from the state dir's cache"
@@ -436,6 +435,8 @@ class NodeProfiler:
                 if cache is not None and not unfit:
                     cache.save(layers)
             copy_speed = HostCopies(self._device).copy_speed()
+            # Once the layers are timed: what timing them left allocated (freed, yet kept by the C allocator) stays.
+            baseline = baseline_bytes(self._device)
             memory = 0 if unfit else available_memory_bytes(
                 self._device, cfg.profile.memory_headroom_mib << 20, self._max_memory
             )

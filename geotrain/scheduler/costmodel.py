@@ -46,9 +46,9 @@ overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUND
 
 Memory of a replica of stage s among S stages (geotrain/memory.py, the model a node checks itself against too): the
 larger of training (24 bytes a parameter: fp32 weight, gradient, float64 gradient sum, AdamW's two moments; 8 more
-under diloco) with the activations of its microbatches in flight, and serving its state (the state after the commit
-and a snapshot of it), each with the largest parameter tensor once more; on top of the node's measured baseline
-(NodeProfile.baseline_bytes), within its memory_bytes. Activations are of min(M, S) microbatches in flight (1F1B
+under diloco) with the activations of its microbatches in flight and the largest tensor's gradient widened to
+float64, and serving its state (the state after the commit and a snapshot of it, the largest tensor framed); on top of
+the node's measured baseline (NodeProfile.baseline_bytes), within its memory_bytes. Activations are of min(M, S) microbatches in flight (1F1B
 keeps at most S - s; S is the stage-independent bound) while plans are searched; a plan's window W puts
 min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the W |R_0| microbatches the data heads keep in
 flight, and the plan reports that, per stage and per node.
