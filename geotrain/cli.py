@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -481,9 +482,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         give_up_after_s=args.give_up_after,
         device=args.device,
         state_dir=args.state_dir,
+        max_memory_bytes=args.max_memory,
     )
     torch_threads()  # torch may have been imported before this process had OMP_NUM_THREADS (a local node is forked)
-    _announce_device(args.device)
+    _announce_device(args.device, args.max_memory)
     try:
         agent = Agent(options)
     except IdentityError as e:
@@ -513,7 +515,7 @@ def _device(spec: str):
         raise UsageError(str(e)) from None
 
 
-def _announce_device(spec: str) -> None:
+def _announce_device(spec: str, max_memory: int = 0) -> None:
     """Print the device a node will compute on, its usable memory and a measured speed, before it registers (on
     stdout: stderr is for what went wrong, one line of it)."""
     from geotrain.node.device import describe, matmul_flops
@@ -523,7 +525,7 @@ def _announce_device(spec: str) -> None:
     with host_turn():  # nodes starting together on one machine time it in turn, as they time their layers
         flops = matmul_flops(device)
     print(
-        f"device {describe(device)}: {available_memory_bytes(device) / 2**30:.1f} GiB free, "
+        f"device {describe(device)}: {available_memory_bytes(device, cap_bytes=max_memory) / 2**30:.1f} GiB usable, "
         f"{flops / 1e12:.2f} TFLOP/s fp32 matmul",
         flush=True,
     )
@@ -644,6 +646,21 @@ def _number(at_least: float, above: bool = False) -> Callable[[str], float]:
         return float(text)
 
     return parse
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30,
+               "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """An argparse type: bytes from a size such as 12GiB, 800MiB, 16GB or 12G (K, M, G, T alone are binary, as
+    systemd and docker read them); more than 0."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS or not (size := int(float(match.group(1)) * _SIZE_UNITS[unit])):
+        raise argparse.ArgumentTypeError(f"expected a size such as 12GiB, 800MiB or 16GB, got {text!r}")
+    return size
 
 
 def _count(at_least: int, at_most: int) -> Callable[[str], int]:
@@ -873,6 +890,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         replica_rank=cfg.compression.replica_rank, compute_bytes=4 if cfg.train.precision == "fp32" else 2,
         recompute=cfg.train.recompute,
         replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
+        diloco=cfg.compression.diloco,
     )
 
 
@@ -1008,6 +1026,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="auto",
         help="where the stage computes: auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps (default auto); "
         "one node per GPU: start one join per device with --device cuda:N",
+    )
+    p.add_argument(
+        "--max-memory", type=parse_size, default=0, metavar="SIZE",
+        help="the most memory this node may hold in all, e.g. 12GiB (on its GPU, or on the host for the CPU), beside "
+        "free memory and a cgroup limit, which the node reads itself; the planner gives it no stage beyond that",
     )
     tls_option(p)
     p.set_defaults(func=cmd_join)

@@ -45,7 +45,7 @@ def _package(module: str) -> str:
 
 
 # Top-level modules both sides may import (and the package itself).
-_SHARED = {"geotrain", "geotrain.config", "geotrain.lifetime", "geotrain.dataset", "geotrain.durable"}
+_SHARED = {"geotrain", "geotrain.config", "geotrain.lifetime", "geotrain.dataset", "geotrain.durable", "geotrain.memory"}
 
 
 def test_layering_holds():

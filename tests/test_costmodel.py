@@ -99,25 +99,49 @@ def test_parallel_pairs_divide_link_occupancy():
 
 
 def test_memory_infeasible_plan_is_infinite_and_small_node_unusable():
-    # Stage of both layers: 200 B * (2 + 2 * 4/4) + 20 B * min(M=4, S=1) = 820 B.
-    cm = model_for([node("big", [1.0, 1.0], memory=820), node("small", [1.0, 1.0], memory=819)])
-    assert cm.stage_memory_bytes(0, 2, 1) == 820
+    # Stage of both layers, 50 parameters: training costs 24 B each + 20 B of activations (min(M=4, S=1)
+    # microbatches) + the largest tensor's gradient in float64 (a whole 100 B layer: its shapes are not known, 200 B)
+    # = 1420 B; serving a snapshot of its state costs 28 B each + 100 B = 1500 B, the peak.
+    cm = model_for([node("big", [1.0, 1.0], memory=1500), node("small", [1.0, 1.0], memory=1499)])
+    assert cm.stage_memory_bytes(0, 2, 1) == 1500
     assert cm.step_seconds([(0, 2, [0])]) < math.inf
     assert cm.step_seconds([(0, 2, [1])]) == math.inf
     tiny = model_for([node("tiny", [1.0, 1.0], memory=100)])
     assert tiny.usable == []
 
 
-def test_mixed_precision_state_is_16_bytes_per_parameter():
-    # 16-bit parameters and gradients (2 + 2), fp32 master copy (4), AdamW's fp32 moments (8): 16 bytes per
-    # parameter, as in fp32 (4 + 4 + 8); per parameter byte that is 8 at 2 bytes per value and 4 at 4.
-    half = ModelProfile(**{**TINY.__dict__, "bytes_per_value": 2})
-    assert half.state_bytes_per_param_byte == 8 and TINY.state_bytes_per_param_byte == 4
+def test_state_is_counted_per_parameter_whatever_the_dtype_of_the_profile():
+    # Stages keep fp32 weights, gradients, float64 sums and AdamW's fp32 moments: a parameter costs the same
+    # whether the profile counts it in 2 or 4 bytes; the largest tensor is counted in fp32 either way.
     gpt = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab": 100, "microbatch_size": 1}
-    fp32, bf16 = ModelProfile.gpt(**gpt), ModelProfile.gpt(**gpt, bytes_per_value=2)
-    assert sum(fp32.layer_param_bytes) * fp32.state_bytes_per_param_byte == pytest.approx(
-        sum(bf16.layer_param_bytes) * bf16.state_bytes_per_param_byte
-    )
+    fp32, half = ModelProfile.gpt(**gpt), ModelProfile.gpt(**gpt, bytes_per_value=2)
+    assert fp32.param_counts == half.param_counts and fp32.largest_tensor_bytes == half.largest_tensor_bytes
+    nodes = [node("n", [1.0] * 4)]
+    full = CostModel(nodes=nodes, model=fp32, network=SLOW_NET, shape=shape4())
+    halved = CostModel(nodes=nodes, model=dataclasses.replace(half, layer_activation_bytes=fp32.layer_activation_bytes),
+                       network=SLOW_NET, shape=shape4())
+    assert full.stage_memory_bytes(0, 4, 1) == halved.stage_memory_bytes(0, 4, 1)
+
+
+def test_memory_terms_by_hand():
+    from geotrain.memory import serving_bytes_per_param, training_bytes_per_param
+
+    # 4 weight + 4 gradient + 8 float64 sum + 8 AdamW; DiLoCo's anchor and velocity 8 more.
+    assert (training_bytes_per_param(False), training_bytes_per_param(True)) == (24, 32)
+    # After the commit (no sums): 4 + 4 + 8, and the snapshot of weights and moments 12 (DiLoCo's slots in both).
+    assert (serving_bytes_per_param(False), serving_bytes_per_param(True)) == (28, 44)
+    # One layer of 25 parameters in 4 shapes, the largest 10 values: training 25 x 24 + 1000 B of activations for one
+    # microbatch + 80 B (the largest tensor's gradient in float64) beats serving 25 x 28 + 40 B; a baseline of 300 B
+    # comes on top.
+    model = ModelProfile(layer_param_bytes=[100], boundary_bytes=[0], layer_activation_bytes=[1000], layer_flops=[1.0],
+                         layer_param_shapes=[[(10,), (5,), (5,), (5,)]])
+    nodes = [NodeProfile(node_id="n", region="r", layer_seconds=[1.0], memory_bytes=1980, baseline_bytes=300)]
+    cm = CostModel(nodes=nodes, model=model, network=SLOW_NET, shape=shape4())
+    assert cm.stage_memory_bytes(0, 1, 1) == 25 * 24 + 1000 + 80 == 1680
+    assert cm.usable == [0]  # 1980 - 300 = 1680 fits exactly
+    assert cm.plan([(0, 1, [0])], {}).node_memory_bytes == {"n": 1980}  # unbounded search: min(M, S) = 1 in flight
+    diloco = CostModel(nodes=nodes, model=model, network=SLOW_NET, shape=shape4(diloco=True))
+    assert diloco.stage_memory_bytes(0, 1, 1) == 25 * 32 + 1000 + 80 and diloco.usable == []
 
 
 def test_gpt_profile_shape_and_size():
@@ -249,13 +273,15 @@ def test_auto_window_is_the_round_trip_over_the_pace_within_memory():
     # Round trip 4 s over the link's pace of 1 s with one data head: 4 in flight keep the unbounded step time, 7 s.
     plan = CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
     assert plan.inflight == 4 and plan.step_seconds == pytest.approx(7.0)
-    # A stage-0 replica holds 400 bytes of state and 10 per microbatch in flight: with 425 bytes, 2 fit, so the
-    # window is 2 and paces: microbatches 2 and 3 start a 4 s round trip after 0 and 1, later than the link's 3 * 1 s
-    # would have them: T = 4 + 4 = 8, and the stage reports 420 bytes.
-    tight = [node("a", [0.5, 2.0], memory=425), node("b", [2.0, 0.5])]
-    plan = CostModel(nodes=tight, model=TINY, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
+    # A stage-0 replica (25 parameters) trains in 24 B each + its 100 B layer's gradient in float64 + 100 B per
+    # microbatch in flight, and serves its state in 28 B each + 100 B = 800 B: with 1025 bytes, 2 fit, so the window is
+    # 2 and paces: microbatches 2 and 3 start a 4 s round trip after 0 and 1, later than the link's 3 * 1 s would have
+    # them: T = 4 + 4 = 8, and the stage reports 1000 bytes, node a as much (its baseline is 0).
+    acts = dataclasses.replace(TINY, layer_activation_bytes=[100, 100])
+    tight = [node("a", [0.5, 2.0], memory=1025), node("b", [2.0, 0.5])]
+    plan = CostModel(nodes=tight, model=acts, network=SLOW_NET, shape=shape4(inflight="auto")).plan(stages, {})
     assert plan.inflight == 2 and plan.step_seconds == pytest.approx(8.0)
-    assert plan.stages[0].memory_bytes == 420
+    assert plan.stages[0].memory_bytes == 1000 and plan.node_memory_bytes["a"] == 1000
     # A fixed window is the plan's window; unbounded has none.
     assert CostModel(nodes=nodes, model=TINY, network=SLOW_NET, shape=shape4(inflight=3)).plan(stages, {}).inflight == 3
     assert model_for(nodes).plan(stages, {}).inflight is None

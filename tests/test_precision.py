@@ -326,16 +326,21 @@ def test_stage_memory_counts_precision_and_recomputation():
     fp32, model = _cost_model()
     bf16, bf16_model = _cost_model(compute_bytes=2)
     recompute, _ = _cost_model(recompute=True)
-    params = sum(model.layer_param_bytes[1:5])
+    params = sum(model.layer_param_bytes[1:5]) / 4
+    largest = max(model.largest_tensor_bytes[1:5])
     need = {name: cm.stage_memory_bytes(1, 5, 4) for name, cm in
             (("fp32", fp32), ("bf16", bf16), ("recompute", recompute))}
-    # fp32: parameter, gradient and AdamW's two moments, 16 bytes a parameter, plus 4 microbatches' activations.
-    assert need["fp32"] == 4 * params + 4 * sum(model.layer_activation_bytes[1:5])
-    # bf16: the same fp32 state plus autocast's 2-byte weight copies, and activations of half the bytes.
-    assert need["bf16"] == 4.5 * params + 4 * sum(bf16_model.layer_activation_bytes[1:5])
+    # fp32: weight, gradient, float64 sum and AdamW's two moments, 24 bytes a parameter, the largest tensor's
+    # gradient widened to float64, plus 4 microbatches' activations.
+    assert need["fp32"] == 24 * params + 2 * largest + 4 * sum(model.layer_activation_bytes[1:5])
+    # bf16: the same fp32 state, and activations of half the bytes with autocast's 2-byte weight copies among them
+    # (each microbatch's: counted once, there).
+    copies = 2 * sum(math.prod(shape) for layer in model.layer_param_shapes[1:5] for shape in layer if len(shape) == 2)
+    assert sum(bf16_model.layer_activation_bytes[1:5]) == sum(model.layer_activation_bytes[1:5]) / 2 + copies
+    assert need["bf16"] == 24 * params + 2 * largest + 4 * sum(bf16_model.layer_activation_bytes[1:5])
     # Recomputation: each layer's input per microbatch in flight, and one layer's activations at a time.
     inputs = sum(model.boundary_bytes[0:4])
-    assert need["recompute"] == 4 * params + 4 * inputs + max(model.layer_activation_bytes[1:5])
+    assert need["recompute"] == 24 * params + 2 * largest + 4 * inputs + max(model.layer_activation_bytes[1:5])
     assert need["recompute"] < need["bf16"] < need["fp32"]
 
 
@@ -357,7 +362,7 @@ def test_plan_gives_the_gpu_node_the_bulk_and_leaves_out_a_node_without_memory(t
                 "train.precision=bf16"]
     assert main(["plan", "--cluster", str(cluster), *[a for s in settings for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out
-    assert "tiny: memory: has 0.05 GiB, the smallest stage needs" in out
+    assert "tiny: memory: has 0.05 GiB beyond its baseline, the smallest stage needs" in out
     assert main(["plan", "--cluster", str(cluster), "--json", *[a for s in settings for a in ("--set", s)]]) == 0
     import json
 

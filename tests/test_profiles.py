@@ -110,7 +110,7 @@ def test_no_profile_yet_is_an_error():
         (lambda r: r.boundary_bytes.append(1), "boundary_bytes has"),
         (lambda r: r.layer_seconds.__setitem__(0, 0.0), r"layer_seconds\[0\] must be in"),
         (lambda r: r.layer_seconds.__setitem__(0, math.nan), r"layer_seconds\[0\] must be in"),
-        (lambda r: setattr(r, "memory_bytes", 0), "memory_bytes"),
+        (lambda r: setattr(r, "unfit", "x\x1b[2J"), "unfit must be printable"),
         (lambda r: r.links.add(peer="b", bandwidth_bps=math.inf, rtt_s=0.1), "bandwidth to b"),
         (lambda r: r.links.add(peer="b", bandwidth_bps=1e6, rtt_s=-1), "round trip to b"),
         (lambda r: r.links.add(peer="", bandwidth_bps=1e6, rtt_s=0.1), "peer must be"),

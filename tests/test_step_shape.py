@@ -55,7 +55,7 @@ def test_from_config_maps_every_field():
         "train.recompute=true",
     ])
     expected = dict(microbatches=6, microbatch_size=3, codec_ratio=CodecRatio(), inflight=2, allreduce="hierarchical",
-                    replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1,
+                    replica_rank=8, compute_bytes=2, recompute=True, replica_sync_every=1, diloco=False,
                     sync_bytes_per_value=EXACT_SUM_BYTES, averaging_round_s=0.0, commit_s=0.0,
                     crossing_s=0.0)
     # A field added to StepShape must be added here, and to from_config.
@@ -71,6 +71,7 @@ def test_from_config_maps_every_field():
     diloco = load_config(None, ["compression.replica_sync=diloco", "compression.replica_sync_every=16"])
     diloco_shape = StepShape.from_config(diloco, param_shapes_known=True)
     assert (diloco_shape.replica_sync_every, diloco_shape.sync_bytes_per_value) == (16, DILOCO_WIRE_BYTES)
+    assert diloco_shape.diloco
 
 
 def nodes(seed, n=9):

@@ -79,14 +79,20 @@ class NodeOptions:
     device: str = "auto"
     """Where the stage computes: auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps."""
     state_dir: str = ""
-    """Where the node keeps its key (node.key, created on first join), so that a restarted node keeps its identity;
-    empty: a key in memory for this process's lifetime only."""
+    """Where the node keeps its key (node.key, created on first join), so that a restarted node keeps its identity,
+    and its layer profile (profile.json), so that it rejoins without timing its layers again; empty: a key in memory
+    for this process's lifetime only."""
+    max_memory_bytes: int = 0
+    """The most memory this node's process may hold in all (`--max-memory`), beside free memory and a cgroup limit;
+    0: no cap of its own."""
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
             raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
         if self.give_up_after_s <= 0:
             raise ValueError("give_up_after_s must be positive")
+        if self.max_memory_bytes < 0:
+            raise ValueError(f"--max-memory must not be negative, got {self.max_memory_bytes}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be at least 1, got {self.slowdown}")
         if self.bandwidth_mbps < 0 or self.latency_ms < 0:
@@ -177,7 +183,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self._channel = make_channel(options.coordinator, options.token, lambda: self.node_id, options.tls, self.key)
         self.coordinator = rpc.CoordinatorStub(self._channel)
         self.profiler = NodeProfiler(
-            self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown, self.device
+            self.coordinator, self.dataplane, lambda: self.node_id, options.slowdown, self.device, options.state_dir,
+            options.max_memory_bytes,
         )
         self.limits = PeerLimits()  # the defaults until the run's [limits] arrive with registration
         self._server, self.port = make_server(options.token, options.listen, self.limits, tls=options.tls)

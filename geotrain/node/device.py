@@ -188,6 +188,16 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
 
 
+def release_cached(device: torch.device) -> None:
+    """Give the caching allocator's unused reserve back to the device, so free memory reads true (a no-op on the
+    CPU)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Most memory the process has held: allocated device memory on CUDA, resident host memory otherwise."""
     if device.type == "cuda":

@@ -687,7 +687,7 @@ class LinkProbe(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ...) -> None: ...
 
 class NodeProfileReport(_message.Message):
-    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes", "device", "device_name", "copy_bytes_per_s", "precision", "torch_build")
+    __slots__ = ("node_id", "layer_seconds", "boundary_bytes", "param_bytes", "memory_bytes", "links", "activation_bytes", "param_shapes", "device", "device_name", "copy_bytes_per_s", "precision", "torch_build", "baseline_bytes", "unfit")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -701,6 +701,8 @@ class NodeProfileReport(_message.Message):
     COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     TORCH_BUILD_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNFIT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_seconds: _containers.RepeatedScalarFieldContainer[float]
     boundary_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -714,7 +716,9 @@ class NodeProfileReport(_message.Message):
     copy_bytes_per_s: float
     precision: str
     torch_build: str
-    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., copy_bytes_per_s: _Optional[float] = ..., precision: _Optional[str] = ..., torch_build: _Optional[str] = ...) -> None: ...
+    baseline_bytes: int
+    unfit: str
+    def __init__(self, node_id: _Optional[str] = ..., layer_seconds: _Optional[_Iterable[float]] = ..., boundary_bytes: _Optional[_Iterable[int]] = ..., param_bytes: _Optional[_Iterable[int]] = ..., memory_bytes: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., activation_bytes: _Optional[_Iterable[int]] = ..., param_shapes: _Optional[_Iterable[_Union[LayerShapes, _Mapping]]] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., copy_bytes_per_s: _Optional[float] = ..., precision: _Optional[str] = ..., torch_build: _Optional[str] = ..., baseline_bytes: _Optional[int] = ..., unfit: _Optional[str] = ...) -> None: ...
 
 class LayerShapes(_message.Message):
     __slots__ = ("tensors",)
@@ -743,7 +747,7 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability", "relayed_bytes", "averaging_bytes_sent")
+    __slots__ = ("node_id", "region", "address", "stage", "layer_start", "layer_end", "role", "microbatches_per_s", "last_heartbeat_s", "bytes_sent", "bytes_received", "compression_ratio", "alive", "profiled_microbatch_s", "memory_bytes", "lifecycle", "device", "precision", "peak_memory_bytes", "reachability", "relayed_bytes", "averaging_bytes_sent", "planned_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -766,6 +770,7 @@ class NodeStatus(_message.Message):
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     region: str
     address: str
@@ -788,7 +793,8 @@ class NodeStatus(_message.Message):
     reachability: str
     relayed_bytes: int
     averaging_bytes_sent: int
-    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ...) -> None: ...
+    planned_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., region: _Optional[str] = ..., address: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., role: _Optional[str] = ..., microbatches_per_s: _Optional[float] = ..., last_heartbeat_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., alive: _Optional[bool] = ..., profiled_microbatch_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., lifecycle: _Optional[str] = ..., device: _Optional[str] = ..., precision: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ..., averaging_bytes_sent: _Optional[int] = ..., planned_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("index", "layer_start", "layer_end", "node_ids", "est_compute_s", "est_transfer_s", "utilisation")

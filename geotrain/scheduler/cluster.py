@@ -142,7 +142,7 @@ def _nodes(entry: object, pos: int, model: ModelProfile, efficiency: float) -> t
     else:
         raise ValueError(f"{where}: missing key 'device', 'tflops' or 'layer_seconds'")
     if "memory_gb" in entry:
-        memory_gb = _number(where, "memory_gb", entry["memory_gb"])
+        memory_gb = _number(where, "memory_gb", entry["memory_gb"], positive=False)  # 0: a node with no room
     if memory_gb is None:
         raise ValueError(f"{where}: missing key 'memory_gb'")
     count = entry.get("count", 1)

@@ -44,11 +44,14 @@ and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top 
 overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUNDS); a live run measures these and e
 (scheduler.calibration), a plan from profiles alone counts them 0.
 
-Memory of a replica of stage s among S stages: parameters + gradients + AdamW's two fp32 moments (+ an fp32 master
-copy of the parameters when training in 16 bits: mixed precision keeps 16 bytes per parameter, fp32 too)
-+ activations of min(M, S) microbatches in flight (1F1B keeps at most S - s; S is the stage-independent bound) while
-plans are searched; a plan's window W puts min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the
-W |R_0| microbatches the data heads keep in flight, and the plan reports that.
+Memory of a replica of stage s among S stages (geotrain/memory.py, the model a node checks itself against too): the
+larger of training (24 bytes a parameter: fp32 weight, gradient, float64 gradient sum, AdamW's two moments; 8 more
+under diloco) with the activations of its microbatches in flight and the largest tensor's gradient widened to
+float64, and serving its state (the state after the commit and a snapshot of it, the largest tensor framed); on top of
+the node's measured baseline (NodeProfile.baseline_bytes), within its memory_bytes. Activations are of min(M, S) microbatches in flight (1F1B
+keeps at most S - s; S is the stage-independent bound) while plans are searched; a plan's window W puts
+min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the W |R_0| microbatches the data heads keep in
+flight, and the plan reports that, per stage and per node.
 A link between two nodes nobody can dial goes through a relay, which receives every byte and sends it again: its
 bandwidth counts twice and its latency once per hop, so such a pair's link is priced at half its bandwidth and twice
 its latency (the pair's own link stands for both of the relay's; which node relays is chosen after planning).
@@ -67,6 +70,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from geotrain import memory
 from geotrain.config import AUTO_INFLIGHT, MAX_INFLIGHT, RunConfig
 
 logger = logging.getLogger(__name__)
@@ -74,10 +78,9 @@ logger = logging.getLogger(__name__)
 ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
 """How replicas average (scheduler.allreduce): the faster estimate per stage, or one way wherever it applies."""
 
-FP32_BYTES = 4
+FP32_BYTES = memory.FP32_BYTES
 EXACT_SUM_BYTES = 8  # node.averaging all-reduces replicas' float64 gradient sums: exact in any order
 DILOCO_WIRE_BYTES = 2  # node.diloco's pseudo-gradients cross the wire as int16
-ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, kept in fp32 whatever the training dtype
 HIERARCHICAL_ROUNDS = 3  # a hierarchical all-reduce: inside each region, the shards across regions, inside again
 
 
@@ -92,7 +95,11 @@ class NodeProfile:
     layer_seconds: list[float]
     """Seconds of forward + backward per layer for ONE microbatch on this node."""
     memory_bytes: int
-    """Accelerator (or host) memory the node can give to its stage."""
+    """Accelerator (or host) memory the node's process may hold in all (0: none)."""
+    baseline_bytes: int = 0
+    """What the process holds before it builds a layer (interpreter, torch, gRPC, data): a stage gets the rest."""
+    unfit: str = ""
+    """Why the node can hold no stage at all, where it found out itself (e.g. out of memory profiling a layer)."""
     unreachable: bool = False
     """Nobody can dial it (behind NAT): its links with another such node go through a relay."""
     device_class: str = ""
@@ -105,8 +112,13 @@ class NodeProfile:
             raise ValueError(f"node {self.node_id}: region must be non-empty")
         if not self.layer_seconds or not all(math.isfinite(t) and t > 0 for t in self.layer_seconds):
             raise ValueError(f"node {self.node_id}: layer_seconds must be non-empty, finite and > 0")
-        if self.memory_bytes <= 0:
-            raise ValueError(f"node {self.node_id}: memory_bytes must be > 0")
+        if self.memory_bytes < 0 or self.baseline_bytes < 0:
+            raise ValueError(f"node {self.node_id}: memory_bytes and baseline_bytes must be >= 0")
+
+    @property
+    def room_bytes(self) -> int:
+        """Memory a stage may take on this node: its memory less its baseline (negative: none)."""
+        return 0 if self.unfit else self.memory_bytes - self.baseline_bytes
 
 
 @dataclass(kw_only=True)
@@ -175,11 +187,17 @@ class ModelProfile:
         return len(self.layer_param_bytes)
 
     @property
-    def state_bytes_per_param_byte(self) -> float:
-        """Memory per parameter byte: the parameter, its gradient, AdamW's fp32 moments and, in 16-bit training,
-        the fp32 master copy the optimizer updates (16 bytes per parameter either way)."""
-        master = FP32_BYTES if self.bytes_per_value < FP32_BYTES else 0
-        return 2 + (ADAMW_MOMENTS * FP32_BYTES + master) / self.bytes_per_value
+    def param_counts(self) -> list[float]:
+        """Parameters of each layer (its parameter bytes over bytes_per_value)."""
+        return [p / self.bytes_per_value for p in self.layer_param_bytes]
+
+    @property
+    def largest_tensor_bytes(self) -> list[int]:
+        """Bytes of each layer's largest parameter tensor in fp32, as stages keep it (the whole layer where its
+        shapes are not known)."""
+        if self.layer_param_shapes is None:
+            return [int(p * FP32_BYTES) for p in self.param_counts]
+        return [max((math.prod(s) for s in shapes), default=0) * FP32_BYTES for shapes in self.layer_param_shapes]
 
     @classmethod
     def gpt(
@@ -197,7 +215,8 @@ class ModelProfile:
     ) -> ModelProfile:
         """Analytic profile of a GPT: layers [embedding, block x n_layers, head (untied)]; activations in
         compute_bytes per value (autocast's dtype; default: bytes_per_value); under boundary_rank (model.boundary_rank,
-        0 = off) a boundary carries that many values per token instead of d_model."""
+        0 = off) a boundary carries that many values per token instead of d_model. Under autocast (compute_bytes
+        below 4) each microbatch keeps the 16-bit copies of the weights its matmuls saved, with its activations."""
         if min(n_layers, d_model, n_heads, seq_len, vocab, microbatch_size) <= 0:
             raise ValueError("GPT dimensions and microbatch_size must be > 0")
         if not 0 <= boundary_rank <= d_model:
@@ -212,10 +231,14 @@ class ModelProfile:
         block_flops = 3.0 * b * (24 * s * d * d + 4 * s * s * d)
         # Korthikanti et al. 2022: 34 s b h + 5 a s^2 b bytes at 2 bytes per value, without recompute.
         block_act = int(b * (17 * s * d + 2.5 * n_heads * s * s) * abv)
+        head_act = 2 * b * s * v * abv
+        if compute_bytes is not None and compute_bytes < FP32_BYTES:
+            block_act += (12 * d * d) * abv  # the matmuls' weights, cast once per microbatch and saved for backward
+            head_act += v * d * abv
         return cls(
             layer_param_bytes=[(v * d + s * d) * bpv] + [block_params * bpv] * n_layers + [(v * d + 2 * d) * bpv],
             boundary_bytes=[boundary] * (n_layers + 1) + [0],
-            layer_activation_bytes=[hidden] + [block_act] * n_layers + [2 * b * s * v * abv],
+            layer_activation_bytes=[hidden] + [block_act] * n_layers + [head_act],
             layer_flops=[3.0 * b * s * d] + [block_flops] * n_layers + [3.0 * 2 * b * s * d * v],
             bytes_per_value=bpv,
             layer_param_shapes=[[(v, d), (s, d)]]
@@ -320,11 +343,13 @@ class StepShape:
     """Steps between two replica averagings: 1 averages gradients every step; H under compression.replica_sync =
     "diloco", whose sync moves as many bytes as a step's gradient averaging once every H steps."""
     compute_bytes: int = 4
-    """Bytes per value the stages compute in (train.precision): 2 under bf16/fp16 autocast, which keeps a 16-bit
-    copy of every weight next to the fp32 master weights."""
+    """Bytes per value the stages compute in (train.precision): 2 under bf16/fp16 autocast (whose 16-bit weight
+    copies each microbatch keeps with its activations, as the nodes measure them)."""
     recompute: bool = False
     """Stages keep only each layer's input per microbatch and recompute one layer at a time in backward
     (train.recompute)."""
+    diloco: bool = False
+    """Replicas average under compression.replica_sync = "diloco", and keep its anchor and velocity (memory)."""
     sync_bytes_per_value: int | None = None
     """Bytes per gradient value each replica puts on the all-reduce's wire; None: the training dtype's. A live run
     (from_config) sends 8, the float64 sums node.averaging adds exactly (PowerSGD's factors are float64 too), or 2
@@ -381,6 +406,7 @@ class StepShape:
             replica_sync_every=cfg.compression.replica_sync_every if cfg.compression.diloco else 1,
             compute_bytes=4 if cfg.train.precision == "fp32" else 2,
             recompute=cfg.train.recompute,
+            diloco=cfg.compression.diloco,
             sync_bytes_per_value=DILOCO_WIRE_BYTES if cfg.compression.diloco else EXACT_SUM_BYTES,
             averaging_round_s=averaging_round_s,
             commit_s=commit_s,
@@ -410,7 +436,7 @@ class StagePlan:
     allreduce_rounds: int = 0
     """hivemind all-reduce rounds of the replicas' averaging in a step that averages (0: one replica)."""
     memory_bytes: int
-    """Memory each replica needs."""
+    """Memory each replica needs beyond its baseline (the most any of them needs)."""
 
 
 @dataclass(kw_only=True)
@@ -444,6 +470,9 @@ class Plan:
     rounds them up and caps them."""
     round_trip_s: float = 0.0
     """One microbatch's round trip through every stage and back (sum_s h_s + sum_s x_s)."""
+    node_memory_bytes: dict[str, int] = field(default_factory=dict)
+    """Node id -> the peak memory its process is estimated at: its baseline and its stage's need at its share of
+    the window's microbatches in flight."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -497,8 +526,9 @@ class CostModel:
         self.prefix_seconds = np.zeros((len(nodes), n_layers + 1))
         if nodes:
             self.prefix_seconds[:, 1:] = np.cumsum([n.layer_seconds for n in nodes], axis=1)
-        self.memory = np.array([n.memory_bytes for n in nodes], dtype=np.float64)
+        self.memory = np.array([n.room_bytes for n in nodes], dtype=np.float64)  # what a stage may take
         self.param_prefix = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes, dtype=np.float64)])
+        self.count_prefix = self.param_prefix / model.bytes_per_value
         # Bits of each all-reduce round of replica averaging, summed over layers: [round][b] = bits of layers [0, b).
         self.sync_prefix = [
             np.concatenate([[0.0], np.cumsum(round_, dtype=np.float64) * 8])
@@ -510,8 +540,11 @@ class CostModel:
         # negligible), and backward holds one layer's full activations at a time, the largest of the stage's.
         self.input_prefix = np.concatenate([[0.0, 0.0], np.cumsum(model.boundary_bytes[:-1], dtype=np.float64)])
         self.max_act = np.zeros((model.n_layers + 1, model.n_layers + 1))
+        self.max_tensor = np.zeros_like(self.max_act)
+        tensors = np.asarray(model.largest_tensor_bytes, dtype=np.float64)
         for a in range(model.n_layers):
             self.max_act[a, a + 1:] = np.maximum.accumulate(acts[a:])
+            self.max_tensor[a, a + 1:] = np.maximum.accumulate(tensors[a:])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
         self._build_links()
         self._allreduce_terms: dict[bytes, tuple] = {}
@@ -723,30 +756,46 @@ class CostModel:
         """One microbatch's fwd+bwd seconds over [start, end) on each node in idx."""
         return self.prefix_seconds[idx, end] - self.prefix_seconds[idx, start]
 
+    def _activation_bytes(
+        self, start: np.ndarray | int, end: np.ndarray | int, in_flight: int
+    ) -> np.ndarray | float:
+        """Activations a replica of layers [start, end) keeps for in_flight microbatches (with recomputation only
+        each layer's input, plus one layer's activations in backward)."""
+        if self.shape.recompute:
+            return (self.input_prefix[end] - self.input_prefix[start]) * in_flight + self.max_act[start, end]
+        return (self.act_prefix[end] - self.act_prefix[start]) * in_flight
+
     def stage_memory_bytes(
         self, start: np.ndarray | int, end: np.ndarray | int, n_stages: int, in_flight: int | None = None
     ) -> np.ndarray | float:
-        """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs in a pipeline of n_stages:
-        parameters, gradients, optimizer state (and master weights, or autocast's 16-bit weight copies), plus the
-        activations of the microbatches in flight, min(M, n_stages) unless given (with recomputation only each
-        layer's input, plus one layer's activations in backward), all in the run's precision as the nodes measured
-        them."""
-        params = self.param_prefix[end] - self.param_prefix[start]
+        """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs beyond its baseline in a
+        pipeline of n_stages (geotrain/memory.py): its state while training with the activations of the microbatches
+        in flight, min(M, n_stages) unless given, or while it serves a snapshot of its state, whichever is more."""
         if in_flight is None:
             in_flight = min(self.shape.microbatches, n_stages)
-        if self.shape.recompute:
-            acts = (self.input_prefix[end] - self.input_prefix[start]) * in_flight + self.max_act[start, end]
-        else:
-            acts = (self.act_prefix[end] - self.act_prefix[start]) * in_flight
-        weight_copies = params * self.shape.compute_bytes / self.model.bytes_per_value
-        if self.shape.compute_bytes >= self.model.bytes_per_value:
-            weight_copies = 0 * params
-        need = params * self.model.state_bytes_per_param_byte + weight_copies + acts
+        need = memory.stage_bytes(
+            self.count_prefix[end] - self.count_prefix[start], self._activation_bytes(start, end, in_flight),
+            self.max_tensor[start, end], diloco=self.shape.diloco,
+        )
         return need if np.ndim(need) else float(need)
 
     def min_memory_bytes(self) -> float:
         """Smallest memory any stage needs: one layer, one microbatch in flight."""
         return min(self.stage_memory_bytes(i, i + 1, 1) for i in range(self.model.n_layers))
+
+    def no_room(self) -> str:
+        """Why no node can hold a stage, in one line: what the smallest stage needs against the roomiest node, and
+        what nodes found out themselves."""
+        gib = 2**30
+        layer = min(range(self.model.n_layers), key=lambda i: self.stage_memory_bytes(i, i + 1, 1))
+        line = (f"the smallest (layer {layer}, one microbatch) needs {self.min_memory_bytes() / gib:.2f} GiB beyond a"
+                f" node's baseline")
+        if self.nodes:
+            roomiest = int(np.argmax(self.memory))
+            line += (f", the roomiest node ({self.nodes[roomiest].node_id}) has"
+                     f" {max(self.memory[roomiest], 0) / gib:.2f} GiB")
+        unfit = [f"{n.node_id}: {n.unfit}" for n in self.nodes if n.unfit]
+        return line + "".join(f"; {u}" for u in unfit[:3]) + (f"; {len(unfit) - 3} more" if len(unfit) > 3 else "")
 
     def compute_bound(self, idx: Sequence[int]) -> float:
         """Samples/s if the nodes in idx each ran the whole model with no communication at all."""
@@ -887,6 +936,7 @@ class CostModel:
         if window != self.fixed_window:
             t = self._terms(stages, window)
         m = self.shape.microbatches
+        needs = [self._replica_memory(stages, s, window) for s in range(len(stages))]
         out = []
         for s, (start, end, nodes) in enumerate(stages):
             hierarchical = self.hierarchical_allreduce(np.asarray(nodes, dtype=np.int64), start, end)
@@ -901,7 +951,7 @@ class CostModel:
                     allreduce_s=float(t.allreduce[s]),
                     hierarchical_allreduce=hierarchical,
                     allreduce_rounds=rounds,
-                    memory_bytes=int(max(self._replica_memory(stages, s, window))),
+                    memory_bytes=int(max(needs[s])),
                 )
             )
         return Plan(
@@ -917,6 +967,10 @@ class CostModel:
             chosen_inflight=chosen,
             window_need=need,
             round_trip_s=float(t.latency.sum() + t.transfer.sum()),
+            node_memory_bytes={
+                self.nodes[i].node_id: int(self.nodes[i].baseline_bytes + need)
+                for (_, _, nodes), stage_needs in zip(stages, needs) for i, need in zip(nodes, stage_needs)
+            },
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
@@ -946,8 +1000,12 @@ class CostModel:
         window = min(math.ceil(need - 1e-9), enough, MAX_INFLIGHT)
         for s, (start, end, nodes) in enumerate(stages):
             idx = np.asarray(nodes, dtype=np.int64)
-            fixed = self.stage_memory_bytes(start, end, len(stages), 0)
-            per_microbatch = self.stage_memory_bytes(start, end, len(stages), 1) - fixed
+            # Microbatches in flight weigh on the training phase only (a node short of the serving phase fits not at all).
+            fixed = memory.training_bytes(
+                self.count_prefix[end] - self.count_prefix[start], self._activation_bytes(start, end, 0),
+                self.max_tensor[start, end], diloco=self.shape.diloco,
+            )
+            per_microbatch = self._activation_bytes(start, end, 1) - self._activation_bytes(start, end, 0)
             if per_microbatch <= 0:
                 continue
             inv = 1.0 / self.node_seconds(idx, start, end)

@@ -35,13 +35,15 @@ def run_plan(
     compute_bytes: int = 4,
     recompute: bool = False,
     replica_sync_every: int = 1,
+    diloco: bool = False,
     err: TextIO | None = None,
 ) -> int:
     """Plan for cluster_path and print it; model holds ModelProfile.gpt's n_layers, d_model, n_heads, seq_len,
     vocab (and optionally bytes_per_value and boundary_rank); inflight is the data heads' window (None: unbounded;
     "auto": the plan's own); allreduce and replica_rank say how replicas average (scheduler.allreduce, PowerSGD's
     rank or None); compute_bytes (2 under bf16/fp16) and recompute are the run's precision and recomputation,
-    replica_sync_every the steps between replica averagings (StepShape); returns 0, or 2 after printing the error
+    replica_sync_every the steps between replica averagings and diloco whether replicas keep its anchor and velocity
+    (StepShape); returns 0, or 2 after printing the error
     for a bad cluster or model. out and err default to sys.stdout and sys.stderr as they are at the call."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
@@ -57,6 +59,7 @@ def run_plan(
             compute_bytes=compute_bytes,
             recompute=recompute,
             replica_sync_every=replica_sync_every,
+            diloco=diloco,
         )
         result = plan(
             nodes=cluster.nodes, model=profile, network=cluster.network, shape=shape, config=PlannerConfig(stages=stages)

@@ -128,7 +128,7 @@ class Planner:
         """Search and return the chosen plan."""
         cm = self.cm
         if not cm.usable:
-            raise ValueError("no node has memory for even a one-layer stage")
+            raise ValueError(f"no node has memory for even a one-layer stage: {cm.no_room()}")
         if self.config.stages is not None and self.config.stages > min(self.n_layers, len(cm.usable)):
             raise ValueError(
                 f"cannot make {self.config.stages} stages from {self.n_layers} layers and {len(cm.usable)} usable nodes"
@@ -197,14 +197,17 @@ class Planner:
         for i, node in enumerate(cm.nodes):
             if i in used:
                 continue
-            if self.device_class[i] not in classes:
+            if node.unfit:
+                reasons[node.node_id] = node.unfit
+            elif self.device_class[i] not in classes:
                 reasons[node.node_id] = (
                     f"device class: no stage computes on {self.device_class[i] or 'its kind of device'}, and the "
                     "replicas of a stage share device, torch build and precision"
                 )
             elif cm.memory[i] < smallest_stage:
                 reasons[node.node_id] = (
-                    f"memory: has {cm.memory[i] / _GIB:.2f} GiB, the smallest stage needs {smallest_stage / _GIB:.2f} GiB"
+                    f"memory: has {max(cm.memory[i], 0) / _GIB:.2f} GiB beyond its baseline, the smallest stage needs"
+                    f" {smallest_stage / _GIB:.2f} GiB"
                 )
             else:
                 reasons[node.node_id] = (
@@ -414,7 +417,7 @@ class Planner:
         all-reduce: a min-max DP on the pace under a cap on every stage's all-reduce, with the cap lowered below the
         last answer's slowest all-reduce until the pace alone outweighs the best step time found. That walks the
         whole pace/all-reduce trade-off."""
-        cm, n_stages = self.cm, len(groups)
+        n_stages = len(groups)
         if n_stages > self.n_layers:
             return None
         groups = tuple(self._one_class(g) for g in groups)

@@ -8,7 +8,6 @@ the planner works from measured numbers without any model code.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import statistics
 from collections import defaultdict
@@ -43,6 +42,7 @@ class Profiled(Protocol):
 _DEVICE = re.compile(r"cpu|mps|cuda:\d{1,4}")
 _MAX_NAME = 200
 _MAX_BUILD = 100
+_MAX_REASON = 500
 # What a profile may claim. Numbers outside these are no hardware's; inside them the planner's arithmetic stays finite
 # (a 5e-324 bit/s link once made a step last longer than any float, and the coordinator failed at its next commit).
 LAYER_SECONDS = (1e-7, 1e5)
@@ -88,7 +88,11 @@ def check_report(report: pb.NodeProfileReport, total_layers: int) -> None:
             raise ValueError(f"layer {layer} lists more than {_MAX_TENSORS_PER_LAYER} parameter tensors")
         if any(not shape.dims or 0 in shape.dims or max(shape.dims) > _MAX_DIM for shape in shapes.tensors):
             raise ValueError(f"layer {layer} has a parameter shape without dimensions, or with a zero or huge one")
-    _in_range("memory_bytes", report.memory_bytes, (1, MAX_BYTES), "bytes")
+    # 0 is a node with no room: it reaches the planner, which leaves it out and says why.
+    _in_range("memory_bytes", report.memory_bytes, (0, MAX_BYTES), "bytes")
+    _in_range("baseline_bytes", report.baseline_bytes, (0, MAX_BYTES), "bytes")
+    if len(report.unfit) > _MAX_REASON or not report.unfit.isprintable():
+        raise ValueError(f"unfit must be printable and at most {_MAX_REASON} characters")
     if not _DEVICE.fullmatch(report.device):
         raise ValueError(f"device must be cpu, mps or cuda:N, got {report.device[:40]!r}")
     if len(report.device_name) > _MAX_NAME or not report.device_name.isprintable():
@@ -200,9 +204,13 @@ def planner_inputs(
             region=m.region,
             layer_seconds=[t * scale(m.node_id) for t in m.profile.layer_seconds],
             memory_bytes=m.profile.memory_bytes,
+            baseline_bytes=m.profile.baseline_bytes,
+            unfit=m.profile.unfit,
             unreachable=m.unreachable,
             device_class=device_class(m.profile),
         )
         for m in profiled
     ]
-    return nodes, model_profile(profiled[0].profile, cfg), measured_network(profiled)
+    # The model's sizes from a node that measured every layer (one that could not hold a layer filled some in).
+    sizes = next((m.profile for m in profiled if not m.profile.unfit), profiled[0].profile)
+    return nodes, model_profile(sizes, cfg), measured_network(profiled)

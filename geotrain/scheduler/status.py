@@ -65,6 +65,8 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
     estimate = snap.estimate
     if estimate is not None:
         reply.estimated_step_s, reply.bottleneck = estimate.step_seconds, estimate.bottleneck
+        for node in reply.nodes:
+            node.planned_memory_bytes = estimate.node_memory_bytes.get(node.node_id, 0)
     if plan:
         reply.plan_epoch = plan.epoch
         for st in plan.stages:

@@ -1,0 +1,314 @@
+"""A llama no single node can hold (#28): local nodes each under a real memory cap, a checkpoint, a SIGKILL and a rejoin.
+
+A coordinator and --nodes `geotrain join` processes on 127.0.0.1, each node started inside a cgroup v1 memory cgroup
+this bench creates under /sys/fs/cgroup/memory (memory.limit_in_bytes = --cap-gib, less than the whole model's
+training state), one compute thread each. The run trains --steps steps of a llama (by default d_model 1024, 24
+blocks, SwiGLU 2816 wide, vocab 32000: 374M parameters, about 9 GB of training state) on the byte corpus, checkpoints
+every --checkpoint-every steps; once step --kill-after is committed one node is SIGKILLed, and started again with the
+same state dir once the coordinator has seen it die; the run rolls back to the checkpoint and finishes. Then
+train-local trains the same config in one process (one thread, no cap) and its final parameters are compared with the
+run's last checkpoint.
+
+One JSON line per node incarnation: peak_rss_bytes (the process's VmHWM, sampled every 0.2 s), cgroup_max_usage_bytes
+(page cache included), planned_bytes (the plan's estimate of the node's peak: geotrain status' planned_memory_bytes,
+the largest the node was planned at), error (peak_rss / planned - 1), failcnt and oom_kills of its cgroup. Then one
+line for the run: params, state_bytes (training state of the whole model), cap_bytes, coordinator_peak_rss_bytes,
+checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of steps with no checkpoint
+before them), checkpoint_step_s (the same for steps that follow a checkpoint), checkpoint_cost (their ratio - 1),
+rejoin_s (the restarted node's process start to serving, its state load included) and rejoin_profile_s (start to its
+profile on the coordinator: what the cached profile saves), max_abs_diff (last checkpoint vs train-local), oom_killed,
+wall_s.
+
+Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+GIB = 2**30
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def settings(args: argparse.Namespace) -> list[str]:
+    """The run's config as --set arguments, shared by the coordinator and train-local."""
+    return [
+        "model.family=llama", f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
+        f"model.n_heads={args.heads}", f"model.mlp_width={args.mlp}", f"model.vocab_size={args.vocab}",
+        f"model.seq_len={args.seq_len}", "train.microbatch_size=1", f"train.microbatches={args.microbatches}",
+        f"run.steps={args.steps}", "run.eval_every=0", f"scheduler.checkpoint_every={args.checkpoint_every}",
+        "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=3", "profile.layer_repeats=1",
+        "profile.memory_headroom_mib=256", f"scheduler.min_nodes={args.nodes}",
+    ]
+
+
+class Cgroup:
+    """A cgroup v1 memory cgroup with a limit, made for one node and removed after it."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.path = CGROUP_ROOT / "geotrain-scale" / name
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        (self.path / "memory.max_usage_in_bytes").write_text("0")  # a reused cgroup starts its peak again
+
+    def figures(self) -> dict:
+        """Its peak usage, how often it hit the limit, and how many processes the OOM killer ended in it."""
+        control = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
+        return {
+            "cgroup_max_usage_bytes": int((self.path / "memory.max_usage_in_bytes").read_text()),
+            "failcnt": int((self.path / "memory.failcnt").read_text()),
+            "oom_kills": int(control.get("oom_kill", 0)),
+        }
+
+    def remove(self) -> None:
+        """Remove it (once its processes are gone)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+class Peak:
+    """The largest VmHWM of a process, sampled until it ends."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.bytes = pid, 0
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        while True:
+            try:
+                text = status.read_text()
+            except OSError:
+                return
+            for line in text.splitlines():
+                if line.startswith("VmHWM:"):
+                    self.bytes = max(self.bytes, int(line.split()[1]) * 1024)
+            if "State:\tZ" in text:
+                return
+            time.sleep(0.2)
+
+
+def start(cmd: list[str], log: Path, cgroup: Cgroup | None = None) -> subprocess.Popen:
+    """Start cmd (inside cgroup, from its first instruction on) with one compute thread, its output in log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if cgroup is not None:
+        cmd = ["sh", "-c", f'echo $$ > {cgroup.path}/cgroup.procs && exec "$@"', "sh", *cmd]
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def status(address: str, token: str):
+    """The coordinator's StatusReply, or None while it does not answer."""
+    import grpc
+
+    from geotrain.scheduler.status_cli import fetch_status
+
+    try:
+        return fetch_status(address, token)
+    except grpc.RpcError:
+        return None
+
+
+def wait_for(what: str, until, timeout: float, poll: float = 0.2):
+    """Poll until() until it returns something true, RuntimeError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = until()
+        if value:
+            return value
+        time.sleep(poll)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def checkpoint_diff(state_dir: Path, local_path: Path) -> tuple[float, int]:
+    """Largest |parameter difference| between the run's last checkpoint and train-local's saved model, stage by
+    stage, and the checkpoint's bytes on disk."""
+    from safetensors import safe_open
+
+    from geotrain.scheduler.checkpoint import CHECKPOINTS_DIR, CheckpointStore
+
+    store = CheckpointStore(state_dir / CHECKPOINTS_DIR, keep=10)
+    manifest = store.latest()
+    nbytes = sum(f.stat().st_size for f in Path(manifest.path).rglob("*") if f.is_file())
+    diff, compared = 0.0, 0
+    with safe_open(str(local_path), "pt") as local:
+        names = set(local.keys())
+        for stage in manifest.stages:
+            state = store.load_layers(manifest, stage["layer_start"], stage["layer_end"])
+            for name, tensor in state.items():
+                if not name.startswith("layers."):
+                    continue  # AdamW's moments: train-local saves parameters only
+                key = name if name in names else name.removeprefix("layers.")
+                compared += 1
+                diff = max(diff, float((tensor.float() - local.get_tensor(key).float()).abs().max()))
+            del state
+    if compared != len(names):
+        raise RuntimeError(f"the checkpoint has {compared} parameters, train-local saved {len(names)}")
+    return diff, nbytes
+
+
+def step_intervals(state_dir: Path, every: int, rejoined_at: float) -> tuple[list[float], list[float]]:
+    """Commit-to-commit seconds of the steps with no checkpoint before them, and of those a checkpoint preceded
+    (steps done % every == 0 after the step before), leaving out the first and those across the rejoin."""
+    db = sqlite3.connect(state_dir / "run.sqlite")
+    try:
+        rows = db.execute("SELECT step, committed_at FROM steps ORDER BY step").fetchall()
+    finally:
+        db.close()
+    plain, after = [], []
+    for (_, before), (step, at) in zip(rows, rows[1:]):
+        if before < rejoined_at < at:
+            continue
+        (after if step % every == 0 else plain).append(at - before)
+    return plain, after
+
+
+def main() -> None:
+    """Run the bench and print its JSON lines."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a 20M-parameter shake-out of the bench (1 GiB caps)")
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--mlp", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--checkpoint-every", type=int, default=3)
+    parser.add_argument("--kill-after", type=int, default=4, help="SIGKILL a node once this many steps are done")
+    parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
+    args = parser.parse_args()
+    if args.small:
+        args.layers, args.d_model, args.heads, args.mlp, args.vocab, args.cap_gib = 8, 256, 4, 704, 32000, 1.0
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="geotrain-scale-"))
+    token = "scale-bench-" + os.urandom(8).hex()
+    os.environ["GEOTRAIN_TOKEN"] = token
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    sets = [a for s in settings(args) for a in ("--set", s)]
+    python = [sys.executable, "-m", "geotrain"]
+    cap = int(args.cap_gib * GIB)
+    coordinator = start([*python, "coordinator", "--listen", address, "--state-dir", str(work / "coordinator"),
+                         "--http", "off", *sets], work / "coordinator.log")
+    coordinator_peak = Peak(coordinator.pid)
+    # One entry per node incarnation, by label ("node-2", then "node-2 rejoined"): process, peak, cgroup, plan.
+    runs: dict[str, dict] = {}
+    current: dict[str, str] = {}  # node id -> its incarnation's label
+
+    def join(node_id: str, label: str) -> None:
+        cgroup = Cgroup(label.replace(" ", "-"), cap)
+        cmd = [*python, "join", "--coordinator", address, "--listen", "127.0.0.1:0", "--node-id", node_id,
+               "--state-dir", str(work / node_id), "--device", "cpu"]
+        proc = start(cmd, work / f"{node_id}.log", cgroup)
+        runs[label] = {"proc": proc, "peak": Peak(proc.pid), "cgroup": cgroup, "planned": 0}
+        current[node_id] = label
+
+    def watch_plans() -> None:
+        while coordinator.poll() is None:
+            reply = status(address, token)
+            for n in reply.nodes if reply else []:
+                if n.node_id in current and n.alive:
+                    run = runs[current[n.node_id]]
+                    run["planned"] = max(run["planned"], n.planned_memory_bytes)
+            time.sleep(0.5)
+
+    rejoin_s = rejoin_profile_s = None
+    rejoined_at = 0.0
+    try:
+        for i in range(args.nodes):
+            join(f"node-{i + 1}", f"node-{i + 1}")
+        threading.Thread(target=watch_plans, daemon=True).start()
+        reply = wait_for(f"{args.kill_after} steps", lambda: (r := status(address, token)) and r.step >= args.kill_after
+                         and r, 1800, 0.5)
+        victim = reply.stages[1].node_ids[0] if len(reply.stages) > 1 else reply.nodes[0].node_id
+        killed = runs[current.pop(victim)]
+        os.killpg(killed["proc"].pid, signal.SIGKILL)
+        killed["proc"].wait()
+        wait_for(f"{victim} to be seen dead", lambda: (r := status(address, token)) and any(
+            n.node_id == victim and not n.alive for n in r.nodes), 60)
+        restarted = time.monotonic()
+        rejoined_at = time.time()
+        join(victim, f"{victim} rejoined")
+
+        def member():
+            r = status(address, token)
+            return next((n for n in r.nodes if n.node_id == victim), None) if r else None
+
+        wait_for(f"{victim}'s profile", lambda: (m := member()) and m.alive and m.memory_bytes, 300, 0.05)
+        rejoin_profile_s = time.monotonic() - restarted
+        wait_for(f"{victim} serving again", lambda: (m := member()) and m.alive and m.lifecycle == "serving", 900, 0.1)
+        rejoin_s = time.monotonic() - restarted
+        coordinator.wait(1800)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.send_signal(signal.SIGTERM)
+            coordinator.wait(60)
+        for run in runs.values():
+            try:
+                run["proc"].wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(run["proc"].pid, signal.SIGKILL)
+                run["proc"].wait()
+    oom = 0
+    for label, run in runs.items():
+        figures, peak, estimate = run["cgroup"].figures(), run["peak"].bytes, run["planned"]
+        oom += figures["oom_kills"]
+        print(json.dumps({"node": label, "peak_rss_bytes": peak, "planned_bytes": estimate,
+                          "error": round(peak / estimate - 1, 3) if estimate else None, "cap_bytes": cap,
+                          **figures}), flush=True)
+        run["cgroup"].remove()
+    local_path = work / "local.safetensors"
+    local = start([*python, "train-local", *sets, "--save-final", str(local_path)], work / "local.log")
+    if local.wait(3600):
+        raise RuntimeError(f"train-local failed: see {work / 'local.log'}")
+    diff, checkpoint_bytes = checkpoint_diff(work / "coordinator", local_path)
+    plain, after = step_intervals(work / "coordinator", args.checkpoint_every, rejoined_at)
+    from geotrain.config import load_config
+    from geotrain.memory import training_bytes_per_param
+    from geotrain.node.model import family_of
+
+    cfg = load_config(None, settings(args))
+    params = sum(math.prod(s) for layer in family_of(cfg.model).param_shapes(cfg.model) for s in layer)
+    step_s = statistics.median(plain) if plain else None
+    checkpoint_step_s = statistics.median(after) if after else None
+    print(json.dumps({
+        "run": "scale", "nodes": args.nodes, "params": params, "state_bytes": params * training_bytes_per_param(False),
+        "cap_bytes": cap, "coordinator_peak_rss_bytes": coordinator_peak.bytes, "checkpoint_bytes": checkpoint_bytes,
+        "step_s": round(step_s, 2) if step_s else None,
+        "checkpoint_step_s": round(checkpoint_step_s, 2) if checkpoint_step_s else None,
+        "checkpoint_cost": round(checkpoint_step_s / step_s - 1, 3) if step_s and checkpoint_step_s else None,
+        "rejoin_s": round(rejoin_s, 2) if rejoin_s else None,
+        "rejoin_profile_s": round(rejoin_profile_s, 2) if rejoin_profile_s else None,
+        "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
