@@ -18,13 +18,13 @@ from geotrain.compression.policy import CodecPolicy
 from geotrain.config import MAX_INFLIGHT
 from geotrain.lifetime import tie_children_to_this_process
 from geotrain.node.dataplane import Encoded
-from geotrain.node.device import COMPUTE_DTYPES
 from geotrain.node.failures import StageFailure
 from geotrain.node.link import RPC_DEADLINE_S
 from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import family_of, loss_fn
 from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.node.stage import StageRuntime
+from geotrain.node.verifier import Evidence, wire_form
 from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
@@ -80,6 +80,7 @@ class StepFlow:
     _averaging_joined: bool
     _averaging_ready: threading.Event
     stopped: threading.Event  # set when the node stops serving
+    evidence: Evidence | None  # what verifiers may ask of this node's recent steps (cfg.verifying), and commitments
 
     def _start_step(self, start: pb.StartStep) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -117,7 +118,7 @@ class StepFlow:
         peer, address = self._peer(self.stage_index + 1)
         if not ref.eval:
             self.router.sent(peer, ref.step, ref.microbatch)
-        encoded = self._encode("activations", peer, address, "forward", outputs)
+        encoded = self._encode("activations", peer, address, "forward", outputs, ref)
         send = lambda: self.dataplane.send(peer, address, "forward", ref, encoded)  # noqa: E731
         self._send(send, f"forward to {peer}", peer, ref.plan_epoch)
 
@@ -125,17 +126,22 @@ class StepFlow:
         assert self.cfg is not None
         peer = ref.path[self.stage_index - 1]
         address = self._address_of(peer)
-        encoded = self._encode("activation_grads", peer, address, "backward", grad)
+        encoded = self._encode("activation_grads", peer, address, "backward", grad, ref)
         send = lambda: self.dataplane.send(peer, address, "backward", ref, encoded)  # noqa: E731
         self._send(send, f"backward to {peer}", peer, ref.plan_epoch)
 
-    def _encode(self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor) -> Encoded:
-        """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured.
+    def _encode(
+        self, kind: str, peer: str, address: str, direction: str, tensor: torch.Tensor, ref: pb.MicrobatchRef
+    ) -> Encoded:
+        """Encode a tensor of `kind` for peer with the configured codec, or auto's pick from what was measured; a
+        training microbatch's is committed to as it goes to the codec (node/verifier.py).
 
         On the worker thread, not the senders': a link's codec state (PowerSGD's warm start) then sees its tensors
         in the order the worker produced them, whatever order the sender threads run in."""
         assert self.runtime is not None and self.cfg is not None
-        tensor = self.runtime.copies.to_host(tensor).to(COMPUTE_DTYPES[self.cfg.train.precision])
+        tensor = wire_form(self.runtime, tensor)
+        if self.evidence is not None and not ref.eval:
+            self.evidence.sent(ref.plan_epoch, ref.step, ref.microbatch, direction, tensor)
         estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
         codec = self._policies[kind].codec(peer, tensor.shape, tensor.dtype, estimate, compute_s)
         return self.dataplane.encode(peer, address, direction, codec, tensor)
@@ -146,6 +152,7 @@ class StepFlow:
         if self._head is not None and self._head.step == step:
             self._head.started[microbatch] = time.monotonic()
         x, y = self._batch(step, microbatch)
+        self._begin_evidence(step)
         outputs = runtime.forward((step, microbatch), x)
         path = [self.node_id]
         if runtime.is_last:
@@ -154,6 +161,15 @@ class StepFlow:
             self._microbatch_done(step, microbatch, path, loss)
         else:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
+
+    def _begin_evidence(self, step: int) -> None:
+        """Keep the parameters this step is computed with, and commit to each microbatch's parameter gradients."""
+        runtime, plan = self.runtime, self.plan
+        if self.evidence is None or runtime is None or plan is None:
+            return
+        epoch, evidence = plan.epoch, self.evidence
+        evidence.begin(epoch, step, runtime)
+        runtime.on_param_grads = lambda key, grads: evidence.param_grads(epoch, key[0], key[1], grads)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -231,6 +247,8 @@ class StepFlow:
         """Queue the compute for a validated incoming tensor."""
         sender, _ = _sender(direction, ref, self.stage_index)
         self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
+        if self.evidence is not None and not ref.eval:
+            self.evidence.received(ref.plan_epoch, ref.step, ref.microbatch, direction, tensor)
         if direction == "forward":
             self._submit(EVAL if ref.eval else FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
         else:
@@ -252,6 +270,7 @@ class StepFlow:
             else:
                 self._forward_to_next(self._ref(ref.step, ref.microbatch, path, eval=True), outputs)
             return
+        self._begin_evidence(ref.step)
         if runtime.is_last:
             runtime.forward(key, x, tokens)
             _, y = self._batch(ref.step, ref.microbatch)
@@ -313,11 +332,13 @@ class StepFlow:
         parts = runtime.grad_sq_norm_parts()
         head = self._head
         round_trip_s = head.shortest_round_trip_s if head is not None and head.step == order.step else math.inf
+        params_before, commitments = self.evidence.commitments(plan.epoch, order.step) if self.evidence else ("", [])
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
             compute_s_per_microbatch=compute_s, averaging_s=averaging_s,
             round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
+            params_before=params_before, commitments=commitments,
         )
         self._report(self.coordinator.GradNorm, request)
 
