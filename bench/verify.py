@@ -8,8 +8,8 @@ Cases (--cases, default all):
 - lazy: the middle stage returns zero parameter gradients (skips its parameters' backward);
 - poison: a replica of the second of two stages adds a fixed direction to its parameter gradients, the gradient it
   takes to averaging, with compression.replica_robust = centered_clip;
-- honest: no adversary, --honest-steps steps at the default verify.fraction, then the same run with verify.fraction = 0:
-  false alarms, and the cost in tokens/s.
+- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's), then the same run with
+  verify.fraction = 0: false alarms, and the cost in tokens/s.
 
 One JSON line per case: the step whose work was caught and the step the run was at when the verdict came, steps rolled
 back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
@@ -44,6 +44,7 @@ TINY = [
     "profile.layer_repeats=1",
 ]
 ADVERSARY = "node-9"
+HONEST_FRACTION = 0.05
 _SHIFT = 1e-3  # the direction's size per coordinate: far below the activations' own spread
 
 
@@ -172,7 +173,7 @@ def adversarial(kind: str, steps: int, fraction: float, log_dir: Path) -> dict:
 
 def honest(steps: int, log_dir: Path) -> dict:
     """The honest line: false alarms at the default fraction, and tokens/s with and without verification."""
-    default = load_config(None, [*TINY, f"run.steps={steps}"])
+    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={HONEST_FRACTION}"])
     run = live(default, 3, None, log_dir)
     off = live(load_config(None, [*TINY, f"run.steps={steps}", "verify.fraction=0"]), 3, None, log_dir)
     v = run["verify"]

@@ -561,8 +561,9 @@ class VerifySection:
     """[verify]: spot checks of planned nodes' work, recomputed bit for bit by another node (scheduler/verification.py)."""
 
     fraction: float = _bounded(
-        0.05, 0.0, 1.0, "(stage, microbatch) pairs of each committed step a verifier recomputes, drawn after the step; "
-        "0 = off. Checks need an exact run (activation and gradient codecs none, no diloco) on one device class"
+        0.0, 0.0, 1.0, "(stage, microbatch) pairs of each committed step a verifier recomputes, drawn after the step; "
+        "0 = off; 0.05 costs under 10% (README). Checks need an exact run (activation and gradient codecs none, no "
+        "diloco) on one device class"
     )
     keep_steps: int = _bounded(4, 1, 64, "steps whose evidence (inputs received, parameters) a node keeps for checks")
 
