@@ -586,6 +586,21 @@ class TransportSection:
 
 
 @dataclass(kw_only=True)
+class VerifySection:
+    """[verify]: spot checks of planned nodes' work, recomputed bit for bit by another node (scheduler/verification.py)."""
+
+    fraction: float = _bounded(
+        0.0, 0.0, 1.0, "(stage, microbatch) pairs of each committed step a verifier recomputes, drawn after the step; "
+        "0 = off; 0.05 costs under 10% (README). Checks need an exact run (activation and gradient codecs none, no "
+        "diloco) on one device class"
+    )
+    keep_steps: int = _bounded(4, 1, 64, "steps whose evidence (inputs received, parameters) a node keeps for checks")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, "verify")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole run configuration."""
 
@@ -599,6 +614,16 @@ class RunConfig:
     profile: ProfileSection = field(default_factory=ProfileSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     transport: TransportSection = field(default_factory=TransportSection)
+    verify: VerifySection = field(default_factory=VerifySection)
+
+    @property
+    def verifying(self) -> bool:
+        """Whether planned nodes commit to their tensors and are spot-checked: verify.fraction > 0 in a run whose
+        tensors cross the wire unchanged (a lossy codec's output no recompute reproduces) and whose replicas stay
+        bit-identical."""
+        c = self.compression
+        lossless = c.activations == "none" and c.activation_grads == "none"
+        return self.verify.fraction > 0 and lossless and not c.diloco
 
     @property
     def tokens_per_step(self) -> int:
@@ -745,7 +770,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Sections a node needs; [scheduler] stays on the coordinator.
-_WIRE_SECTIONS = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport")
+_WIRE_SECTIONS = (
+    "run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport", "verify",
+)
 
 
 def to_proto(cfg: RunConfig) -> pb.RunConfig:

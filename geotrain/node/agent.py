@@ -31,6 +31,7 @@ from geotrain.node.reverse import ReverseReceiver
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer, add_stage_service
 from geotrain.node.stepflow import StepFlow
+from geotrain.node.verifier import VerifierPart
 from geotrain.node.worker import CONTROL, Worker
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -143,7 +144,7 @@ def _node_key(state_dir: str) -> NodeKey:
     return key
 
 
-class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
+class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
     """One node of a geotrain run: a facade that wires its parts together and runs their threads."""
 
     def __init__(self, options: NodeOptions) -> None:
@@ -213,6 +214,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         self.averager = None
         self._averaging_joined = False  # set on the coordinator's JoinAveraging; cleared when every attempt failed
         self._averaging_ready = threading.Event()
+        self.evidence = None
+        self._verify_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._verify_stages = {}
 
     def run(self) -> None:
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
@@ -266,6 +270,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow):
         if self.tensor_streams is not None:
             self.tensor_streams.close()
         self._sender.shutdown(wait=False, cancel_futures=True)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self.reverse_links.close()
         self.dataplane.close()
         self._channel.close()

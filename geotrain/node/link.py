@@ -17,6 +17,7 @@ from geotrain.compression.policy import CodecPolicy
 from geotrain.config import from_proto
 from geotrain.node.device import DeviceError, describe, node_precision, peak_memory_bytes
 from geotrain.node.lowrank import LowRankAveraging
+from geotrain.node.verifier import Evidence
 from geotrain.node.worker import CONTROL
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -80,6 +81,7 @@ class CoordinatorLink:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
+        self.evidence = Evidence(self.cfg.verify.keep_steps) if self.cfg.verifying else None
         self.limits.configure(self.cfg.limits.values())
         if self.cfg.transport.tensor_stream == "tcp":
             self.listen_for_tensor_streams()
@@ -233,6 +235,7 @@ class CoordinatorLink:
             "commit": lambda: self._commit(order.commit),
             "apply": lambda: self._apply(order.apply),
             "upload_state": lambda: self._upload_state(order.upload_state),
+            "verify": lambda: self._verify(order.verify),
         }
         self._submit(CONTROL, handlers[kind])
         return False

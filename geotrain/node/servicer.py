@@ -75,6 +75,9 @@ class StageHandler(Protocol):
     def close_snapshot(self, snapshot: StateSnapshot) -> None:
         """A snapshot's transfer ended (sent, failed or cancelled)."""
 
+    def evidence_snapshot(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
+        """What the node kept of a step's microbatch for a verifier (node/verifier.py), or None."""
+
     def reverse_receiver(self, signer: bytes | None) -> str | None:
         """The node id of the neighbour, one nobody can dial, that the current plan has this node send to and whose
         key is `signer`; None when there is none."""
@@ -176,6 +179,19 @@ class StageServicer(rpc.StageServicer):
             yield from framing.state_stream(snapshot.sources())
         finally:
             self.handler.close_snapshot(snapshot)
+
+    def FetchEvidence(self, request, context):  # noqa: D102, N802
+        if not self.handler.may_read_state(signer(context)):
+            why = "evidence goes only to the nodes of this node's plan and its coordinator, signed by their keys"
+            self.refusals.refused(context.peer(), "FetchEvidence", "", why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        evidence = self.handler.evidence_snapshot(request.step, request.microbatch)
+        if evidence is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node keeps no evidence of step {request.step} microbatch {request.microbatch}",
+            )
+        yield from framing.state_chunks(evidence)
 
     def Probe(self, request_iterator, context):  # noqa: D102, N802
         return serve_probe(request_iterator, context, self.refusals)

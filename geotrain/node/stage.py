@@ -21,7 +21,7 @@ before backward; the clip factor of `apply` divides it out again.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +91,8 @@ class StageRuntime:
         self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
         self.grads: StepGradients | None = None
         self._pending: dict[MicrobatchKey, _Pending] = {}
+        # Sees each counted microbatch's parameter gradients (verification's commitments, node/verifier.py).
+        self.on_param_grads: Callable[[MicrobatchKey, Sequence[torch.Tensor | None]], None] | None = None
 
     # -- forward / backward -------------------------------------------------------------------------------------
 
@@ -181,6 +183,8 @@ class StageRuntime:
         params = self.parameters()
         wrt = params if self.is_first else [*params, pending.inputs]
         grads = torch.autograd.grad(root, wrt, root_grad, allow_unused=True)
+        if self.on_param_grads is not None:
+            self.on_param_grads(key, grads[: len(params)])
         if not self.grads.sums:
             self.grads.sums = [torch.zeros_like(p, dtype=torch.float64, device=self._sums_device) for p in params]
         for total, g in zip(self.grads.sums, grads):

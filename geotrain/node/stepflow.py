@@ -24,6 +24,7 @@ from geotrain.node.lowrank import LowRankAveraging
 from geotrain.node.model import family_of, loss_fn
 from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.node.stage import StageRuntime
+from geotrain.node.verifier import Evidence
 from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
@@ -80,6 +81,7 @@ class StepFlow:
     _averaging_joined: bool
     _averaging_ready: threading.Event
     stopped: threading.Event  # set when the node stops serving
+    evidence: Evidence | None  # what verifiers may ask of this node's recent steps (cfg.verifying), and commitments
 
     def _start_step(self, start: pb.StartStep) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -131,7 +133,8 @@ class StepFlow:
         """Start the tensor's copy to the host and hand its encoding and sending to a sender thread: the worker goes
         on to its next task while the copy overlaps that task's compute. A link's encodes still run in the order the
         worker produced its tensors (its turns): a codec's state (PowerSGD's warm start) and auto's choice see them
-        in that order, whatever order the sender threads run in."""
+        in that order, whatever order the sender threads run in. A training microbatch's tensor is committed to as it
+        goes to the codec (node/verifier.py)."""
         assert self.runtime is not None and self.cfg is not None
         host = self.runtime.copies.to_host_async(tensor)
         turn = self.dataplane.take_turn(peer, address, direction)
@@ -141,6 +144,8 @@ class StepFlow:
             try:
                 with self.dataplane.in_turn(turn):
                     on_host = host.wait().to(wire_dtype)
+                    if self.evidence is not None and not ref.eval:
+                        self.evidence.sent(ref.plan_epoch, ref.step, ref.microbatch, direction, on_host)
                     if loss is not None:
                         ref.loss = loss.item()
                     estimate, compute_s = self.dataplane.estimate(peer), self.compute.per_microbatch()
@@ -159,6 +164,7 @@ class StepFlow:
         if self._head is not None and self._head.step == step:
             self._head.started[microbatch] = time.monotonic()
         x, y = self._batch(step, microbatch)
+        self._begin_evidence(step)
         outputs = runtime.forward((step, microbatch), x)
         path = [self.node_id]
         if runtime.is_last:
@@ -167,6 +173,15 @@ class StepFlow:
             self._microbatch_done(step, microbatch, path, loss.item())
         else:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
+
+    def _begin_evidence(self, step: int) -> None:
+        """Keep the parameters this step is computed with, and commit to each microbatch's parameter gradients."""
+        runtime, plan = self.runtime, self.plan
+        if self.evidence is None or runtime is None or plan is None:
+            return
+        epoch, evidence = plan.epoch, self.evidence
+        evidence.begin(epoch, step, runtime)
+        runtime.on_param_grads = lambda key, grads: evidence.param_grads(epoch, key[0], key[1], grads)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -244,6 +259,8 @@ class StepFlow:
         """Queue the compute for a validated incoming tensor."""
         sender, _ = _sender(direction, ref, self.stage_index)
         self.dataplane.count_received(sender, tensor.numel() * tensor.element_size(), wire_bytes)
+        if self.evidence is not None and not ref.eval:
+            self.evidence.received(ref.plan_epoch, ref.step, ref.microbatch, direction, tensor)
         if direction == "forward":
             self._submit(EVAL if ref.eval else FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
         else:
@@ -265,6 +282,7 @@ class StepFlow:
             else:
                 self._forward_to_next(self._ref(ref.step, ref.microbatch, path, eval=True), outputs)
             return
+        self._begin_evidence(ref.step)
         if runtime.is_last:
             runtime.forward(key, x, tokens)
             _, y = self._batch(ref.step, ref.microbatch)
@@ -326,11 +344,13 @@ class StepFlow:
         parts = runtime.grad_sq_norm_parts()
         head = self._head
         round_trip_s = head.shortest_round_trip_s if head is not None and head.step == order.step else math.inf
+        params_before, commitments = self.evidence.commitments(plan.epoch, order.step) if self.evidence else ("", [])
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
             compute_s_per_microbatch=compute_s, averaging_s=averaging_s,
             round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
+            params_before=params_before, commitments=commitments,
         )
         self._report(self.coordinator.GradNorm, request)
 

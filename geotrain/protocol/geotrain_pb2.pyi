@@ -242,7 +242,7 @@ class ProfileSettings(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., layer_repeats: _Optional[int] = ..., reprobe_s: _Optional[float] = ..., memory_headroom_mib: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport")
+    __slots__ = ("run", "model", "data", "train", "compression", "emulation", "profile", "limits", "transport", "verify")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class RunConfig(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     run: RunSettings
     model: ModelSettings
     data: DataSettings
@@ -261,7 +262,8 @@ class RunConfig(_message.Message):
     profile: ProfileSettings
     limits: LimitsSettings
     transport: TransportSettings
-    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ..., transport: _Optional[_Union[TransportSettings, _Mapping]] = ...) -> None: ...
+    verify: VerifySettings
+    def __init__(self, run: _Optional[_Union[RunSettings, _Mapping]] = ..., model: _Optional[_Union[ModelSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., train: _Optional[_Union[TrainSettings, _Mapping]] = ..., compression: _Optional[_Union[CompressionSettings, _Mapping]] = ..., emulation: _Optional[_Union[EmulationSettings, _Mapping]] = ..., profile: _Optional[_Union[ProfileSettings, _Mapping]] = ..., limits: _Optional[_Union[LimitsSettings, _Mapping]] = ..., transport: _Optional[_Union[TransportSettings, _Mapping]] = ..., verify: _Optional[_Union[VerifySettings, _Mapping]] = ...) -> None: ...
 
 class LimitsSettings(_message.Message):
     __slots__ = ("streams_per_peer", "streams_per_host", "idle_stream_s", "calls_per_s", "call_burst", "registrations_per_s", "registration_burst")
@@ -286,6 +288,14 @@ class TransportSettings(_message.Message):
     TENSOR_STREAM_FIELD_NUMBER: _ClassVar[int]
     tensor_stream: str
     def __init__(self, tensor_stream: _Optional[str] = ...) -> None: ...
+
+class VerifySettings(_message.Message):
+    __slots__ = ("fraction", "keep_steps")
+    FRACTION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    fraction: float
+    keep_steps: int
+    def __init__(self, fraction: _Optional[float] = ..., keep_steps: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "node_id", "address", "region", "software_version", "layer_start", "layer_end", "applied_steps", "public_key")
@@ -541,7 +551,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging", "upload_state")
+    __slots__ = ("plan", "start_step", "commit", "apply", "evaluate", "shutdown", "load_state", "probe_peers", "join_averaging", "upload_state", "verify")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +562,7 @@ class Order(_message.Message):
     PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
     JOIN_AVERAGING_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_STATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     start_step: StartStep
     commit: CommitStep
@@ -562,7 +573,26 @@ class Order(_message.Message):
     probe_peers: ProbePeers
     join_averaging: JoinAveraging
     upload_state: UploadState
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ..., upload_state: _Optional[_Union[UploadState, _Mapping]] = ...) -> None: ...
+    verify: VerifyOrder
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., apply: _Optional[_Union[ApplyStep, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., load_state: _Optional[_Union[LoadState, _Mapping]] = ..., probe_peers: _Optional[_Union[ProbePeers, _Mapping]] = ..., join_averaging: _Optional[_Union[JoinAveraging, _Mapping]] = ..., upload_state: _Optional[_Union[UploadState, _Mapping]] = ..., verify: _Optional[_Union[VerifyOrder, _Mapping]] = ...) -> None: ...
+
+class VerifyOrder(_message.Message):
+    __slots__ = ("check", "step", "microbatch", "layer_start", "layer_end", "target", "target_address")
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    check: int
+    step: int
+    microbatch: int
+    layer_start: int
+    layer_end: int
+    target: str
+    target_address: str
+    def __init__(self, check: _Optional[int] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., target: _Optional[str] = ..., target_address: _Optional[str] = ...) -> None: ...
 
 class MicrobatchDoneRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "path", "loss", "tokens", "plan_epoch")
@@ -597,7 +627,7 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s", "params_before", "commitments")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +637,8 @@ class GradNormRequest(_message.Message):
     COMPUTE_S_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
     ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
@@ -616,7 +648,41 @@ class GradNormRequest(_message.Message):
     compute_s_per_microbatch: float
     averaging_s: float
     round_trip_s: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
+    params_before: str
+    commitments: _containers.RepeatedCompositeFieldContainer[MicrobatchCommitment]
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ..., params_before: _Optional[str] = ..., commitments: _Optional[_Iterable[_Union[MicrobatchCommitment, _Mapping]]] = ...) -> None: ...
+
+class MicrobatchCommitment(_message.Message):
+    __slots__ = ("microbatch", "received", "sent", "received_grad", "sent_grad", "param_grads")
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_GRAD_FIELD_NUMBER: _ClassVar[int]
+    SENT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    PARAM_GRADS_FIELD_NUMBER: _ClassVar[int]
+    microbatch: int
+    received: bytes
+    sent: bytes
+    received_grad: bytes
+    sent_grad: bytes
+    param_grads: bytes
+    def __init__(self, microbatch: _Optional[int] = ..., received: _Optional[bytes] = ..., sent: _Optional[bytes] = ..., received_grad: _Optional[bytes] = ..., sent_grad: _Optional[bytes] = ..., param_grads: _Optional[bytes] = ...) -> None: ...
+
+class VerifyReport(_message.Message):
+    __slots__ = ("node_id", "check", "error", "params_checksum", "digests", "seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    check: int
+    error: str
+    params_checksum: str
+    digests: MicrobatchCommitment
+    seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., check: _Optional[int] = ..., error: _Optional[str] = ..., params_checksum: _Optional[str] = ..., digests: _Optional[_Union[MicrobatchCommitment, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StepAppliedRequest(_message.Message):
     __slots__ = ("node_id", "step", "checksum")
@@ -867,7 +933,7 @@ class RunEvent(_message.Message):
     def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase", "val_bits_per_byte", "exactness")
+    __slots__ = ("state", "step", "steps", "loss", "val_loss", "tokens_per_s", "eta_s", "plan_epoch", "bottleneck", "nodes", "stages", "links", "history", "events", "failures", "recovery_s", "estimated_step_s", "phase", "val_bits_per_byte", "exactness", "verify")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -888,6 +954,7 @@ class StatusReply(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     VAL_BITS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
     EXACTNESS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     steps: int
@@ -908,7 +975,24 @@ class StatusReply(_message.Message):
     phase: str
     val_bits_per_byte: float
     exactness: str
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ..., val_bits_per_byte: _Optional[float] = ..., exactness: _Optional[str] = ...) -> None: ...
+    verify: VerifyStatus
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., bottleneck: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepPoint, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., failures: _Optional[int] = ..., recovery_s: _Optional[_Iterable[float]] = ..., estimated_step_s: _Optional[float] = ..., phase: _Optional[str] = ..., val_bits_per_byte: _Optional[float] = ..., exactness: _Optional[str] = ..., verify: _Optional[_Union[VerifyStatus, _Mapping]] = ...) -> None: ...
+
+class VerifyStatus(_message.Message):
+    __slots__ = ("checks", "mismatches", "unserved", "evicted", "seconds", "commitments_refused")
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNSERVED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    checks: int
+    mismatches: int
+    unserved: int
+    evicted: int
+    seconds: float
+    commitments_refused: int
+    def __init__(self, checks: _Optional[int] = ..., mismatches: _Optional[int] = ..., unserved: _Optional[int] = ..., evicted: _Optional[int] = ..., seconds: _Optional[float] = ..., commitments_refused: _Optional[int] = ...) -> None: ...
 
 class WindowsRequest(_message.Message):
     __slots__ = ("node_id", "step", "microbatch", "validation")
@@ -1055,6 +1139,14 @@ class TensorStreamReply(_message.Message):
     code: int
     detail: str
     def __init__(self, code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class FetchEvidenceRequest(_message.Message):
+    __slots__ = ("step", "microbatch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatch: int
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("steps_done", "layer_start", "layer_end")

@@ -109,6 +109,11 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Verified = channel.unary_unary(
+                '/geotrain.v1.Coordinator/Verified',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -210,6 +215,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Verified(self, request, context):
+        """A verifier's result for a VerifyOrder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +298,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
+            ),
+            'Verified': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verified,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
@@ -704,6 +721,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Verified(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Coordinator/Verified',
+            geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StageStub:
     """Missing associated documentation comment in .proto file."""
@@ -727,6 +771,11 @@ class StageStub:
         self.FetchState = channel.unary_stream(
                 '/geotrain.v1.Stage/FetchState',
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.FetchEvidence = channel.unary_stream(
+                '/geotrain.v1.Stage/FetchEvidence',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchEvidenceRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
                 _registered_method=True)
         self.Probe = channel.stream_unary(
@@ -769,6 +818,14 @@ class StageServicer:
     def FetchState(self, request, context):
         """Parameters and optimizer state of the stage (`layers.<i>.<param>`, `optim.layers.<i>.<param>.<slot>`), one
         tensor after another, each a header chunk followed by data chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchEvidence(self, request, context):
+        """What this node kept of a step's microbatch for a verifier: `params.<name>` (before the step), `received`,
+        `received_grad`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -820,6 +877,11 @@ def add_StageServicer_to_server(servicer, server):
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.SerializeToString,
+            ),
+            'FetchEvidence': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchEvidence,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchEvidenceRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.SerializeToString,
             ),
             'Probe': grpc.stream_unary_rpc_method_handler(
@@ -923,6 +985,33 @@ class Stage:
             target,
             '/geotrain.v1.Stage/FetchState',
             geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchEvidence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geotrain.v1.Stage/FetchEvidence',
+            geotrain_dot_protocol_dot_geotrain__pb2.FetchEvidenceRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.TensorChunk.FromString,
             options,
             channel_credentials,

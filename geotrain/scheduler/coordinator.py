@@ -384,6 +384,17 @@ class Coordinator:
         steps from the coordinator (Membership.load_ordered): FetchCheckpoint serves nobody else."""
         return self.membership.load_ordered(key, self.plan, (layer_start, layer_end), steps_done)
 
+    def verified(self, request: pb.VerifyReport) -> None:
+        """A verifier's recompute of a spot check; a recompute that accuses its target goes to a second verifier."""
+        verification = self.driver.verification
+        if verification is None:
+            raise ReportRefused(f"verify report from {request.node_id} refused: this run verifies nothing")
+        with self.membership.cond:
+            dispute = verification.report(request)
+        if dispute is not None:
+            self.orders.send([dispute.verifier], pb.Order(verify=dispute.order()))
+        self._status_stale = True
+
     def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> Iterator[pb.TensorChunk] | None:
         """The chunks of the parameters and optimizer state of a layer range at steps_done: from the checkpoint, read
         from its files as they are sent, else passed on as a live holder nobody can dial uploads them (a node told to
@@ -433,6 +444,7 @@ class Coordinator:
         first_step = self.step
         while self.step < self.cfg.run.steps:
             try:
+                self._settle_verdicts()
                 if not self.planning.is_current():
                     self.driver.idle()
                     self.step = self.planning.replan(self.step)
@@ -508,6 +520,35 @@ class Coordinator:
             log.info("planning without every node of the last plan: not all came back within %.0fs",
                      self.cfg.scheduler.heartbeat_timeout_s)
 
+    def _settle_verdicts(self) -> None:
+        """Evict each node a settled dispute found wrong (its key refused from then on) and roll the run back to the
+        newest checkpoint at or before the first step it was planned on: every step it touched is redone without it."""
+        verification = self.driver.verification
+        if verification is None:
+            return
+        with self.membership.cond:
+            verdicts = verification.take_verdicts()
+            first = {v.guilty: verification.first_planned.get(v.guilty, 0) for v in verdicts}
+        for v in verdicts:
+            member = self.members.get(v.guilty)
+            if member is None or not member.alive:
+                continue
+            log.warning("verification: %s computed wrong or accused falsely: %s", v.guilty, v.why)
+            self.store.event("verdict", v.guilty, v.why)
+            for _ in range(self.cfg.scheduler.max_offences):
+                if self.membership.offence(v.guilty, v.why):
+                    break
+            verification.counts.evicted += 1
+            latest = self.recovery.checkpoints.latest(at_most=first[v.guilty]) if self.recovery.checkpoints else None
+            back_to = latest.steps_done if latest is not None else 0
+            if back_to < self.step:
+                log.warning("rolling back from step %d to step %d, before %s's first step", self.step, back_to, v.guilty)
+                self.store.event("rollback", v.guilty, f"from step {self.step} to step {back_to}")
+                self._on_event("rollback", {"from": self.step, "to": back_to, "node_id": v.guilty})
+                self.store.rollback_to(back_to)
+                self.step = back_to
+            self.planning.dirty = True
+
     def _note_failure(self, why: str) -> None:
         self.planning.dirty = True  # a new epoch drops whatever the failed step left half-done
         self.failures += 1
@@ -575,8 +616,10 @@ class Coordinator:
 
     def snapshot(self) -> StatusSnapshot:
         """The run as it stands, copied out for the status."""
+        verification = self.driver.verification
         with self.membership.cond:
             members = tuple(replace(m) for m in self.members.values())
+            verify = verification.counts.as_proto() if verification is not None else None
         return StatusSnapshot(
             state=self.state,
             phase=self.driver.phase.value,
@@ -591,6 +634,7 @@ class Coordinator:
             now=time.monotonic(),
             bits_per_byte=self.bits_per_byte,
             exactness=self.cfg.compression.inexact_replicas,
+            verify=verify,
         )
 
     def status(self) -> pb.StatusReply:

@@ -175,7 +175,7 @@ class Recovery:
         moved layers) loads from a checkpoint of the committed step, written now from the current plan's live
         holders if there is none; when a stage of the current plan lost every copy, the run rolls back to the
         newest checkpoint."""
-        if steps_done == 0:
+        if steps_done == 0 and not any(m.applied_steps for m in alive):
             return {}, 0  # step 0 is each layer's initialisation from the seed: every node builds it itself
         found = placement.state_sources(ranges, groups, placement.plan_ranges(plan), alive, steps_done, self.store.checksums(steps_done - 1))
         sources, reshaped = dict(found.from_peers), found.reshaped

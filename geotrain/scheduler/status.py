@@ -29,6 +29,7 @@ class StatusSnapshot:
     now: float  # time.monotonic() when taken, for heartbeat ages
     bits_per_byte: Callable[[float], float]  # a validation loss as bits per byte of the run's validation text
     exactness: str = ""  # why the run is not exact (config's inexact_replicas), "" when it is
+    verify: pb.VerifyStatus | None = None  # spot checks so far (None: the run verifies nothing)
 
 
 def render(snap: StatusSnapshot) -> pb.StatusReply:
@@ -38,6 +39,8 @@ def render(snap: StatusSnapshot) -> pb.StatusReply:
         state=snap.state, phase=snap.phase, step=len(history), steps=snap.steps, failures=snap.failures,
         recovery_s=snap.recoveries, exactness=snap.exactness,
     )
+    if snap.verify is not None:
+        reply.verify.CopyFrom(snap.verify)
     if history:
         last = history[-1]
         recent = history[-10:]

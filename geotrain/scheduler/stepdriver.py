@@ -26,6 +26,7 @@ from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore, StepRecord
+from geotrain.scheduler.verification import Verification, cross_check, device_class
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class StepPhase(enum.Enum):
 
 # Checksums are hex digests (sha256: 64 characters); anything much longer is not one.
 _CHECKSUM_CHARS = 128
+_DIGEST_BYTES = 64  # a commitment's digests (blake2b, node/verifier.py) are 16 bytes; none is longer than this
 
 
 def _refuse(node_id: str, why: str) -> NoReturn:
@@ -114,6 +116,9 @@ class StepProgress:
     compute_s: dict[str, float] = field(default_factory=dict)  # node -> its stage's seconds per microbatch (reported)
     averaging_s: dict[str, float] = field(default_factory=dict)  # node -> its replica averaging's seconds (reported)
     round_trip_s: dict[str, float] = field(default_factory=dict)  # data head -> its shortest round trip (reported)
+    # Verification's commitments (cfg.verifying): node -> microbatch -> its digests; node -> parameters it computed with
+    commitments: dict[str, dict[int, pb.MicrobatchCommitment]] = field(default_factory=dict)
+    params_before: dict[str, str] = field(default_factory=dict)
 
 
 class StepDriver:
@@ -132,6 +137,8 @@ class StepDriver:
         self.progress = StepProgress(step=-1)
         self.phase = StepPhase.IDLE
         self.timings: StepTimings | None = None  # what the last committed step measured
+        self.verification = Verification(cfg.verify.fraction) if cfg.verifying else None
+        self._committed: tuple[int, int, dict[int, str]] = (-1, -1, {})  # (plan epoch, step, stage checksums) last
 
     def step_timeout_s(self) -> float:
         """How long a step (and each of its phases) may take: scheduler.step_timeout_factor times the plan's
@@ -214,11 +221,64 @@ class StepDriver:
             measured = (request.compute_s_per_microbatch, request.averaging_s, request.round_trip_s)
             if not all(0 <= v <= timeout for v in measured):
                 _refuse(request.node_id, f"its compute, averaging or round trip seconds are not in [0, {timeout:g}]")
+            if self.verification is not None:
+                self._take_commitments(request)
             progress.norms[request.node_id], progress.norm_parts[request.node_id] = reported
             progress.compute_s[request.node_id] = request.compute_s_per_microbatch
             progress.averaging_s[request.node_id] = request.averaging_s
             progress.round_trip_s[request.node_id] = request.round_trip_s
             self.membership.cond.notify_all()
+
+    def _take_commitments(self, request: pb.GradNormRequest) -> None:
+        """Keep a GradNorm's commitments; ReportRefused when malformed (more than one per microbatch, a microbatch
+        the step does not have, an oversized digest)."""
+        total = self.cfg.train.microbatches
+        if len(request.params_before) > _CHECKSUM_CHARS or len(request.commitments) > total:
+            _refuse(request.node_id, "its commitments are oversized")
+        by_microbatch: dict[int, pb.MicrobatchCommitment] = {}
+        for c in request.commitments:
+            digests = (c.received, c.sent, c.received_grad, c.sent_grad, c.param_grads)
+            if c.microbatch >= total or c.microbatch in by_microbatch or any(len(d) > _DIGEST_BYTES for d in digests):
+                _refuse(request.node_id, f"its commitment for microbatch {c.microbatch} is malformed")
+            by_microbatch[c.microbatch] = c
+        self.progress.commitments[request.node_id] = by_microbatch
+        self.progress.params_before[request.node_id] = request.params_before
+
+    def _cross_check(self, plan: pb.Plan) -> None:
+        """StepFailed (an offence for each node that may have lied) unless both ends of every hop committed to the
+        same tensors and every stage computed with the parameters last committed (under the same plan)."""
+        progress, epoch = self.progress, plan.epoch
+        with self.membership.cond:
+            last_epoch, last_step, checksums = self._committed
+            same = last_epoch == epoch and last_step == progress.step - 1
+            recorded = {n: checksums[s.index] for s in plan.stages for n in s.node_ids if same and s.index in checksums}
+            found = cross_check(
+                {mb: path for mb, (_, path) in progress.done.items()}, progress.commitments, progress.params_before,
+                recorded,
+            )
+        if not found:
+            return
+        assert self.verification is not None
+        self.verification.counts.commitments_refused += len(found)
+        for d in found:
+            log.warning("step %d microbatch %d: %s disagree: %s", progress.step, d.microbatch, "/".join(d.nodes), d.what)
+            for n in d.nodes:
+                self.membership.offence(n, f"step {progress.step}: {d.what}")
+        raise StepFailed(f"commitments of step {progress.step} disagree ({found[0].what}, {len(found)} in all)")
+
+    def _order_checks(self, step: int, plan: pb.Plan) -> None:
+        """After a commit: draw the step's spot checks (now, when no node can change what it committed) and order
+        them from their verifiers."""
+        assert self.verification is not None
+        with self.membership.cond:
+            members = self.membership.members
+            classes = {n: device_class(members[n]) for n in placement.plan_nodes(plan) if members[n].alive}
+            checks = self.verification.draw_checks(
+                step, plan, {mb: path for mb, (_, path) in self.progress.done.items()}, self.progress.commitments,
+                self.progress.params_before, classes,
+            )
+        for check in checks:
+            self.orders.send([check.verifier], pb.Order(verify=check.order()))
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
         """A stage replica applied the step, once; ReportRefused from a node that was not told to apply it, or
@@ -252,6 +312,9 @@ class StepDriver:
         in_step = Scope(plan.epoch, tuple(nodes))
         wait = self.membership.wait
         self._begin(step, plan, nodes)
+        if self.verification is not None:
+            with self.membership.cond:
+                self.verification.planned(step, nodes)
         shares = assign_microbatches(self._heads(plan), total)
         with self.membership.cond:
             self.progress.issued = {mb: head for head, ids in shares.items() for mb in ids}
@@ -268,6 +331,8 @@ class StepDriver:
         self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
         wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
         self._enter(StepPhase.NORMS_IN, step)
+        if self.verification is not None:
+            self._cross_check(plan)
         with self.membership.cond:
             timings = StepTimings(
                 plan_epoch=plan.epoch,
@@ -309,9 +374,13 @@ class StepDriver:
             timeout,
         )
         self._enter(StepPhase.APPLIED, step)
-        self.store.commit_step(record, self._stage_checksums(plan))
+        checksums = self._stage_checksums(plan)
+        self.store.commit_step(record, checksums)
         self.timings = timings
+        self._committed = (plan.epoch, step, checksums)
         self._enter(StepPhase.COMMITTED, step)
+        if self.verification is not None:
+            self._order_checks(step, plan)
         return record
 
     def _stage_norm_parts(self, stage: pb.StageAssignment) -> list[float]:

@@ -1,0 +1,211 @@
+"""Verified compute against adversarial stage holders: a live pipeline (a real coordinator, local node processes) in
+which one node computes wrong through a hook this benchmark installs in that node's process only (never in the node's
+own code), and an honest run that measures what verification costs.
+
+Cases (--cases, default all):
+- shift: the middle stage of three adds a small fixed direction to its output activations on every microbatch;
+- shift_1_in_20: the same on 1 microbatch in 20;
+- lazy: the middle stage returns zero parameter gradients (skips its parameters' backward);
+- poison: a replica of the second of two stages adds a fixed direction to its parameter gradients, the gradient it
+  takes to averaging, with compression.replica_robust = centered_clip;
+- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's), then the same run with
+  verify.fraction = 0: false alarms, and the cost in tokens/s.
+
+One JSON line per case: the step whose work was caught and the step the run was at when the verdict came, steps rolled
+back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
+work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
+detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from exactness import local_reference  # a sibling: run as bench/verify.py
+from geotrain.config import RunConfig, load_config
+from geotrain.localnodes import LocalNodes, NodeProcess, _run_join
+from geotrain.node.data import Corpus
+from geotrain.protocol.auth import new_token
+from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
+
+TINY = [
+    "model.n_layers=3", "model.d_model=16", "model.n_heads=2", "model.seq_len=16", "train.microbatch_size=2",
+    "train.microbatches=4", "train.inflight=4", "run.eval_every=0", "run.eval_microbatches=1",
+    "scheduler.placement=uniform", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5",
+    "profile.layer_repeats=1",
+]
+ADVERSARY = "node-9"
+HONEST_FRACTION = 0.05
+_SHIFT = 1e-3  # the direction's size per coordinate: far below the activations' own spread
+
+
+def _install(kind: str) -> None:
+    """The adversary's hook, in its own process: wraps the stage's compute so it goes wrong as `kind` says."""
+    from geotrain.node.stage import StageRuntime
+
+    forward, backward = StageRuntime.forward, StageRuntime._backward
+
+    def shifted(self, key, x, tokens=None):
+        out = forward(self, key, x, tokens)
+        step, microbatch = key
+        corrupt = kind == "shift" or (step * self.cfg.train.microbatches + microbatch) % 20 == 7
+        return out + _SHIFT if corrupt and not self.is_last else out
+
+    def wrong_grads(self, key, pending, root, root_grad):
+        honest = self.on_param_grads
+
+        def hook(k, grads):
+            for g in grads:
+                if g is not None:
+                    g.zero_() if kind == "lazy" else g.add_(_SHIFT * 100)
+            if honest is not None:
+                honest(k, grads)
+
+        self.on_param_grads = hook
+        try:
+            return backward(self, key, pending, root, root_grad)
+        finally:
+            self.on_param_grads = honest
+
+    if kind in ("shift", "shift_1_in_20"):
+        StageRuntime.forward = shifted
+    else:
+        StageRuntime._backward = wrong_grads
+
+
+def _adversary(kind: str, node_id: str, argv: list[str], env: dict[str, str], log_path: str, starter: int) -> None:
+    _install(kind)
+    _run_join(node_id, argv, env, log_path, starter)
+
+
+def _start_adversary(kind: str, coordinator: str, token: str, log_dir: Path) -> NodeProcess:
+    """The adversarial node: `geotrain join` in a process of its own with the hook installed first."""
+    argv = ["--log-level", "info", "join", "--coordinator", coordinator, "--node-id", ADVERSARY,
+            "--listen", "127.0.0.1:0", "--state-dir", str(log_dir / ADVERSARY)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEOTRAIN_TOKEN": token}
+    process = multiprocessing.get_context("spawn").Process(
+        target=_adversary, args=(kind, ADVERSARY, argv, env, str(log_dir / f"{ADVERSARY}.log"), os.getpid()),
+    )
+    process.start()
+    return NodeProcess(process)
+
+
+def live(cfg: RunConfig, honest: int, kind: str | None, log_dir: Path) -> dict:
+    """Train cfg on `honest` honest nodes (node-1..) plus the adversary of `kind` (started second, so that uniform
+    placement puts it on stage 1); returns what the run showed."""
+    cfg.scheduler.min_nodes = honest + (kind is not None)
+    cfg.data.fingerprint = Corpus.load(cfg.data).fingerprint
+    token = new_token()
+    events: list[tuple[str, dict]] = []
+    host = CoordinatorProcess(cfg, token, "127.0.0.1:0", on_event=lambda k, d: events.append((k, d)))
+    coordinator = host.coordinator
+    address = f"127.0.0.1:{host.port}"
+    nodes = LocalNodes(address, token, log_dir)
+    host.server.start()
+    procs = []
+    try:
+        for i in range(honest):
+            nodes.start(node_id := f"node-{i + 1}")
+            while node_id not in coordinator.members:
+                time.sleep(0.05)
+            if i == 0 and kind is not None:
+                procs.append(_start_adversary(kind, address, token, log_dir))
+                while ADVERSARY not in coordinator.members:
+                    time.sleep(0.05)
+        summary = coordinator.run()
+        state = fetch_model_state(coordinator.plan, token, summary.steps, coordinator.key)
+        status = coordinator.status()
+        verdicts = [e for e in coordinator.store.events() if e[1] == "verdict"]
+    finally:
+        coordinator.stop_requested.set()
+        coordinator.shutdown_nodes("benchmark over", grace_s=1.0)
+        nodes.stop_all()
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        host.close()
+    rollbacks = [d for k, d in events if k == "rollback"]
+    return {
+        "state": state, "tokens_per_s": summary.tokens_per_s, "rollbacks": rollbacks, "verdicts": verdicts,
+        "evicted": [d["node_id"] for k, d in events if k == "evicted"], "verify": status.verify,
+        "failures": coordinator.failures,
+    }
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def adversarial(kind: str, steps: int, fraction: float, log_dir: Path) -> dict:
+    """One adversarial case's line."""
+    # Three stages of one node and a spare, which takes the adversary's stage over; or two stages, the second of two
+    # replicas, one the adversary.
+    settings = [*TINY, f"run.steps={steps}", f"verify.fraction={fraction}", "scheduler.stages=3",
+                "scheduler.replicas=1"]
+    honest_nodes = 3
+    if kind == "poison":
+        settings += ["compression.replica_robust=centered_clip", "scheduler.stages=2", "scheduler.replicas=2"]
+        honest_nodes = 2
+    started = time.monotonic()
+    run = live(load_config(None, settings), honest_nodes, kind, log_dir)
+    diff = _max_diff(run["state"], local_reference(load_config(None, settings)))
+    rollback = run["rollbacks"][0] if run["rollbacks"] else None
+    # A verdict's detail begins "step N stage S microbatch M of NODE": N is the step whose work was found wrong.
+    caught = next((int(v[3].split()[1]) for v in run["verdicts"] if v[2] == ADVERSARY), None)
+    return {
+        "case": kind, "fraction": fraction, "steps": steps, "caught": caught,
+        "verdict_at_step": rollback["from"] if rollback else None,
+        "steps_rolled_back": rollback["from"] - rollback["to"] if rollback else 0,
+        "evicted": ADVERSARY in run["evicted"], "wrongly_evicted": [n for n in run["evicted"] if n != ADVERSARY],
+        "checks": run["verify"].checks, "mismatches": run["verify"].mismatches,
+        "max_abs_diff": diff, "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def honest(steps: int, log_dir: Path) -> dict:
+    """The honest line: false alarms at the default fraction, and tokens/s with and without verification."""
+    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={HONEST_FRACTION}"])
+    run = live(default, 3, None, log_dir)
+    off = live(load_config(None, [*TINY, f"run.steps={steps}", "verify.fraction=0"]), 3, None, log_dir)
+    v = run["verify"]
+    return {
+        "case": "honest", "fraction": default.verify.fraction, "steps": steps, "checks": v.checks,
+        "false_alarms": v.mismatches + v.commitments_refused, "evicted": run["evicted"],
+        "max_abs_diff": _max_diff(run["state"], local_reference(default)),
+        "tokens_per_s": round(run["tokens_per_s"], 1), "tokens_per_s_off": round(off["tokens_per_s"], 1),
+        "cost": round(1 - run["tokens_per_s"] / off["tokens_per_s"], 4), "verifier_s": round(v.seconds, 2),
+    }
+
+
+def main() -> None:
+    """Run each case and print its JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="shift,shift_1_in_20,lazy,poison,honest")
+    parser.add_argument("--steps", type=int, default=40, help="steps of each adversarial case")
+    parser.add_argument("--honest-steps", type=int, default=300)
+    parser.add_argument("--fraction", type=float, default=0.25, help="verify.fraction of the adversarial cases")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="geotrain-verify-") as tmp:
+        for case in args.cases.split(","):
+            log_dir = Path(tmp) / case
+            log_dir.mkdir()
+            if case == "honest":
+                line = honest(args.honest_steps, log_dir)
+            else:
+                steps = args.steps * 3 if case == "shift_1_in_20" else args.steps
+                line = adversarial(case, steps, args.fraction, log_dir)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

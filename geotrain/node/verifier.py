@@ -1,0 +1,249 @@
+"""Verified compute on the node: digests of the tensors a stage received and sent (its commitments), the evidence it
+keeps of its last few steps for a verifier (parameters before the step, each microbatch's received tensors), and a
+verifier's recompute of one microbatch of another node's stage from that evidence.
+
+The pipeline is bit-identical to one process on one device class, so an honest stage's work, recomputed from the
+same parameters and inputs, gives the same bits: the coordinator (scheduler/verification.py) compares digests."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from geotrain.node.device import COMPUTE_DTYPES
+from geotrain.node.stage import MicrobatchKey, StageRuntime
+from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.framing import FrameError
+from geotrain.protocol.transport import make_channel
+
+log = logging.getLogger(__name__)
+
+_DIGEST_BYTES = 16
+_EVIDENCE_DEADLINE_S = 60.0
+PARAMS_PREFIX = "params."
+
+
+def _update(hasher: hashlib.blake2b, tensor: torch.Tensor | None) -> None:
+    if tensor is None:
+        hasher.update(b"none;")
+        return
+    t = tensor.detach().cpu().contiguous().reshape(-1)
+    hasher.update(f"{t.dtype};{tuple(tensor.shape)};".encode())
+    hasher.update(t.view(torch.uint8).numpy().tobytes())
+
+
+def digest(tensor: torch.Tensor) -> bytes:
+    """blake2b of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit."""
+    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    _update(hasher, tensor)
+    return hasher.digest()
+
+
+def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
+    """One digest of tensors in order (None, a parameter without gradient, counts as itself)."""
+    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for t in tensors:
+        _update(hasher, t)
+    return hasher.digest()
+
+
+def wire_form(runtime: StageRuntime, tensor: torch.Tensor) -> torch.Tensor:
+    """A stage's output as it goes to the codec (node/stepflow._send_tensor): on the host, in the run's compute dtype."""
+    return runtime.copies.to_host(tensor).to(COMPUTE_DTYPES[runtime.cfg.train.precision])
+
+
+@dataclass
+class _StepEvidence:
+    epoch: int
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies, before the step
+    checksum: str = ""
+    received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
+    commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
+
+
+class Evidence:
+    """What a stage holder keeps of its last `keep_steps` steps, and its commitments for each (thread-safe: tensors
+    arrive on the servicer's threads, compute runs on the worker, verifiers read from theirs)."""
+
+    def __init__(self, keep_steps: int) -> None:
+        self.keep_steps = keep_steps
+        self._lock = threading.Lock()
+        self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
+
+    def _entry(self, epoch: int, step: int) -> _StepEvidence:
+        entry = self._steps.get(step)
+        if entry is None or entry.epoch != epoch:  # a new plan epoch redoes the step from scratch
+            entry = self._steps[step] = _StepEvidence(epoch)
+            self._steps.move_to_end(step)
+            while len(self._steps) > self.keep_steps:
+                self._steps.popitem(last=False)
+        return entry
+
+    def begin(self, epoch: int, step: int, runtime: StageRuntime) -> None:
+        """Keep the parameters the stage computes `step` with (on the worker, before its first microbatch)."""
+        with self._lock:
+            entry = self._entry(epoch, step)
+            if entry.checksum:
+                return
+        params = [(name, p.detach().cpu().clone()) for name, p in runtime.named_state()]
+        checksum = runtime.checksum()
+        with self._lock:
+            entry.params, entry.checksum = params, checksum
+
+    def _commitment(self, entry: _StepEvidence, microbatch: int) -> pb.MicrobatchCommitment:
+        return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
+
+    def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
+        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward)."""
+        value = digest(tensor)
+        with self._lock:
+            entry = self._entry(epoch, step)
+            entry.received[(microbatch, direction)] = tensor
+            commitment = self._commitment(entry, microbatch)
+            if direction == "forward":
+                commitment.received = value
+            else:
+                commitment.received_grad = value
+
+    def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
+        """A tensor this stage sends, as it goes to the codec."""
+        value = digest(tensor)
+        with self._lock:
+            commitment = self._commitment(self._entry(epoch, step), microbatch)
+            if direction == "forward":
+                commitment.sent = value
+            else:
+                commitment.sent_grad = value
+
+    def param_grads(self, epoch: int, step: int, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """The parameter gradients of a microbatch this stage counted."""
+        value = digest_all(grads)
+        with self._lock:
+            self._commitment(self._entry(epoch, step), microbatch).param_grads = value
+
+    def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
+        """The parameter checksum the step was computed with and each microbatch's digests, for the commit report."""
+        with self._lock:
+            entry = self._steps.get(step)
+            if entry is None or entry.epoch != epoch:
+                return "", []
+            return entry.checksum, [entry.commitments[m] for m in sorted(entry.commitments)]
+
+    def serve(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
+        """The evidence of one microbatch: parameters before the step and what was received; None if not kept."""
+        with self._lock:
+            entry = self._steps.get(step)
+            if entry is None or not entry.checksum or microbatch not in entry.commitments:
+                return None
+            items = [(PARAMS_PREFIX + name, t) for name, t in entry.params]
+            for (mb, direction), tensor in entry.received.items():
+                if mb == microbatch:
+                    items.append(("received" if direction == "forward" else "received_grad", tensor))
+            return items
+
+
+def recompute(
+    runtime: StageRuntime, evidence: dict[str, torch.Tensor], key: MicrobatchKey,
+    batch: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor | None,
+) -> tuple[str, pb.MicrobatchCommitment]:
+    """Load the served parameters into `runtime` (a stage of the same layers) and redo one microbatch's forward and
+    backward from the served inputs; returns the served parameters' checksum and the digests of everything, as the
+    target committed them. ValueError if the evidence lacks a tensor the stage needs."""
+    step, microbatch = key
+    with torch.no_grad():
+        for name, p in runtime.named_state():
+            served = evidence.get(PARAMS_PREFIX + name)
+            if served is None or served.shape != p.shape or served.dtype != p.dtype:
+                raise ValueError(f"the evidence has no parameter {name} of shape {tuple(p.shape)}")
+            p.copy_(served)
+    checksum = runtime.checksum()
+    runtime.reset_step()
+    runtime.applied_step = step - 1
+    grads: list[bytes] = []
+    runtime.on_param_grads = lambda _key, g: grads.append(digest_all(g))
+    digests = pb.MicrobatchCommitment(microbatch=microbatch)
+    x, y = batch
+    if not runtime.is_first:
+        if "received" not in evidence:
+            raise ValueError("the evidence has no activations received")
+        x = evidence["received"]
+        digests.received = digest(x)
+    outputs = runtime.forward(key, x, tokens)
+    if runtime.is_last:
+        _, grad_in = runtime.loss_backward(key, y)
+    else:
+        if "received_grad" not in evidence:
+            raise ValueError("the evidence has no gradient received")
+        digests.sent = digest(wire_form(runtime, outputs))
+        digests.received_grad = digest(evidence["received_grad"])
+        grad_in = runtime.backward(key, evidence["received_grad"])
+    if grad_in is not None:
+        digests.sent_grad = digest(wire_form(runtime, grad_in))
+    if grads:
+        digests.param_grads = grads[0]
+    runtime.reset_step()
+    return checksum, digests
+
+
+class VerifierPart:
+    """The Agent's part as a verifier (a part of Agent): checks run on a thread of their own, off the worker."""
+
+    _verify_pool: futures.ThreadPoolExecutor
+    _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
+
+    def _verify(self, order: pb.VerifyOrder) -> None:
+        """Queue a spot check the coordinator ordered."""
+        self._verify_pool.submit(self._run_check, order)
+
+    def _run_check(self, order: pb.VerifyOrder) -> None:
+        started = time.monotonic()
+        report = pb.VerifyReport(node_id=self.node_id, check=order.check)
+        try:
+            evidence = self._fetch_evidence(order)
+            runtime = self._check_stage(order.layer_start, order.layer_end)
+            batch = self._batch(order.step, order.microbatch)
+            tokens = batch[0] if runtime.needs_tokens else None
+            checksum, digests = recompute(runtime, evidence, (order.step, order.microbatch), batch, tokens)
+            report.params_checksum = checksum
+            report.digests.CopyFrom(digests)
+        except (grpc.RpcError, FrameError, ValueError) as e:
+            report.error = (e.details() if isinstance(e, grpc.RpcError) else str(e))[:500] or type(e).__name__
+        except Exception as e:  # a verifier's own failure (out of memory, a bug) must not pass as the target's
+            log.exception("check %d failed on this node", order.check)
+            report.error = f"the verifier failed: {e!r}"[:500]
+            report.node_id = ""
+        if not report.node_id:
+            return
+        report.seconds = time.monotonic() - started
+        self._report(self.coordinator.Verified, report)
+
+    def _check_stage(self, start: int, end: int) -> StageRuntime:
+        runtime = self._verify_stages.get((start, end))
+        if runtime is None:
+            self._verify_stages.clear()  # one range at a time: a verifier holds no more than one extra stage
+            runtime = self._verify_stages[(start, end)] = StageRuntime(self.cfg, start, end, self.device, self.precision)
+        return runtime
+
+    def _fetch_evidence(self, order: pb.VerifyOrder) -> dict[str, torch.Tensor]:
+        channel = make_channel(order.target_address, self.options.token, lambda: self.node_id, self.options.tls, self.key)
+        try:
+            request = pb.FetchEvidenceRequest(step=order.step, microbatch=order.microbatch)
+            stream = rpc.StageStub(channel).FetchEvidence(request, timeout=_EVIDENCE_DEADLINE_S)
+            return framing.read_state(stream, self.options.max_tensor_bytes)
+        finally:
+            channel.close()
+
+    def evidence_snapshot(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
+        """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence)."""
+        return self.evidence.serve(step, microbatch) if self.evidence is not None else None

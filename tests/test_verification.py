@@ -1,0 +1,193 @@
+"""Verified compute in this process: the cross-check of both ends' digests, a verifier's recompute from a target's
+evidence (one that matches, one of a target that shifted its activations), disputes (settled against the target and
+against a false accuser), the status's counts, and the rollback a verdict orders (to the newest checkpoint at or
+before the guilty node's first planned step)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from geotrain.config import load_config
+from geotrain.node.data import Corpus
+from geotrain.node.stage import StageRuntime
+from geotrain.node.verifier import Evidence, recompute, wire_form
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.identity import NodeKey
+from geotrain.scheduler.checkpoint import CheckpointStore, StageState
+from geotrain.scheduler.coordinator import Coordinator
+from geotrain.scheduler.errors import ReportRefused
+from geotrain.scheduler.membership import Member
+from geotrain.scheduler.status import render
+from geotrain.scheduler.verification import Check, Verdict, Verification, compare, cross_check
+from tests.conftest import one_compute_thread
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP, MICROBATCH = 3, 1
+
+
+def _config(*extra: str):
+    return load_config(None, [
+        "model.n_layers=3", "model.d_model=16", "model.n_heads=2", "model.seq_len=16", "train.microbatch_size=2",
+        "verify.fraction=0.5", *extra,
+    ])
+
+
+def _commitment(mb: int, **digests: bytes) -> pb.MicrobatchCommitment:
+    return pb.MicrobatchCommitment(microbatch=mb, **digests)
+
+
+def test_cross_check_names_the_hop_whose_ends_disagree() -> None:
+    paths = {0: ["a", "b", "c"], 1: ["a", "b", "c"]}
+    honest = {
+        "a": {mb: _commitment(mb, sent=b"x%d" % mb, received_grad=b"g%d" % mb) for mb in paths},
+        "b": {mb: _commitment(mb, received=b"x%d" % mb, sent=b"y%d" % mb, received_grad=b"h%d" % mb,
+                              sent_grad=b"g%d" % mb) for mb in paths},
+        "c": {mb: _commitment(mb, received=b"y%d" % mb, sent_grad=b"h%d" % mb) for mb in paths},
+    }
+    before = {"a": "pa", "b": "pb", "c": "pc"}
+    assert cross_check(paths, honest, before, dict(before)) == []
+
+    lying = {n: dict(c) for n, c in honest.items()}
+    lying["b"][1] = _commitment(1, received=b"x1", sent=b"OTHER", received_grad=b"h1", sent_grad=b"g1")
+    found = cross_check(paths, lying, before, {})
+    assert [(d.microbatch, d.nodes, d.what) for d in found] == [(1, ("b", "c"), "activations b -> c")]
+
+    del lying["c"][0]
+    assert (0, ("c",), "no commitment") in [(d.microbatch, d.nodes, d.what) for d in cross_check(paths, lying, before, {})]
+    # Parameters other than the ones the run recorded for the stage after the step before.
+    found = cross_check(paths, honest, before, {**before, "b": "recorded"})
+    assert [d.nodes for d in found] == [("b",)]
+
+
+def _run_target(cfg, shift: float = 0.0):
+    """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it; returns the
+    evidence it kept and the microbatch's tokens and targets."""
+    corpus = Corpus.load(cfg.data)
+    batch = corpus.batch(seed=cfg.run.seed, step=STEP, microbatch=MICROBATCH, size=cfg.train.microbatch_size,
+                         seq_len=cfg.model.seq_len)
+    first = StageRuntime(cfg, 0, 1)
+    target = StageRuntime(cfg, 1, 2)
+    evidence = Evidence(cfg.verify.keep_steps)
+    key = (STEP, MICROBATCH)
+    x = first.forward(key, batch[0])
+    evidence.begin(1, STEP, target)
+    target.on_param_grads = lambda k, grads: evidence.param_grads(1, k[0], k[1], grads)
+    evidence.received(1, STEP, MICROBATCH, "forward", x)
+    out = wire_form(target, target.forward(key, x)) + shift
+    evidence.sent(1, STEP, MICROBATCH, "forward", out)
+    grad = torch.randn_like(out, generator=torch.Generator().manual_seed(7))
+    evidence.received(1, STEP, MICROBATCH, "backward", grad)
+    evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
+    return evidence, batch
+
+
+def _verify(cfg, evidence: Evidence, batch) -> tuple[str, pb.MicrobatchCommitment, pb.VerifyReport]:
+    params, [committed] = evidence.commitments(1, STEP)
+    served = dict(evidence.serve(STEP, MICROBATCH))
+    checksum, digests = recompute(StageRuntime(cfg, 1, 2), served, (STEP, MICROBATCH), batch, None)
+    return params, committed, pb.VerifyReport(node_id="v", check=1, params_checksum=checksum, digests=digests)
+
+
+def test_an_honest_stage_recomputed_elsewhere_gives_the_same_bits() -> None:
+    cfg = _config()
+    with one_compute_thread():
+        evidence, batch = _run_target(cfg)
+        params, committed, report = _verify(cfg, evidence, batch)
+    assert committed.sent and committed.received_grad and committed.param_grads and committed.sent_grad
+    assert compare(committed, params, report) == ""
+    assert evidence.serve(STEP, MICROBATCH + 1) is None  # nothing kept of a microbatch the stage did not compute
+
+
+def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:
+    cfg = _config()
+    with one_compute_thread():
+        evidence, batch = _run_target(cfg, shift=1e-3)
+        params, committed, report = _verify(cfg, evidence, batch)
+    assert compare(committed, params, report) == "sent differ"
+    # Evidence other than what was committed to: the parameters served are not the committed ones.
+    assert "parameters" in compare(committed, "another checksum", report)
+
+
+def _check(verification: Verification, target: str = "t") -> Check:
+    committed = _commitment(MICROBATCH, sent=b"s", param_grads=b"p")
+    check = Check(id=1, step=STEP, stage=1, microbatch=MICROBATCH, layers=(1, 2), target=target,
+                  target_address="127.0.0.1:9", committed=committed, params="ck", verifier="v1",
+                  candidates=("v1", "v2"))
+    verification.pending[check.id] = check
+    return check
+
+
+def _report(node: str, check: int, sent: bytes) -> pb.VerifyReport:
+    digests = _commitment(MICROBATCH, sent=sent, param_grads=b"p")
+    return pb.VerifyReport(node_id=node, check=check, params_checksum="ck", digests=digests, seconds=0.5)
+
+
+@pytest.mark.parametrize("second_finds", [b"s", b"wrong"])
+def test_a_dispute_is_settled_by_a_second_verifier(second_finds: bytes) -> None:
+    verification = Verification(0.5, random.Random(0))
+    _check(verification)
+    with pytest.raises(ReportRefused):
+        verification.report(_report("v2", 1, b"s"))  # not its check
+    dispute = verification.report(_report("v1", 1, b"wrong"))
+    assert dispute is not None and dispute.verifier == "v2" and dispute.accuser == "v1"
+    assert verification.report(_report("v2", dispute.id, second_finds)) is None
+    [verdict] = verification.take_verdicts()
+    # The second verifier agreeing with the target convicts the accuser; agreeing with the accuser, the target.
+    assert verdict.guilty == ("v1" if second_finds == b"s" else "t")
+    assert verdict.why.startswith(f"step {STEP} stage 1 microbatch {MICROBATCH} of t")
+    counts = verification.counts
+    assert (counts.checks, counts.mismatches, counts.seconds) == (2, 1 if second_finds == b"s" else 2, 1.0)
+
+
+def test_status_shows_the_checks_and_their_cost() -> None:
+    cfg = _config()
+    coordinator = Coordinator(cfg)
+    verification = coordinator.driver.verification
+    assert verification is not None
+    _check(verification)
+    coordinator.verified(_report("v1", 1, b"s"))
+    reply = coordinator.status()
+    assert (reply.verify.checks, reply.verify.mismatches, reply.verify.seconds) == (1, 0, 0.5)
+    assert not render(coordinator.snapshot()).verify.evicted
+
+
+def test_draws_give_each_target_a_verifier_of_its_device_class() -> None:
+    verification = Verification(1.0, random.Random(0))
+    plan = pb.Plan(epoch=1)
+    for i, node in enumerate(["a", "b"]):
+        plan.stages.add(index=i, layer_start=i, layer_end=i + 1, node_ids=[node], addresses=[f"127.0.0.1:{i + 1}"])
+    paths = {0: ["a", "b"]}
+    commitments = {"a": {0: _commitment(0, sent=b"x")}, "b": {0: _commitment(0, received=b"x")}}
+    classes = {"a": ("cpu", "x", "fp32"), "b": ("cpu", "x", "fp32"), "c": ("cuda", "y", "fp32")}
+    checks = verification.draw_checks(0, plan, paths, commitments, {}, classes)
+    assert [(c.target, c.verifier, c.target_address) for c in checks] == [("a", "b", "127.0.0.1:1"),
+                                                                         ("b", "a", "127.0.0.1:2")]
+    assert Verification(0.0).draw_checks(0, plan, paths, commitments, {}, classes) == []
+
+
+def test_a_verdict_evicts_and_rolls_back_to_the_checkpoint_before_the_first_planned_step(tmp_path) -> None:
+    cfg = _config("run.steps=20")
+    checkpoints = CheckpointStore(tmp_path, keep=10)
+    for steps_done in (2, 4, 6):
+        state = StageState(0, 3, "", {"layers.0.w": torch.zeros(2)})
+        checkpoints.write(steps_done, 1, [state])
+    coordinator = Coordinator(cfg, checkpoints=checkpoints)
+    key = NodeKey.generate()
+    now = time.monotonic()
+    coordinator.membership.members["bad"] = Member("bad", "127.0.0.1:9", "local", now, now, public_key=key.public)
+    verification = coordinator.driver.verification
+    verification.planned(5, ["bad", "good"])
+    verification.planned(7, ["bad"])  # a later plan: the first step it was planned on stays 5
+    verification.verdicts.append(Verdict("bad", "step 6 ...", 6))
+    coordinator.step = 8
+    coordinator._settle_verdicts()
+    assert coordinator.step == 4  # the newest checkpoint at or before step 5
+    assert not coordinator.members["bad"].alive and coordinator.store.evicted(key.public)
+    assert coordinator.planning.dirty and verification.counts.evicted == 1
+    kinds = [e[1] for e in coordinator.store.events()]
+    assert "verdict" in kinds and "rollback" in kinds
