@@ -8,15 +8,15 @@ Checks, each one JSON line with "check" and, for the exactness ones, "ok":
 - exact-two-gpus (two or more CUDA GPUs of one model): a 2-stage pipeline, one node on cuda:0 and one on cuda:1,
   against train-local on cuda:0, held to the same promise.
 - throughput (CUDA only, or --large): a llama of about 85M parameters in bf16, pipelined over two nodes (on cuda:0 and
-  cuda:1 where there are two GPUs), and train-local: tokens/s of each, and the GPU's busy share during the pipeline's
-  steps (nvidia-smi's utilization, sampled from the first step's commit to the last; null without nvidia-smi). A
-  figure, not a check.
+  cuda:1 where there are two GPUs), and train-local: tokens/s of each, and each GPU's busy share during the
+  pipeline's steps (nvidia-smi's utilization, sampled from the first step's commit to the last; null without
+  nvidia-smi). A figure, not a check.
 
 Exit codes: 0 every check held; 1 an exactness check failed; 3 skipped, no CUDA device (say --device cpu to run
 the checks on the CPU: the comparison logic, with the CPU as the device). The defaults fit in about 8 minutes on one
 H200 (not measured: no GPU was lent when this was written).
 
-Run: bench/gpu_smoke.sh [--device cuda] [--steps 20] [--large-steps 20] [--large]
+Run: bench/gpu_smoke.sh [--device cuda] [--steps 20] [--large-steps 20] [--large] [--large-set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -61,25 +61,26 @@ LARGE = [*_RUN, "model.family=llama", "model.n_layers=12", "model.d_model=768", 
 
 @dataclass
 class Trained:
-    """A run's step losses, final parameters, tokens/s and the GPU's busy share during its steps."""
+    """A run's step losses, final parameters, tokens/s and each GPU's busy share during its steps."""
 
     losses: list[float]
     params: dict[str, torch.Tensor]
     tokens_per_s: float
-    busy_share: float | None = None
+    busy_share: dict[str, float] | None = None
 
 
 class BusySampler:
-    """Samples GPU `index`'s utilization with nvidia-smi while `active()` holds (index None, or no nvidia-smi:
+    """Samples the utilization of GPUs `indices` with nvidia-smi while `active()` holds (none, or no nvidia-smi:
     nothing is sampled, and the share is None)."""
 
-    def __init__(self, index: int | None, active: Callable[[], bool]) -> None:
-        self.index, self.active, self.samples = index, active, []
+    def __init__(self, indices: list[int], active: Callable[[], bool]) -> None:
+        self.indices, self.active = indices, active
+        self.samples: dict[str, list[float]] = {f"cuda:{i}": [] for i in indices}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> BusySampler:
-        if self.index is not None and shutil.which("nvidia-smi"):
+        if self.indices and shutil.which("nvidia-smi"):
             self._thread.start()
         return self
 
@@ -89,16 +90,21 @@ class BusySampler:
             self._thread.join(5)
 
     def _run(self) -> None:
-        query = ["nvidia-smi", f"--id={self.index}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        ids = ",".join(map(str, self.indices))
+        query = ["nvidia-smi", f"--id={ids}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
         while not self._stop.wait(0.2):
             if self.active():
                 out = subprocess.run(query, capture_output=True, text=True, timeout=10)
-                if out.returncode == 0 and out.stdout.strip().isdigit():
-                    self.samples.append(int(out.stdout.strip()) / 100)
+                lines = out.stdout.split()
+                if out.returncode == 0 and len(lines) == len(self.indices) and all(v.isdigit() for v in lines):
+                    for samples, value in zip(self.samples.values(), lines):
+                        samples.append(int(value) / 100)
 
-    def share(self) -> float | None:
-        """The mean sampled utilization, 0..1."""
-        return round(sum(self.samples) / len(self.samples), 3) if self.samples else None
+    def share(self) -> dict[str, float] | None:
+        """Each GPU's mean sampled utilization, 0..1."""
+        if not self.samples or not all(self.samples.values()):
+            return None
+        return {gpu: round(sum(s) / len(s), 3) for gpu, s in self.samples.items()}
 
 
 def config(settings: list[str], steps: int, stages: int, *extra: str) -> RunConfig:
@@ -130,12 +136,11 @@ def pipeline(cfg: RunConfig, devices: list[str], log_dir: Path) -> Trained:
     flags = {f"node-{i + 1}": ["--device", d] for i, d in enumerate(devices)}
     nodes = LocalNodes(f"127.0.0.1:{host.port}", token, log_dir, flags)
     host.server.start()
-    gpu = torch.device(devices[0])
+    gpus = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
     try:
         for node_id in flags:
             nodes.start(node_id)
-        index = (gpu.index or 0) if gpu.type == "cuda" else None
-        with BusySampler(index, lambda: 1 <= coordinator.step < cfg.run.steps) as sampler:  # after the first commit
+        with BusySampler(gpus, lambda: 1 <= coordinator.step < cfg.run.steps) as sampler:  # after the first commit
             summary = coordinator.run()
         losses = [record.loss for record in coordinator.store.steps()]
         params = fetch_model_state(coordinator.plan, token, summary.steps, coordinator.key)
@@ -172,10 +177,10 @@ def exact_check(name: str, settings: list[str], devices: list[str], steps: int, 
             "wall_s": round(time.monotonic() - started, 1)}
 
 
-def throughput(devices: list[str], steps: int, log_dir: Path) -> dict:
-    """The large model's tokens/s pipelined and in train-local, and the GPU's busy share in the pipeline's steps."""
-    pipelined = pipeline(config(LARGE, steps, len(devices)), devices, log_dir)
-    reference = local(config(LARGE, steps, 1), torch.device(devices[0]))
+def throughput(devices: list[str], steps: int, log_dir: Path, overrides: list[str]) -> dict:
+    """The large model's tokens/s pipelined and in train-local, and each GPU's busy share in the pipeline's steps."""
+    pipelined = pipeline(config(LARGE, steps, len(devices), *overrides), devices, log_dir)
+    reference = local(config(LARGE, steps, 1, *overrides), torch.device(devices[0]))
     params = sum(t.numel() for t in reference.params.values())
     return {"check": "throughput", "devices": devices, "steps": steps, "params": params,
             "pipeline_tokens_per_s": round(pipelined.tokens_per_s, 1),
@@ -190,6 +195,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps of each exactness run")
     parser.add_argument("--large-steps", type=int, default=20, help="steps of the throughput runs")
     parser.add_argument("--large", action="store_true", help="run the throughput check on a CPU too (slow)")
+    parser.add_argument("--large-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the throughput run's model (e.g. a small one, to try the check on a CPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -214,7 +221,8 @@ def main() -> int:
             failed |= not result["ok"]
             print(json.dumps(result), flush=True)
         if device.type == "cuda" or args.large:
-            print(json.dumps(throughput(two if gpus >= 2 else [spec] * 2, args.large_steps, Path(tmp))), flush=True)
+            devices = two if gpus >= 2 else [spec] * 2
+            print(json.dumps(throughput(devices, args.large_steps, Path(tmp), args.large_set)), flush=True)
     return EXIT_FAILED if failed else 0
 
 

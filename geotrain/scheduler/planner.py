@@ -117,8 +117,12 @@ class Planner:
         keys = np.column_stack([cm.prefix_seconds, cm.memory])
         _, self.profile_class = np.unique(keys, axis=0, return_inverse=True)
         self.profile_class = self.profile_class.reshape(-1)
-        # Inside a region, stages are cut from nodes sorted by link, then speed, then id: rank them once.
-        order = sorted(range(len(cm.nodes)), key=lambda i: (-self.uplink[i], -self.speed[i], cm.nodes[i].node_id))
+        # Inside a region, stages are cut from nodes sorted by device class (so that a cut mixes classes rarely), then
+        # link, then speed, then id: rank them once.
+        order = sorted(
+            range(len(cm.nodes)),
+            key=lambda i: (self.device_class[i], -self.uplink[i], -self.speed[i], cm.nodes[i].node_id),
+        )
         self.rank = np.empty(len(cm.nodes), dtype=np.int64)
         self.rank[order] = np.arange(len(cm.nodes))
 
