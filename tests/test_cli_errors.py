@@ -168,6 +168,7 @@ def test_tls_init_never_overwrites(run_tls):
 @pytest.mark.timeout(60)
 def test_resume_with_another_model_names_the_keys(tmp_path):
     store = RunStore(tmp_path / "state" / "run.sqlite")
+    store.put("run_id", "a-run")  # what a coordinator that started the run wrote
     store.adopt_model(dataclasses.asdict(load_config().model), check=False)
     store.close()
     result = run_cli(
