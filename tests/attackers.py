@@ -122,7 +122,7 @@ def extreme_profiles(honest: pb.NodeProfileReport, peer: str) -> Iterator[pb.Nod
                 report.layer_seconds[0] = value
             elif field == "bandwidth_bps":
                 report.links.add(peer=peer, bandwidth_bps=value, rtt_s=0.001)
-            elif math.isfinite(value) and value < 2**64:
+            elif math.isfinite(value) and 1 <= value < 2**64:  # 0 bytes is an honest "no room", not extreme
                 report.memory_bytes = int(value)
             else:
                 continue
