@@ -58,7 +58,7 @@ def settings(args: argparse.Namespace) -> list[str]:
         f"model.seq_len={args.seq_len}", "train.microbatch_size=1", f"train.microbatches={args.microbatches}",
         f"run.steps={args.steps}", "run.eval_every=0", f"scheduler.checkpoint_every={args.checkpoint_every}",
         "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=3", "profile.layer_repeats=1",
-        "profile.memory_headroom_mib=256", f"scheduler.min_nodes={args.nodes}",
+        "profile.memory_headroom_mib=256", f"scheduler.min_nodes={args.nodes}", *args.set,
     ]
 
 
@@ -205,6 +205,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=4, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
+    parser.add_argument("--set", action="append", default=[], help="extra config settings (SECTION.KEY=VALUE)")
     args = parser.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.mlp, args.vocab, args.cap_gib = 8, 256, 4, 704, 32000, 1.0
