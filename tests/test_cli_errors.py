@@ -205,7 +205,7 @@ def test_wrong_token_is_one_line_and_logged_once(coordinator, caplog):
     caplog.set_level(logging.WARNING, logger="geotrain.protocol.auth")
     result = run_cli("join", "--coordinator", coordinator, "--token", "a-wrong-token")
     one_line_error(result, EXIT_FAILED, "the coordinator refused the run token")
-    assert re.fullmatch(r"device cpu .*: [\d.]+ GiB free, [\d.]+ TFLOP/s fp32 matmul\n", result.stdout), result.stdout
+    assert re.fullmatch(r"device cpu .*: [\d.]+ GiB usable, [\d.]+ TFLOP/s fp32 matmul\n", result.stdout), result.stdout
     one_line_error(
         run_cli("status", "--coordinator", coordinator, "--token", "a-wrong-token"), EXIT_FAILED, "UNAUTHENTICATED"
     )
