@@ -16,8 +16,8 @@ line for the run: params, state_bytes (training state of the whole model), cap_b
 checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of steps with no checkpoint
 before them), checkpoint_step_s (the same for steps that follow a checkpoint), checkpoint_cost (their ratio - 1),
 rejoin_s (the restarted node's process start to serving, its state load included) and rejoin_profile_s (start to its
-profile on the coordinator: what the cached profile saves), max_abs_diff (last checkpoint vs train-local), oom_killed,
-wall_s.
+profile on the coordinator: what the cached profile saves), run_exit (the coordinator's exit code: 0 when the run
+finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
 
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small]
 """
@@ -58,7 +58,7 @@ def settings(args: argparse.Namespace) -> list[str]:
         f"model.seq_len={args.seq_len}", "train.microbatch_size=1", f"train.microbatches={args.microbatches}",
         f"run.steps={args.steps}", "run.eval_every=0", f"scheduler.checkpoint_every={args.checkpoint_every}",
         "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=3", "profile.layer_repeats=1",
-        "profile.memory_headroom_mib=256", f"scheduler.min_nodes={args.nodes}",
+        "profile.memory_headroom_mib=256", f"scheduler.min_nodes={args.nodes}", *args.set,
     ]
 
 
@@ -133,10 +133,12 @@ def status(address: str, token: str):
         return None
 
 
-def wait_for(what: str, until, timeout: float, poll: float = 0.2):
-    """Poll until() until it returns something true, RuntimeError after timeout."""
+def wait_for(what: str, until, timeout: float, poll: float = 0.2, process: subprocess.Popen | None = None):
+    """Poll until() until it returns something true; RuntimeError after timeout, or once `process` has ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the coordinator ended (exit {process.returncode}) while waiting for {what}")
         value = until()
         if value:
             return value
@@ -203,6 +205,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=4, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
+    parser.add_argument("--set", action="append", default=[], help="extra config settings (SECTION.KEY=VALUE)")
     args = parser.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.mlp, args.vocab, args.cap_gib = 8, 256, 4, 704, 32000, 1.0
@@ -246,13 +249,13 @@ def main() -> None:
             join(f"node-{i + 1}", f"node-{i + 1}")
         threading.Thread(target=watch_plans, daemon=True).start()
         reply = wait_for(f"{args.kill_after} steps", lambda: (r := status(address, token)) and r.step >= args.kill_after
-                         and r, 1800, 0.5)
+                         and r, 1800, 0.5, coordinator)
         victim = reply.stages[1].node_ids[0] if len(reply.stages) > 1 else reply.nodes[0].node_id
         killed = runs[current.pop(victim)]
         os.killpg(killed["proc"].pid, signal.SIGKILL)
         killed["proc"].wait()
         wait_for(f"{victim} to be seen dead", lambda: (r := status(address, token)) and any(
-            n.node_id == victim and not n.alive for n in r.nodes), 60)
+            n.node_id == victim and not n.alive for n in r.nodes), 60, 0.2, coordinator)
         restarted = time.monotonic()
         rejoined_at = time.time()
         join(victim, f"{victim} rejoined")
@@ -261,9 +264,9 @@ def main() -> None:
             r = status(address, token)
             return next((n for n in r.nodes if n.node_id == victim), None) if r else None
 
-        wait_for(f"{victim}'s profile", lambda: (m := member()) and m.alive and m.memory_bytes, 300, 0.05)
+        wait_for(f"{victim}'s profile", lambda: (m := member()) and m.alive and m.memory_bytes, 300, 0.05, coordinator)
         rejoin_profile_s = time.monotonic() - restarted
-        wait_for(f"{victim} serving again", lambda: (m := member()) and m.alive and m.lifecycle == "serving", 900, 0.1)
+        wait_for(f"{victim} serving again", lambda: (m := member()) and m.alive and m.lifecycle == "serving", 900, 0.1, coordinator)
         rejoin_s = time.monotonic() - restarted
         coordinator.wait(1800)
     finally:
@@ -306,7 +309,7 @@ def main() -> None:
         "checkpoint_cost": round(checkpoint_step_s / step_s - 1, 3) if step_s and checkpoint_step_s else None,
         "rejoin_s": round(rejoin_s, 2) if rejoin_s else None,
         "rejoin_profile_s": round(rejoin_profile_s, 2) if rejoin_profile_s else None,
-        "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),
+        "run_exit": coordinator.returncode, "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),
     }), flush=True)
 
 
