@@ -336,6 +336,12 @@ class SchedulerSection:
         2.0, 0.001, 1e6, "new node ids one host may register per second, on average (its /24 or /64: 8 times that)"
     )
     new_id_burst: int = _bounded(16, 1, 10**6, "new node ids one host may register at once (its subnet: 8 times)")
+    behind_proxy: bool = field(
+        default=False,
+        metadata={"doc": "calls reach the coordinator through a relay or proxy on its own host (they come from "
+                  "loopback): the dial-back then dials the address a node advertised, which the caller chooses; "
+                  "otherwise it dials only the caller's own address"},
+    )
     max_offences: int = _bounded(
         5, 1, 10**6, "refused reports (contradicting the plan, or for another member) that evict their sender"
     )

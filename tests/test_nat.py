@@ -41,7 +41,8 @@ def dead_port() -> Iterator[int]:
 
 def test_dial_back_dials_only_the_callers_own_address():
     def where(advertised: str, caller: str) -> tuple[str | None, str | None, str]:
-        found = target(advertised, caller, resolver=lambda name: {ip_address("203.0.113.9")} if name == "me.example" else set())
+        found = target(advertised, caller,
+                       resolver=lambda name: {ip_address("203.0.113.9")} if name == "me.example" else set())
         return found.dial, found.reached, found.case
 
     # A local run: 127.0.0.1 advertised and called from, dialled there.
@@ -59,6 +60,9 @@ def test_dial_back_dials_only_the_callers_own_address():
     assert where("10.0.0.5:7100", "ipv4:127.0.0.1:4000") == (None, None, "PROXIED")
     assert where("127.0.0.2:7100", "ipv4:127.0.0.1:4000") == (None, None, "PROXIED")
     assert where("10.0.0.5:7100", "unix:/tmp/socket") == (None, None, "PROXIED")
+    # Unless the operator said calls come through a relay on the coordinator's host (scheduler.behind_proxy).
+    relayed = target("10.0.0.5:7100", "ipv4:127.0.0.1:4000", behind_proxy=True)
+    assert (relayed.dial, relayed.case) == ("10.0.0.5:7100", "RELAYED")
 
 
 def _attack(cluster, tmp_path) -> None:

@@ -345,7 +345,9 @@ class Wan:
         """Start `geotrain coordinator` in region 0, waiting for every node; extra_args go to its command line."""
         nodes = self.spec.regions * self.spec.nodes_per_region
         cmd = [sys.executable, "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{COORDINATOR_PORT}",
-               "--advertise", self.region_ip(0), "--min-nodes", str(nodes), *(extra_args or [])]
+               "--advertise", self.region_ip(0), "--min-nodes", str(nodes),
+               "--set", "scheduler.behind_proxy=true",  # nodes call through region 0's relay: from loopback
+               *(extra_args or [])]
         proc = self._spawn(self.region_ns(0), "coordinator", cmd, console=console)
         self.processes.append(proc)
         return proc

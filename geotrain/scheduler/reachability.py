@@ -8,7 +8,9 @@ holder must not turn it into a port scanner of a third host. The cases, each by 
   answer another host), and the name is what peers dial;
 - NAT: another IP advertised (a LAN address behind a forwarded port): the source address at the advertised port;
 - PROXIED: a call from loopback advertising another host came through a proxy on the coordinator's host, and the
-  caller's own address is unknown: nothing is dialled, the node is UNREACHABLE (it serves over streams it opens).
+  caller's own address is unknown: nothing is dialled, the node is UNREACHABLE (it serves over streams it opens);
+- RELAYED: the same where the operator said calls come through a relay (scheduler.behind_proxy, as the namespace
+  WAN's coordinator runs): the advertised address is dialled, the one case where the caller chooses the host.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def resolve(name: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     return {ip for info in infos if (ip := _ip(str(info[4][0]).split("%")[0])) is not None}
 
 
-def target(advertised: str, caller: str, resolver: Callable[[str], set] = resolve) -> Target:
+def target(
+    advertised: str, caller: str, behind_proxy: bool = False, resolver: Callable[[str], set] = resolve
+) -> Target:
     """Where to dial a node that advertised `advertised` (HOST:PORT, checked) in a call from `caller` (gRPC's
-    peer, "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT"): the module docstring's cases."""
+    peer, "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT"): the module docstring's cases; `behind_proxy`: RELAYED's."""
     host, _, port = advertised.rpartition(":")
     source = _ip(peer_host(caller)) if caller.startswith(("ipv4:", "ipv6:")) else None
     if source is None:  # not over TCP (a unix socket): no address of the caller's to dial
@@ -76,7 +80,7 @@ def target(advertised: str, caller: str, resolver: Callable[[str], set] = resolv
     if named == source:
         return Target(_join(source, port), advertised, "DIRECT")
     if source.is_loopback:
-        return Target(None, None, "PROXIED")
+        return Target(advertised, advertised, "RELAYED") if behind_proxy else Target(None, None, "PROXIED")
     if named is None and source in resolver(host):
         return Target(_join(source, port), advertised, "NAME")
     return Target(_join(source, port), _join(source, port), "NAT")

@@ -136,7 +136,7 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         # can reach it. Only the caller's own host is dialled (reachability.target), off the blocking pool.
         reply = await self._off_loop(self.c.screen, request, key, host)
         if reply is None:
-            where = reachability.target(request.address, context.peer())
+            where = reachability.target(request.address, context.peer(), self.c.cfg.scheduler.behind_proxy)
             dialed = DialedBack(where.reached if where.dial and await self._dial(host, where.dial) else None)
             log.debug("dial-back of %s (%s): %s", request.address[:80], where.case, dialed.state)
             reply = await self._off_loop(self.c.register, request, key, lambda: dialed, host)
