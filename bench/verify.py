@@ -15,6 +15,11 @@ One JSON line per case: the step whose work was caught and the step the run was 
 back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
 work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
 detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
+
+This version, --steps 20 (shift, lazy, poison) and 40 (shift_1_in_20: 120 steps): every adversary caught (the work of
+steps 0, 0, 1 and 51), evicted, nobody else evicted, max |diff| 0.0; honest, 300 steps at 0.05: 175 checks, 0 false
+alarms, max |diff| 0.0, 3,133.1 tokens/s against 3,613.4 with verification off: a cost of 13.3%, above the 10% goal
+(on this tiny model a check's fixed costs, a channel, a parameter copy and checksum per step, dominate).
 """
 
 from __future__ import annotations
