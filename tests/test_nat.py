@@ -162,8 +162,9 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
 def test_two_neighbouring_stages_nobody_can_dial_link_through_a_relay(tmp_path):
     # node-1 and node-2 advertise ports that refuse every connection: their link runs through node-3, the one node
     # that can be dialled, and the run must still equal train-local.
+    # Links reach the status with heartbeats: frequent ones, so that the last has counted every link of so short a run.
     settings = ["run.steps=3", "train.microbatches=4", "train.inflight=2", "run.eval_every=0",
-                "scheduler.placement=uniform", "profile.layer_repeats=1"]
+                "scheduler.placement=uniform", "profile.layer_repeats=1", "scheduler.heartbeat_interval_s=0.2"]
     cfg = load_config(None, settings)
     with dead_port() as dead_1, dead_port() as dead_2:
         node_args = {"node-1": ["--advertise", f"127.0.0.1:{dead_1}"], "node-2": ["--advertise", f"127.0.0.1:{dead_2}"]}
