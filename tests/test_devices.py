@@ -1,26 +1,37 @@
 """The device paths (issue 29) on the CPU, and the few checks that need a CUDA GPU (skipped without one): the
 deterministic settings a CUDA device gets, capability asked of the chosen GPU, the sender's turns that keep a
 link's encodes in the worker's order off the worker thread, a checksum taken when asked, a stage's step on a
-stand-in device, the GPU smoke check's verdict, task timing by device events, and pinned decoding."""
+stand-in device, the GPU smoke check's verdict, task timing by device events, pinned decoding, a GPU's SM count in
+its class, pools whose threads use the node's GPU, usable memory read after empty_cache, and peak memory's units."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
 import sys
 import threading
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from geotrain.compression import base as compression_base
+from geotrain.compression import codecs as compression_codecs
 from geotrain.compression import get_codec
+from geotrain.compression.policy import StageTimer
 from geotrain.config import load_config
 from geotrain.node import device as device_module
 from geotrain.node.dataplane import DataPlane
-from geotrain.node.device import HostCopies, TaskClock, make_exact, supports
+from geotrain.node import profiler
+from geotrain.node.device import HostCopies, TaskClock, TaskSpan, make_exact, supports
 from geotrain.node.stage import StageRuntime
+from geotrain.node.worker import Worker
 from geotrain.protocol import framing
+from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.scheduler.profiles import device_class as profile_class
 from tests.conftest import REPO
 from tests.fakedevice import FakeDevice
 
@@ -243,3 +254,121 @@ def test_a_stage_steps_on_a_device_and_reads_no_value_back_before_its_backward_i
     assert reads == [] or reads[0] > last_backward
     assert on_device == pytest.approx(loss, rel=1e-5) and device_parts == pytest.approx(parts, rel=1e-4)
     assert checksum == framing.parameters_checksum((n, fake.value(p)) for n, p in runtime.named_state())
+
+
+@pytest.mark.timeout(10)
+def test_a_gpus_name_carries_its_sm_count_so_a_cut_down_part_is_another_class(monkeypatch):
+    """cuBLAS picks kernels by the multiprocessor count, so a MIG slice or a cut-down part that keeps the model's
+    name is another device class (the planner's and the verifiers')."""
+    sms = {0: 132, 1: 60}
+    monkeypatch.setattr(device_module.torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=sms[d.index]))
+    names = [device_module.device_name(torch.device("cuda", i)) for i in (0, 1)]
+    assert names == ["NVIDIA H100 80GB HBM3, 132 SMs", "NVIDIA H100 80GB HBM3, 60 SMs"]
+    reports = [pb.NodeProfileReport(device=f"cuda:{i}", device_name=n, torch_build="2.5.1+cu124 cuda 12.4",
+                                    precision="bf16") for i, n in enumerate(names)]
+    assert profile_class(reports[0]) != profile_class(reports[1])
+
+
+@pytest.mark.timeout(20)
+def test_a_device_pools_threads_compute_on_the_nodes_gpu(monkeypatch):
+    """CUDA's current device is per thread and GPU 0 until set: every thread of a node's pools (senders, verifier)
+    sets the node's GPU before its first task."""
+    chosen: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(device_module.torch.cuda, "set_device",
+                        lambda d: chosen.append((threading.current_thread().name, d)))
+    pool = device_module.device_pool(torch.device("cuda", 1), 2, "verify")
+    try:
+        assert pool.submit(lambda: threading.current_thread().name).result(10).startswith("verify")
+    finally:
+        pool.shutdown(wait=True)
+    assert chosen and all(name.startswith("verify") and d == torch.device("cuda", 1) for name, d in chosen)
+    before = list(chosen)
+    device_module.use_in_this_thread(torch.device("cpu"))  # nothing to set on the CPU
+    assert chosen == before
+
+
+@pytest.mark.timeout(10)
+def test_usable_gpu_memory_is_read_after_the_caching_allocator_gives_its_reserve_back(monkeypatch):
+    calls: list[str] = []
+    cuda = device_module.torch.cuda
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: calls.append("mem_get_info") or (6 << 30, 80 << 30))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d: 2 << 30)
+    usable = profiler.available_memory_bytes(torch.device("cuda", 1), headroom_bytes=1 << 30)
+    assert calls == ["empty_cache", "mem_get_info"]
+    assert usable == (6 << 30) + (2 << 30) - (1 << 30)  # free, and what the process holds there already
+
+
+@pytest.mark.timeout(10)
+def test_peak_host_memory_is_in_bytes_on_macos_and_linux(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3000))
+    monkeypatch.setattr(sys, "platform", "darwin")  # macOS reports bytes
+    assert device_module.peak_memory_bytes(torch.device("mps")) == 3000
+    monkeypatch.setattr(sys, "platform", "linux")  # Linux KiB
+    assert device_module.peak_memory_bytes(torch.device("cpu")) == 3000 * 1024
+
+
+class _Event:
+    """A CUDA event's part TaskSpan uses: done when the test says, `at` seconds into the stream."""
+
+    def __init__(self, at: float) -> None:
+        self.at, self.done = at, False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1e3
+
+
+@pytest.mark.timeout(10)
+def test_a_task_counts_its_own_device_time_in_order_even_when_a_later_one_finishes_first():
+    """A task's launches return before its GPU work is done: it is timed by its stream's events, counted once they
+    have passed (waiting only where asked), in the order the tasks ran, each with its own device seconds."""
+    worker = Worker.__new__(Worker)  # the worker's timing part alone
+    worker.compute, worker._spans, worker._timed = StageTimer(), deque(), (0, {})
+    slow = TaskSpan((_Event(0.0), _Event(0.5)))  # a forward that keeps the GPU busy half a second
+    quick = TaskSpan((_Event(0.5), _Event(0.6)))  # a backward queued after it
+    for span in (slow, quick):
+        span.end()
+    quick._events[1].done = True
+    worker._spans.extend([("forward", 3, slow), ("backward", 3, quick)])
+    worker._settle_spans(wait=False)
+    assert slow.seconds(wait=False) is None and len(worker._spans) == 2  # the first is still on the device
+    assert worker.take_compute_s(3) == pytest.approx(0.5 + 0.1)  # waits, then each task counts its own time
+    assert worker.compute.per_microbatch() == pytest.approx(0.6) and not worker._spans
+
+
+@pytest.mark.timeout(20)
+def test_a_decoder_writes_into_the_one_pinned_tensor_it_returns(monkeypatch):
+    """For a CUDA node every decoder fills the pinned tensor it returns (allocated once, by compression.base's
+    new_tensor) rather than decoding into plain memory that would be copied again to pin it. Pinning itself needs a
+    CUDA device, so here the allocations are recorded instead."""
+    made: list[tuple[torch.Tensor, bool]] = []
+
+    def recorded(shape, dtype, pin):  # noqa: ANN001, ANN202
+        out = torch.empty(tuple(shape), dtype=dtype)
+        made.append((out, pin))
+        return out
+
+    monkeypatch.setattr(compression_base, "new_tensor", recorded)
+    monkeypatch.setattr(compression_codecs, "new_tensor", recorded)
+    shape = (4, 16, 64)
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    for spec in ("none", "fp16", "bf16", "int8", "int4", "topk:0.1"):
+        codec = get_codec(spec)
+        payload = codec.encode(values)
+        made.clear()
+        pinned = codec.decode(payload, shape, torch.float32, pin=True)
+        assert [(t.data_ptr(), pin) for t, pin in made] == [(pinned.data_ptr(), True)], spec
+        assert torch.equal(pinned, codec.decode(payload, shape, torch.float32)), spec

@@ -22,7 +22,7 @@ from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.membership import Member
 from geotrain.scheduler.status import render
-from geotrain.scheduler.verification import Check, Verdict, Verification, compare, cross_check
+from geotrain.scheduler.verification import Check, Verdict, Verification, compare, cross_check, device_class
 from tests.conftest import one_compute_thread
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,11 +163,26 @@ def test_draws_give_each_target_a_verifier_of_its_device_class() -> None:
         plan.stages.add(index=i, layer_start=i, layer_end=i + 1, node_ids=[node], addresses=[f"127.0.0.1:{i + 1}"])
     paths = {0: ["a", "b"]}
     commitments = {"a": {0: _commitment(0, sent=b"x")}, "b": {0: _commitment(0, received=b"x")}}
-    classes = {"a": ("cpu", "x", "fp32"), "b": ("cpu", "x", "fp32"), "c": ("cuda", "y", "fp32")}
+    classes = {"a": "cpu|x|2.5.1|fp32", "b": "cpu|x|2.5.1|fp32", "c": "cuda|y|2.5.1+cu124|fp32",
+               "d": "cpu|x|2.4.0|fp32"}
     checks = verification.draw_checks(0, plan, paths, commitments, {}, classes)
     assert [(c.target, c.verifier, c.target_address) for c in checks] == [("a", "b", "127.0.0.1:1"),
                                                                          ("b", "a", "127.0.0.1:2")]
     assert Verification(0.0).draw_checks(0, plan, paths, commitments, {}, classes) == []
+
+
+def test_a_verifier_shares_its_targets_torch_build_as_replicas_do():
+    """The class a verifier must share with its target is the planner's (scheduler.profiles.device_class): another
+    torch build may pick other kernels and round otherwise, and its verdict would accuse an honest node."""
+
+    def member(build: str) -> Member:
+        m = Member("a", "127.0.0.1:1", "r", 0.0, 0.0)
+        m.profile = pb.NodeProfileReport(device="cuda:1", device_name="NVIDIA H100 80GB HBM3, 132 SMs",
+                                         torch_build=build, precision="bf16")
+        return m
+
+    assert device_class(Member("a", "127.0.0.1:1", "r", 0.0, 0.0)) is None  # no profile yet
+    assert device_class(member("2.5.1+cu124 cuda 12.4")) != device_class(member("2.5.1+cu121 cuda 12.1"))
 
 
 def test_a_verdict_evicts_and_rolls_back_to_the_checkpoint_before_the_first_planned_step(tmp_path) -> None:

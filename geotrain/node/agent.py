@@ -17,12 +17,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 
 from geotrain.compression.policy import StageTimer
 from geotrain.node.dataplane import DataPlane, LinkEmulator
-from geotrain.node.device import resolve_device, use_in_this_thread
+from geotrain.node.device import device_pool, resolve_device
 from geotrain.node.handover import HeldStates, Snapshots
 from geotrain.node.holder import StageHolder
 from geotrain.node.link import CoordinatorLink, NodeError
@@ -173,9 +172,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
         self._tasks = queue.PriorityQueue()
         self._seq = itertools.count()
         self._head = None
-        self._sender = futures.ThreadPoolExecutor(  # senders wait for copies off the node's GPU, and encode them
-            max_workers=8, thread_name_prefix="send", initializer=use_in_this_thread, initargs=(self.device,)
-        )
+        self._sender = device_pool(self.device, 8, "send")  # they wait for copies off the node's GPU, and encode them
         self.router = ReplicaRouter()
         self.dataplane = DataPlane(
             options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure,
@@ -215,7 +212,7 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
         self._averaging_joined = False  # set on the coordinator's JoinAveraging; cleared when every attempt failed
         self._averaging_ready = threading.Event()
         self.evidence = None
-        self._verify_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._verify_pool = device_pool(self.device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
         self._verify_stages = {}
 
     def run(self) -> None:

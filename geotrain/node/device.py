@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 import time
+from concurrent import futures
 
+import psutil
 import torch
 
 from geotrain.config import TrainSection
@@ -64,6 +67,13 @@ def use_in_this_thread(device: torch.device) -> None:
     GPU 0 until set): every thread that computes or copies calls it first. A no-op elsewhere."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def device_pool(device: torch.device, workers: int, name: str) -> futures.ThreadPoolExecutor:
+    """A thread pool whose threads compute or copy on `device` (use_in_this_thread in each before its first task)."""
+    return futures.ThreadPoolExecutor(
+        max_workers=workers, thread_name_prefix=name, initializer=use_in_this_thread, initargs=(device,)
+    )
 
 
 def _named_device(spec: str) -> torch.device:
@@ -119,9 +129,12 @@ def node_precision(device: torch.device, train: TrainSection) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """What the device is, e.g. 'NVIDIA A100-SXM4-80GB' or a CPU's model name (part of a node's device class)."""
+    """What the device is, e.g. 'NVIDIA A100-SXM4-80GB, 108 SMs' or a CPU's model name (part of a node's device
+    class). A GPU's multiprocessor count is part of it: cuBLAS picks kernels (split-K among them) by it, so its bits
+    are promised only on one model with one SM count, and a MIG slice or a cut-down part may keep the model's name."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name}, {props.multi_processor_count} SMs"
     if device.type == "mps":
         return "Apple GPU"
     return _cpu_model() or platform.processor() or platform.machine() or "CPU"
@@ -199,12 +212,16 @@ def release_cached(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Most memory the process has held: allocated device memory on CUDA, resident host memory otherwise."""
+    """Most memory the process has held: allocated device memory on CUDA, resident host memory otherwise (its
+    resident memory now where the platform keeps no peak)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        import resource
+    except ImportError:  # Windows
+        return psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 class TaskSpan:

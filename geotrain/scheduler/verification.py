@@ -19,19 +19,21 @@ from dataclasses import dataclass, field, replace
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.membership import Member
+from geotrain.scheduler.profiles import device_class as profile_class
 
 log = logging.getLogger(__name__)
 
-DeviceClass = tuple[str, str, str]  # (device type, device name, precision): bit-exact within one
+DeviceClass = str  # scheduler.profiles.device_class: bit-exact within one
 _FIELDS = ("received", "received_grad", "sent", "sent_grad", "param_grads")
 
 
 def device_class(member: Member) -> DeviceClass | None:
-    """The class a member computes bit-identically with (None before its profile is in)."""
+    """The class a member computes bit-identically with, the one the planner keeps a stage's replicas to (torch build
+    included: a verifier on another build may round otherwise and accuse an honest node); None before its profile."""
     profile = member.profile
     if profile is None or not profile.device:
         return None
-    return profile.device.split(":", 1)[0], profile.device_name, profile.precision
+    return profile_class(profile)
 
 
 @dataclass(frozen=True)
