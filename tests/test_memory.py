@@ -33,8 +33,10 @@ def _bytes(tensors) -> int:
 
 
 @pytest.mark.timeout(30)
-def test_the_model_counts_what_a_real_stage_holds():
-    stage = StageRuntime(CFG, 1, CFG.model.total_layers)  # the blocks and the head
+@pytest.mark.parametrize("diloco", [False, True])
+def test_the_model_counts_what_a_real_stage_holds(diloco):
+    cfg = load_config(None, [*SETTINGS, "compression.replica_sync=diloco"]) if diloco else CFG
+    stage = StageRuntime(cfg, 1, cfg.model.total_layers)  # the blocks and the head
     params = stage.parameters()
     count = sum(p.numel() for p in params)
     stage.forward((0, 0), torch.randn(2, 16, 32))
@@ -45,14 +47,16 @@ def test_the_model_counts_what_a_real_stage_holds():
     gradients = stage.gradients()
     stage.apply(0, 1.0, CFG.train.lr)  # AdamW's moments, made at the first step
     moments = [v for state in stage.optimizer.state.values() for v in state.values() if v.dim()]
+    # DiLoCo's anchor and outer velocity, fp32 beside the parameters, all run long.
+    sync = stage.sync.anchor + stage.sync.velocity if diloco else []
     # While microbatches run: fp32 weights, a microbatch's gradient, the float64 sums and AdamW's moments.
-    held = _bytes(params) + _bytes(gradients) + _bytes(sums) + _bytes(moments)
-    assert held == training_bytes_per_param(False) * count
-    # A snapshot is the weights and the moments (full_state less AdamW's step counts).
+    held = _bytes(params) + _bytes(gradients) + _bytes(sums) + _bytes(moments) + _bytes(sync)
+    assert held == training_bytes_per_param(diloco) * count
+    # A snapshot is the weights and the moments (full_state less AdamW's step counts), and DiLoCo's state.
     snapshot = [t for _, t in stage.full_state() if t.dim()]
-    assert _bytes(snapshot) == snapshot_bytes_per_param(False) * count
-    after_commit = _bytes(params) + _bytes(gradients) + _bytes(moments)
-    assert after_commit + _bytes(snapshot) == serving_bytes_per_param(False) * count
+    assert _bytes(snapshot) == snapshot_bytes_per_param(diloco) * count
+    after_commit = _bytes(params) + _bytes(gradients) + _bytes(moments) + _bytes(sync)
+    assert after_commit + _bytes(snapshot) == serving_bytes_per_param(diloco) * count
 
 
 class _Coordinator:
@@ -69,7 +73,7 @@ class _Coordinator:
 def _profiled(cfg=CFG, **kwargs) -> pb.NodeProfileReport:
     coordinator = _Coordinator()
     node = NodeProfiler(coordinator, None, lambda: "n1", 1.0, torch.device("cpu"), **kwargs)
-    node.measure_layers(cfg, "fp32")
+    node.measure_layers(cfg, cfg.train.precision)
     node.report()
     (report,) = coordinator.reports
     check_report(report, cfg.model.total_layers)  # what the coordinator checks: a node with no room is no bad report
@@ -130,6 +134,41 @@ def test_a_layer_out_of_memory_while_profiling_reaches_the_planner_as_that_layer
     assert report.param_bytes[2] == sum(p.numel() * 4 for p in layer.parameters())
     with pytest.raises(ValueError, match="roomiest node .*cannot hold layer 2"):
         _plan({"small": report})
+
+
+@pytest.mark.timeout(30)
+def test_autocasts_weight_copies_count_once_with_each_microbatchs_activations():
+    """Under bf16 autocast a layer's matmuls save a 16-bit copy of each weight for backward, one per microbatch
+    (autocast's cache): the profiler's activation bytes hold each copy once, and the planner prices those measured
+    bytes with no term of its own for the copies (it once added one)."""
+    cfg = load_config(None, [*SETTINGS, "train.precision=bf16"])
+    layer = profiler.build_layer(cfg.model, 1, 0)
+    matrices = [p for p in layer.parameters() if p.dim() == 2]
+    saved: dict[int, torch.Tensor] = {}  # storage -> a bf16 tensor saved from it
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16:
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        profiler.call_layer(layer, torch.randn(2, 16, 32), None)
+
+    def copies_of(w: torch.Tensor) -> list[torch.Tensor]:
+        copy = w.detach().bfloat16()
+        return [t for t in saved.values() if any(t.shape == c.shape and torch.equal(t, c) for c in (copy, copy.T))]
+
+    copies = [copies_of(w) for w in matrices]
+    assert [len(c) for c in copies] == [1] * len(matrices)  # one copy of each weight matrix
+    report = _profiled(cfg)
+    assert report.activation_bytes[1] >= sum(c.untyped_storage().nbytes() for (c,) in copies)
+
+    def need(run_cfg) -> float:
+        nodes, model, network = planner_inputs([_Member("a", report)], run_cfg)
+        cm = CostModel(nodes=nodes, model=model, network=network, shape=step_shape(run_cfg, model, Corrections()))
+        return cm.stage_memory_bytes(1, 2, 1, 1)
+
+    assert need(cfg) == need(CFG)  # the measured bytes alone: precision adds nothing on top
 
 
 @pytest.mark.timeout(30)
