@@ -6,7 +6,9 @@ before the guilty node's first planned step)."""
 from __future__ import annotations
 
 import random
+import threading
 import time
+from concurrent import futures
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from geotrain.config import load_config
 from geotrain.node.data import Corpus
 from geotrain.node.stage import StageRuntime
+from geotrain.node import verifier
 from geotrain.node.verifier import Evidence, recompute, wire_form
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.identity import NodeKey
@@ -75,14 +78,14 @@ def _run_target(cfg, shift: float = 0.0):
     evidence = Evidence(cfg.verify.keep_steps)
     key = (STEP, MICROBATCH)
     x = first.forward(key, batch[0])
-    evidence.begin(1, STEP, target)
-    target.on_param_grads = lambda k, grads: evidence.param_grads(1, k[0], k[1], grads)
-    evidence.received(1, STEP, MICROBATCH, "forward", x)
-    out = wire_form(target, target.forward(key, x)) + shift
-    evidence.sent(1, STEP, MICROBATCH, "forward", out)
-    grad = torch.randn_like(out, generator=torch.Generator().manual_seed(7))
-    evidence.received(1, STEP, MICROBATCH, "backward", grad)
-    evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
+    with futures.ThreadPoolExecutor(1, thread_name_prefix="hash") as pool:  # the node's sender threads
+        evidence.watch(1, STEP, target, pool)
+        evidence.received(1, STEP, MICROBATCH, "forward", x)
+        out = wire_form(target, target.forward(key, x)) + shift
+        evidence.sent(1, STEP, MICROBATCH, "forward", out)
+        grad = torch.randn_like(out, generator=torch.Generator().manual_seed(7))
+        evidence.received(1, STEP, MICROBATCH, "backward", grad)
+        evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
     return evidence, batch
 
 
@@ -101,6 +104,25 @@ def test_an_honest_stage_recomputed_elsewhere_gives_the_same_bits() -> None:
     assert committed.sent and committed.received_grad and committed.param_grads and committed.sent_grad
     assert compare(committed, params, report) == ""
     assert evidence.serve(STEP, MICROBATCH + 1) is None  # nothing kept of a microbatch the stage did not compute
+
+
+def test_a_stages_parameter_gradients_are_hashed_off_its_worker(monkeypatch) -> None:
+    """On a GPU, hashing each microbatch's parameter gradients on the worker would make it wait for every backward
+    and hash on the compute thread: the worker only starts their copies to the host, a sender thread hashes them,
+    and the step's commitments wait for that digest."""
+    threads: list[str] = []
+    digest_all = verifier.digest_all
+
+    def recorded(tensors):  # noqa: ANN001, ANN202
+        threads.append(threading.current_thread().name)
+        return digest_all(tensors)
+
+    monkeypatch.setattr(verifier, "digest_all", recorded)
+    cfg = _config()
+    with one_compute_thread():
+        evidence, _ = _run_target(cfg)
+    _, [committed] = evidence.commitments(1, STEP)
+    assert len(threads) == 1 and threads[0].startswith("hash") and committed.param_grads
 
 
 def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:

@@ -179,9 +179,7 @@ class StepFlow:
         runtime, plan = self.runtime, self.plan
         if self.evidence is None or runtime is None or plan is None:
             return
-        epoch, evidence = plan.epoch, self.evidence
-        evidence.begin(epoch, step, runtime)
-        runtime.on_param_grads = lambda key, grads: evidence.param_grads(epoch, key[0], key[1], grads)
+        self.evidence.watch(plan.epoch, step, runtime, self._sender)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None

@@ -70,6 +70,7 @@ class _StepEvidence:
     checksum: str = ""
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
+    grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing
 
 
 class Evidence:
@@ -89,6 +90,19 @@ class Evidence:
             while len(self._steps) > self.keep_steps:
                 self._steps.popitem(last=False)
         return entry
+
+    def watch(self, epoch: int, step: int, runtime: StageRuntime, pool: futures.Executor) -> None:
+        """Keep the parameters the stage computes `step` with (begin), and commit to each microbatch's parameter
+        gradients as the stage counts them: their copies to the host start behind the backward that made them and a
+        thread of `pool` hashes them, so a GPU's worker neither waits for each backward nor hashes them itself."""
+        self.begin(epoch, step, runtime)
+
+        def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
+            copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
+            hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
+            self.param_grads(epoch, key[0], key[1], hashed)
+
+        runtime.on_param_grads = counted
 
     def begin(self, epoch: int, step: int, runtime: StageRuntime) -> None:
         """Keep the parameters the stage computes `step` with (on the worker, before its first microbatch)."""
@@ -126,18 +140,26 @@ class Evidence:
             else:
                 commitment.sent_grad = value
 
-    def param_grads(self, epoch: int, step: int, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
-        """The parameter gradients of a microbatch this stage counted."""
-        value = digest_all(grads)
+    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: futures.Future) -> None:
+        """The digest (digest_all), on its way, of the parameter gradients of a microbatch this stage counted."""
         with self._lock:
-            self._commitment(self._entry(epoch, step), microbatch).param_grads = value
+            entry = self._entry(epoch, step)
+            self._commitment(entry, microbatch)
+            entry.grad_digests[microbatch] = hashed
 
     def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
-        """The parameter checksum the step was computed with and each microbatch's digests, for the commit report."""
+        """The parameter checksum the step was computed with and each microbatch's digests, for the commit report
+        (once the parameter gradients' digests are done)."""
         with self._lock:
             entry = self._steps.get(step)
             if entry is None or entry.epoch != epoch:
                 return "", []
+            hashing = dict(entry.grad_digests)
+        done = {microbatch: hashed.result() for microbatch, hashed in hashing.items()}
+        with self._lock:
+            for microbatch, value in done.items():
+                entry.commitments[microbatch].param_grads = value
+                entry.grad_digests.pop(microbatch, None)
             return entry.checksum, [entry.commitments[m] for m in sorted(entry.commitments)]
 
     def serve(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
