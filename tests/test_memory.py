@@ -114,13 +114,21 @@ def test_a_node_without_room_reaches_the_planner_and_says_why(caplog):
 
 
 @pytest.mark.timeout(30)
-def test_a_layer_out_of_memory_while_profiling_reaches_the_planner_as_that_layer(monkeypatch, caplog):
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB\nmore detail"),
+    RuntimeError("MPS backend out of memory (MPS allocated: 7.2 GiB, other allocations: 0.4 GiB, max allowed: 9.07 "
+                 "GiB). Tried to allocate 3.91 GiB on private pool.\nmore detail"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried"
+                 " to allocate 4198498304 bytes (Tried to allocate 3.91 GiB).\nmore detail"),
+], ids=["cuda", "mps", "cpu"])
+def test_a_layer_out_of_memory_while_profiling_reaches_the_planner_as_that_layer(monkeypatch, caplog, error):
+    """CUDA raises torch.OutOfMemoryError; MPS and the CPU's allocator raise a RuntimeError that says so."""
     caplog.set_level(logging.WARNING, logger="geotrain.node.profiler")
     measure = profiler._profile_layer
 
     def small_device(profile, cfg, index, *args):
         if index == 2:  # the head: its logits are the usual culprit
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB\nmore detail")
+            raise error
         measure(profile, cfg, index, *args)
 
     monkeypatch.setattr(profiler, "_profile_layer", small_device)
@@ -169,6 +177,16 @@ def test_autocasts_weight_copies_count_once_with_each_microbatchs_activations():
         return cm.stage_memory_bytes(1, 2, 1, 1)
 
     assert need(cfg) == need(CFG)  # the measured bytes alone: precision adds nothing on top
+
+
+@pytest.mark.timeout(10)
+def test_another_error_while_profiling_is_no_verdict_on_memory(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(profiler, "_profile_layer", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        profiler.profile_layers(CFG, 1.0, 1)
 
 
 @pytest.mark.timeout(30)

@@ -62,6 +62,19 @@ def make_exact(device: torch.device) -> None:
     torch.backends.cuda.enable_math_sdp(True)
 
 
+# How torch says a device ran out of memory, beside torch.OutOfMemoryError (CUDA's): MPS raises a plain RuntimeError
+# ("MPS backend out of memory (MPS allocated: ..."), and so does the CPU's allocator ("DefaultCPUAllocator: can't
+# allocate memory: ...").
+_OUT_OF_MEMORY = ("MPS backend out of memory", "can't allocate memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is torch's report that the device (CUDA, MPS or the CPU) had no memory for an allocation."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _OUT_OF_MEMORY)
+
+
 def use_in_this_thread(device: torch.device) -> None:
     """Make `device` the current CUDA device of the calling thread (CUDA's current device is per thread, and is
     GPU 0 until set): every thread that computes or copies calls it first. A no-op elsewhere."""

@@ -36,7 +36,8 @@ from geotrain.memory import FP32_BYTES, stage_bytes
 from geotrain.config import RunConfig
 from geotrain.node.dataplane import DataPlane, ProbeTarget
 from geotrain.node.device import (
-    COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, release_cached, synchronize, torch_build,
+    COMPUTE_DTYPES, HostCopies, autocast, describe, device_name, out_of_memory, release_cached, synchronize,
+    torch_build,
 )
 from geotrain.node.family import call_layer
 from geotrain.node.model import VOCAB, build_layer, family_of, loss_fn
@@ -121,7 +122,9 @@ def profile_layers(
     for index in range(m.total_layers):
         try:
             _profile_layer(profile, cfg, index, slowdown, repeats, dev, precision, tokens, hidden, rest, gen)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:
+            if not out_of_memory(e):
+                raise
             raise LayerUnfit(index, e, profile) from None
     return profile
 
