@@ -142,6 +142,8 @@ def test_a_layer_out_of_memory_while_profiling_reaches_the_planner_as_that_layer
     assert report.param_bytes[2] == sum(p.numel() * 4 for p in layer.parameters())
     with pytest.raises(ValueError, match="roomiest node .*cannot hold layer 2"):
         _plan({"small": report})
+    monkeypatch.undo()
+    assert _plan({"small": report, "roomy": _profiled()}).excluded == {"small": report.unfit}  # what `plan` prints
 
 
 @pytest.mark.timeout(30)
