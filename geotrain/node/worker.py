@@ -87,15 +87,15 @@ class Worker:
                 self._timed = (epoch, {})
             self._timed[1].setdefault(kind, []).append(seconds)
 
-    def take_compute_s(self, epoch: int) -> float:
-        """Seconds of training compute per microbatch (the median forward task plus the median backward task,
-        emulated slowdown included) since the last call in plan epoch `epoch`, 0 for none; read by the commit, on the
-        worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones reuse
-        (connections, buffers), which a mean would spread over them all."""
+    def take_task_s(self, epoch: int) -> dict[str, float]:
+        """Seconds of training compute per microbatch by task kind ("forward", "backward": the median task, emulated
+        slowdown included) since the last call in plan epoch `epoch`, a kind absent for none; read by the commit, on
+        the worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones
+        reuse (connections, buffers), which a mean would spread over them all."""
         self._settle_spans(wait=True)
         tasks = self._timed[1] if self._timed[0] == epoch else {}
         self._timed = (epoch, {})
-        return sum(statistics.median(seconds) for seconds in tasks.values())
+        return {kind: statistics.median(seconds) for kind, seconds in tasks.items()}
 
     def _task_failed(self, error: Exception) -> None:
         """Tell the coordinator at once that this node cannot take part in the current epoch (rather than let the
