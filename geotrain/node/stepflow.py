@@ -285,6 +285,7 @@ class StepFlow:
         self._begin_evidence(ref.step)
         if runtime.is_last:
             runtime.forward(key, x, tokens)
+            self.time_rest_as("backward")
             _, y = self._batch(ref.step, ref.microbatch)
             loss, grad = runtime.loss_backward(key, y)
             self.throughput.tick()
