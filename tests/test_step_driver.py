@@ -384,8 +384,8 @@ def test_geotrain_status_shows_the_phase_of_the_step_in_progress(tmp_path):
             nodes["node-1"].release()
         assert shown.returncode == 0, shown.stderr
         first = shown.stdout.splitlines()[0]
-        assert first.startswith("run training (dispatched): step 1/3"), first
-        assert "serving" in shown.stdout
+        assert first.startswith("run training, computing microbatches: step 1/3"), first
+        assert "serving" in shown.stdout and "MICROBATCHES/S" in shown.stdout
     finally:
         for process in processes:
             process.close()
