@@ -62,9 +62,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 # The step driver's phases (stepdriver.StepPhase) in words, as the status page (static/status.js) says them.
 PHASE_WORDS = {
-    "dispatched": "computing microbatches", "microbatches_done": "averaging gradients", "norms_in": "deciding the update",
-    "decided": "applying the update", "applied": "committing the step", "committed": "step committed",
-    "evaluating": "validating",
+    "dispatched": "computing microbatches", "microbatches_done": "averaging gradients",
+    "norms_in": "deciding the update", "decided": "applying the update", "applied": "committing the step",
+    "committed": "step committed", "evaluating": "validating",
 }
 
 
