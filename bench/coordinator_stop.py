@@ -13,13 +13,13 @@ train-local's and whether every node process lived through both stops.
 This version's run (`--down 20`, the defaults otherwise, under the shared lock on 2 cores):
 
     {"signal": "SIGTERM", "stopped_after_step": 3, "exit_code": 130, "down_s": 20.0, "next_committed_step": 4,
-     "restart_to_commit_s": 3.14, "listening_to_commit_s": 2.05}
+     "restart_to_commit_s": 3.09, "listening_to_commit_s": 1.92}
     {"signal": "SIGKILL", "stopped_after_step": 7, "exit_code": -9, "down_s": 20.0, "next_committed_step": 8,
-     "restart_to_commit_s": 3.13, "listening_to_commit_s": 2.01}
+     "restart_to_commit_s": 3.16, "listening_to_commit_s": 2.02}
     {"final_max_abs_diff_vs_train_local": 0.0, "same_node_processes": true}
 
-3.1 s from the restart to the next committed step after either stop, the step after the last one committed (no
-rollback): about 1.1 s of the coordinator's start-up, then the nodes' next redial (at most 2 s apart once away),
+3.1-3.2 s from the restart to the next committed step after either stop, the step after the last one committed (no
+rollback): about 1.15 s of the coordinator's start-up, then the nodes' next redial (at most 2 s apart once away),
 their registration and one step.
 """
 
