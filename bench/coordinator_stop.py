@@ -9,6 +9,18 @@ step, and from its listening line to that step; and a last line with the final p
 train-local's and whether every node process lived through both stops.
 
     OMP_NUM_THREADS=1 python bench/coordinator_stop.py [--down 20] [--steps 10] [--stop-at 3] [--every 3]
+
+This version's run (`--down 20`, the defaults otherwise, under the shared lock on 2 cores):
+
+    {"signal": "SIGTERM", "stopped_after_step": 3, "exit_code": 130, "down_s": 20.0, "next_committed_step": 4,
+     "restart_to_commit_s": 3.09, "listening_to_commit_s": 1.92}
+    {"signal": "SIGKILL", "stopped_after_step": 7, "exit_code": -9, "down_s": 20.0, "next_committed_step": 8,
+     "restart_to_commit_s": 3.16, "listening_to_commit_s": 2.02}
+    {"final_max_abs_diff_vs_train_local": 0.0, "same_node_processes": true}
+
+3.1-3.2 s from the restart to the next committed step after either stop, the step after the last one committed (no
+rollback): about 1.15 s of the coordinator's start-up, then the nodes' next redial (at most 2 s apart once away),
+their registration and one step.
 """
 
 from __future__ import annotations

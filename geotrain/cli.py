@@ -936,8 +936,8 @@ def build_parser() -> argparse.ArgumentParser:
     def metrics_option(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--tensorboard", metavar="DIR",
-            help="write TensorBoard event files here: losses, tokens/s, step time, each node's compute, averaging and "
-            "idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the same figures "
+            help="write TensorBoard event files here: losses, tokens/s, step time, each node's forward, backward, "
+            "averaging and idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the same figures "
             "go to metrics.jsonl in --state-dir always",
         )
 

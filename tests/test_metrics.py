@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -98,6 +99,18 @@ def test_page_and_static_files_are_served(fixed_server):
     with pytest.raises(urllib.error.HTTPError) as e:
         _get(fixed_server + "/static/../http.py")
     assert e.value.code in (403, 404)
+
+
+def test_every_phase_is_said_in_the_same_words_by_the_page_and_geotrain_status(fixed_server):
+    # Both showed the step driver's names, "(dispatched)", which mean nothing to someone watching a run.
+    from geotrain.scheduler.stepdriver import StepPhase
+
+    assert set(status_cli.PHASE_WORDS) == {p.value for p in StepPhase} - {"idle"}
+    _, script = _get(fixed_server + "/static/status.js")
+    phases = re.search(r"const PHASES = \{(.*?)\};", script, re.S).group(1)
+    assert dict(re.findall(r'(\w+): "([^"]+)"', phases)) == status_cli.PHASE_WORDS
+    shown = status_cli.render_status(pb.StatusReply(state="training", phase="norms_in", step=2, steps=5))
+    assert shown.startswith("run training, deciding the update: step 2/5")
 
 
 def test_stop_is_graceful_and_idempotent():

@@ -21,14 +21,14 @@ def _step(step: int, val_loss: float | None = None) -> StepRecord:
 
 # Two stages, the first with two replicas: a and b each computed 2 of the 4 microbatches, c all 4.
 TIMINGS = StepTimings(plan_epoch=2, commit_s=0.05, compute_s={"a": 0.05, "b": 0.05, "c": 0.1},
-                      averaging_s={"a": 0.1, "b": 0.1, "c": 0.0})
+                      forward_s={"a": 0.02, "b": 0.02, "c": 0.04}, averaging_s={"a": 0.1, "b": 0.1, "c": 0.0})
 THROUGH = {"a": 2, "b": 2, "c": 4}
 
 
-def test_each_node_splits_the_step_into_compute_averaging_and_idle():
+def test_each_node_splits_the_step_into_forward_backward_averaging_and_idle():
     shares = node_shares(0.5, TIMINGS, THROUGH)
-    assert shares["a"] == pytest.approx({"compute": 0.2, "averaging": 0.2, "idle": 0.6})
-    assert shares["c"] == pytest.approx({"compute": 0.8, "averaging": 0.0, "idle": 0.2})
+    assert shares["a"] == pytest.approx({"forward": 0.08, "backward": 0.12, "averaging": 0.2, "idle": 0.6})
+    assert shares["c"] == pytest.approx({"forward": 0.32, "backward": 0.48, "averaging": 0.0, "idle": 0.2})
     assert node_shares(0.5, None, THROUGH) == {}  # a step completed after a restart measured nothing
 
 
@@ -45,7 +45,7 @@ def test_steps_and_failures_go_to_json_lines_and_tensorboard(tmp_path):
     assert [(line["kind"], line["step"]) for line in lines] == [("step", 1), ("failure", 1), ("step", 2)]
     first, failure, last = lines
     assert first["loss"] == 4.0 and first["tokens_per_s"] == 1000.0 and first["step_s"] == 0.5
-    assert first["nodes"]["c"] == pytest.approx({"compute": 0.8, "averaging": 0.0, "idle": 0.2})
+    assert first["nodes"]["c"] == pytest.approx({"forward": 0.32, "backward": 0.48, "averaging": 0.0, "idle": 0.2})
     assert first["link_bytes"] == {"a->c": 1000, "c->a": 800}
     assert failure["why"] == "node b is gone" and last["failures"] == 1
     assert last["val_loss"] == 2.5 and last["val_bits_per_byte"] == 3.6
@@ -53,7 +53,8 @@ def test_steps_and_failures_go_to_json_lines_and_tensorboard(tmp_path):
     events.Reload()
     scalars = events.Tags()["scalars"]
     for tag in ("train/loss", "validation/loss", "speed/tokens_per_s", "speed/step_s", "run/failures",
-                "node/a/compute_share", "node/a/averaging_share", "node/a/idle_share", "link/a->c/wire_bytes"):
+                "node/a/forward_share", "node/a/backward_share", "node/a/averaging_share", "node/a/idle_share",
+                "link/a->c/wire_bytes"):
         assert tag in scalars, (tag, scalars)
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 4.0), (2, 3.0)]
     assert [(e.step, e.value) for e in events.Scalars("validation/loss")] == [(2, 2.5)]

@@ -338,8 +338,9 @@ def test_reports_that_contradict_the_plan_are_refused_and_change_nothing():
             forge(lambda: c.grad_norm(pb.GradNormRequest(node_id="intruder", step=1, sq_norm=1e9, plan_epoch=epoch)))
             forge(lambda: c.grad_norm(pb.GradNormRequest(node_id="node-1", step=1, sq_norm=-1.0, plan_epoch=epoch)))
             for seconds in ({"compute_s_per_microbatch": math.nan}, {"averaging_s": -1.0}, {"averaging_s": 1e9},
-                            {"round_trip_s": -1.0}):
-                forge(lambda: c.grad_norm(  # measurements outside [0, the step timeout]
+                            {"round_trip_s": -1.0}, {"forward_s_per_microbatch": math.nan},
+                            {"compute_s_per_microbatch": 0.1, "forward_s_per_microbatch": 0.2}):
+                forge(lambda: c.grad_norm(  # measurements outside [0, the step timeout], a forward part over the whole
                     pb.GradNormRequest(node_id="node-1", step=1, sq_norm=0.5, plan_epoch=epoch, **seconds)))
         if step == 1 and phase == "norms_in":  # node-1 reported 0.5 already
             forge(lambda: c.grad_norm(pb.GradNormRequest(node_id="node-1", step=1, sq_norm=1e9, plan_epoch=epoch)))
@@ -351,7 +352,7 @@ def test_reports_that_contradict_the_plan_are_refused_and_change_nothing():
 
     with scripted_run(2, 2, on_phase) as (c, nodes, result):
         pass
-    assert len(refused) == 12, refused
+    assert len(refused) == 14, refused
     assert all(r.startswith("report from ") and " refused: " in r for r in refused)
     assert _summary(result).steps == STEPS and c.failures == 0
     assert [r.loss for r in c.store.steps()] == [2.0] * STEPS, "no forged loss was counted"
@@ -383,8 +384,8 @@ def test_geotrain_status_shows_the_phase_of_the_step_in_progress(tmp_path):
             nodes["node-1"].release()
         assert shown.returncode == 0, shown.stderr
         first = shown.stdout.splitlines()[0]
-        assert first.startswith("run training (dispatched): step 1/3"), first
-        assert "serving" in shown.stdout
+        assert first.startswith("run training, computing microbatches: step 1/3"), first
+        assert "serving" in shown.stdout and "MICROBATCHES/S" in shown.stdout
     finally:
         for process in processes:
             process.close()

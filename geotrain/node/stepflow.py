@@ -283,6 +283,7 @@ class StepFlow:
         self._begin_evidence(ref.step)
         if runtime.is_last:
             runtime.forward(key, x, tokens)
+            self.time_rest_as("backward")
             _, y = self._batch(ref.step, ref.microbatch)
             loss, grad = runtime.loss_backward(key, y)
             self.throughput.tick()
@@ -327,7 +328,7 @@ class StepFlow:
         if order.plan_epoch != plan.epoch:
             return
         stage = plan.stages[self.stage_index]
-        compute_s = self.take_compute_s(plan.epoch)
+        task_s = self.take_task_s(plan.epoch)
         averaging_s = 0.0
         if runtime.sync is not None:
             runtime.mean_gradients(order.step)  # this replica's own: under diloco replicas average no gradients
@@ -346,7 +347,8 @@ class StepFlow:
         request = pb.GradNormRequest(
             node_id=self.node_id, step=order.step, sq_norm=math.fsum(parts), sq_norm_parts=parts, plan_epoch=plan.epoch,
             clipped_peers=self.averager.take_clipped() if self.averager is not None else [],
-            compute_s_per_microbatch=compute_s, averaging_s=averaging_s,
+            compute_s_per_microbatch=sum(task_s.values()), forward_s_per_microbatch=task_s.get("forward", 0.0),
+            averaging_s=averaging_s,
             round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
             params_before=params_before, commitments=commitments,
         )

@@ -38,6 +38,8 @@ class Worker:
     _reported_epoch: int  # plan epoch this node last reported itself failing in: one report fails it
     _timed: tuple[int, dict[str, list[float]]]  # (plan epoch, its timed tasks' seconds by kind since the commit)
     _spans: deque[tuple[str, int | None, TaskSpan]]  # timed tasks whose device work may not be done: kind, epoch
+    _clock: TaskClock
+    _running: tuple[str, int | None, TaskSpan] | None  # the timed task (or part of one) on the worker thread now
     _held_sends: list[Callable[[], None]] | None  # what the stretched task running now sends, once it is stretched
 
     def _submit(self, priority: int, task: Callable[[], None], epoch: int | None = None) -> None:
@@ -46,7 +48,7 @@ class Worker:
 
     def _work_loop(self) -> None:
         use_in_this_thread(self.device)
-        clock, self._spans = TaskClock(self.device), deque()
+        self._clock, self._spans, self._running = TaskClock(self.device), deque(), None
         while not self.stopped.is_set():
             priority, _, task, epoch = self._tasks.get()
             if task is None:
@@ -54,7 +56,8 @@ class Worker:
             if epoch is not None and (self.plan is None or self.plan.epoch != epoch):
                 continue
             started = time.monotonic()
-            span = clock.start() if priority in _TIMED else None
+            if priority in _TIMED:
+                self._running = (_TIMED[priority], epoch, self._clock.start())
             # Emulated slower hardware stretches every compute task, not the control ones, and what the task sends
             # leaves when the stretched task ends, as it would from a machine that slow (sent at once, a slow stage's
             # tensors would reach its neighbours a stretch early, and the pipeline would outrun the emulated one).
@@ -69,10 +72,24 @@ class Worker:
                 held, self._held_sends = self._held_sends or [], None
                 for send in held:
                     self._sender.submit(send)
-            if span is not None:
-                clock.end(span)
-                self._spans.append((_TIMED[priority], epoch, span))
+            if self._running is not None:
+                self._end_running()
             self._settle_spans(wait=False)
+
+    def time_rest_as(self, kind: str) -> None:
+        """Count the rest of the running timed task as `kind`: the last stage's forward task also computes the loss
+        and its backward, which belong to the backward share. An emulated slowdown's stretch counts with the task's
+        last part."""
+        if self._running is not None:
+            epoch = self._running[1]
+            self._end_running()
+            self._running = (kind, epoch, self._clock.start())
+
+    def _end_running(self) -> None:
+        kind, epoch, span = self._running
+        self._clock.end(span)
+        self._spans.append((kind, epoch, span))
+        self._running = None
 
     def _settle_spans(self, wait: bool) -> None:
         """Count the timed tasks whose device work is done (all of them, waiting, if `wait`), in the order they ran."""
@@ -87,15 +104,15 @@ class Worker:
                 self._timed = (epoch, {})
             self._timed[1].setdefault(kind, []).append(seconds)
 
-    def take_compute_s(self, epoch: int) -> float:
-        """Seconds of training compute per microbatch (the median forward task plus the median backward task,
-        emulated slowdown included) since the last call in plan epoch `epoch`, 0 for none; read by the commit, on the
-        worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones reuse
-        (connections, buffers), which a mean would spread over them all."""
+    def take_task_s(self, epoch: int) -> dict[str, float]:
+        """Seconds of training compute per microbatch by task kind ("forward", "backward": the median task, emulated
+        slowdown included) since the last call in plan epoch `epoch`, a kind absent for none; read by the commit, on
+        the worker thread that times the tasks. Medians: a step's first tasks also pay once for what its later ones
+        reuse (connections, buffers), which a mean would spread over them all."""
         self._settle_spans(wait=True)
         tasks = self._timed[1] if self._timed[0] == epoch else {}
         self._timed = (epoch, {})
-        return sum(statistics.median(seconds) for seconds in tasks.values())
+        return {kind: statistics.median(seconds) for kind, seconds in tasks.items()}
 
     def _task_failed(self, error: Exception) -> None:
         """Tell the coordinator at once that this node cannot take part in the current epoch (rather than let the

@@ -627,7 +627,7 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s", "params_before", "commitments")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s", "params_before", "commitments", "forward_s_per_microbatch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -639,6 +639,7 @@ class GradNormRequest(_message.Message):
     ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
     PARAMS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
@@ -650,7 +651,8 @@ class GradNormRequest(_message.Message):
     round_trip_s: float
     params_before: str
     commitments: _containers.RepeatedCompositeFieldContainer[MicrobatchCommitment]
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ..., params_before: _Optional[str] = ..., commitments: _Optional[_Iterable[_Union[MicrobatchCommitment, _Mapping]]] = ...) -> None: ...
+    forward_s_per_microbatch: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ..., params_before: _Optional[str] = ..., commitments: _Optional[_Iterable[_Union[MicrobatchCommitment, _Mapping]]] = ..., forward_s_per_microbatch: _Optional[float] = ...) -> None: ...
 
 class MicrobatchCommitment(_message.Message):
     __slots__ = ("microbatch", "received", "sent", "received_grad", "sent_grad", "param_grads")

@@ -73,6 +73,8 @@ class StepTimings:
     """The step's microbatches dispatched to every one done."""
     round_trip_s: Mapping[str, float] = field(default_factory=dict)
     """Data head -> its shortest microbatch round trip of the step (0: not measured)."""
+    forward_s: Mapping[str, float] = field(default_factory=dict)
+    """Node -> the forward task's part of its compute_s (the rest is its backward task's)."""
 
 
 @dataclass(frozen=True)

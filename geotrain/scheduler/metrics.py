@@ -38,16 +38,20 @@ def tensorboard_writer(directory: str) -> Any:
 def node_shares(
     step_s: float, timings: StepTimings | None, microbatches: Mapping[str, int]
 ) -> dict[str, dict[str, float]]:
-    """Each node's share of the step's seconds spent computing (forward and backward of the microbatches that went
+    """Each node's share of the step's seconds spent in forward and in backward (of the microbatches that went
     through it, as it measured them), averaging with its replicas, and idle (the rest: waiting on neighbours, the
     network and the coordinator)."""
     if timings is None or step_s <= 0:
         return {}
     shares: dict[str, dict[str, float]] = {}
     for node_id, per_microbatch in sorted(timings.compute_s.items()):
-        compute = min(1.0, per_microbatch * microbatches.get(node_id, 0) / step_s)
+        through = microbatches.get(node_id, 0) / step_s
+        compute = min(1.0, per_microbatch * through)
+        forward = min(compute, timings.forward_s.get(node_id, 0.0) * through)
         averaging = min(1.0 - compute, timings.averaging_s.get(node_id, 0.0) / step_s)
-        shares[node_id] = {"compute": compute, "averaging": averaging, "idle": 1.0 - compute - averaging}
+        shares[node_id] = {
+            "forward": forward, "backward": compute - forward, "averaging": averaging, "idle": 1.0 - compute - averaging,
+        }
     return shares
 
 

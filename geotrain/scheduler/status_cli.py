@@ -60,6 +60,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
 
 
+# The step driver's phases (stepdriver.StepPhase) in words, as the status page (static/status.js) says them.
+PHASE_WORDS = {
+    "dispatched": "computing microbatches", "microbatches_done": "averaging gradients",
+    "norms_in": "deciding the update", "decided": "applying the update", "applied": "committing the step",
+    "committed": "step committed", "evaluating": "validating",
+}
+
+
 def render_status(reply: pb.StatusReply) -> str:
     """The human-readable status: run figures, plan, nodes, links and the latest events."""
     val = (
@@ -67,7 +75,7 @@ def render_status(reply: pb.StatusReply) -> str:
         if any(p.has_val_loss for p in reply.history) else ""
     )
     eta = _duration(reply.eta_s) if reply.state == "training" and reply.step else "n/a"
-    phase = f" ({reply.phase})" if reply.phase and reply.phase != "idle" else ""
+    phase = f", {PHASE_WORDS[reply.phase]}" if reply.phase in PHASE_WORDS else ""
     lines = [
         f"run {reply.state}{phase}: step {reply.step}/{reply.steps}  loss {reply.loss:.4f}{val}  "
         f"{reply.tokens_per_s:,.0f} tokens/s  time left {eta}  failures {reply.failures}",

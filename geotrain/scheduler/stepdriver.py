@@ -114,6 +114,7 @@ class StepProgress:
     checksums: dict[str, str] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
     compute_s: dict[str, float] = field(default_factory=dict)  # node -> its stage's seconds per microbatch (reported)
+    forward_s: dict[str, float] = field(default_factory=dict)  # node -> the forward part of compute_s (reported)
     averaging_s: dict[str, float] = field(default_factory=dict)  # node -> its replica averaging's seconds (reported)
     round_trip_s: dict[str, float] = field(default_factory=dict)  # data head -> its shortest round trip (reported)
     # Verification's commitments (cfg.verifying): node -> microbatch -> its digests; node -> parameters it computed with
@@ -221,10 +222,13 @@ class StepDriver:
             measured = (request.compute_s_per_microbatch, request.averaging_s, request.round_trip_s)
             if not all(0 <= v <= timeout for v in measured):
                 _refuse(request.node_id, f"its compute, averaging or round trip seconds are not in [0, {timeout:g}]")
+            if not 0 <= request.forward_s_per_microbatch <= request.compute_s_per_microbatch:
+                _refuse(request.node_id, "its forward seconds are not in [0, its compute seconds]")
             if self.verification is not None:
                 self._take_commitments(request)
             progress.norms[request.node_id], progress.norm_parts[request.node_id] = reported
             progress.compute_s[request.node_id] = request.compute_s_per_microbatch
+            progress.forward_s[request.node_id] = request.forward_s_per_microbatch
             progress.averaging_s[request.node_id] = request.averaging_s
             progress.round_trip_s[request.node_id] = request.round_trip_s
             self.membership.cond.notify_all()
@@ -338,6 +342,7 @@ class StepDriver:
                 plan_epoch=plan.epoch,
                 commit_s=time.monotonic() - commit_started,
                 compute_s=dict(self.progress.compute_s),
+                forward_s=dict(self.progress.forward_s),
                 averaging_s=dict(self.progress.averaging_s),
                 microbatches_s=commit_started - dispatched,
                 round_trip_s=dict(self.progress.round_trip_s),
