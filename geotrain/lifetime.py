@@ -14,9 +14,6 @@ process, whose imports are fixed by whoever starts it first: both go through for
 the coordinator command, which forks no node, starts it first with no imports (its DHT process, which only a run
 with replicas starts, imports hivemind itself).
 
-Bulk work that may take its time yields the CPU here too (background_priority): a checkpoint's state streams, which
-run while the next steps train, on the node that sends and the coordinator that writes.
-
 The node (agent) and the coordinator (scheduler.service) both start a DHT and neither may import the other, so this
 sits beside config.py at the top of the package and imports nothing of ours (protocol/ is shared too, but it is the
 wire contract); the forkserver's imports are named, not imported.
@@ -44,22 +41,10 @@ _PR_SET_PDEATHSIG = 1
 # or reports why.)
 NODE_PRELOAD = ["geotrain.localnodes", "geotrain.cli", "geotrain.node.agent", "torch._dynamo", "hivemind"]
 _WATCH_INTERVAL_S = 0.5
-_BACKGROUND_NICE = 19
 
 # This process as its children see it: its pid and its main thread, once tie_children_to_this_process has run.
 _pid = 0
 _main_thread: int | None = None
-
-
-def background_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19), so that it runs on cores the process's other work
-    and the host's other processes leave idle. Linux alone gives a thread a nice value of its own (elsewhere this
-    does nothing), and raising it back needs privilege: only for a thread that does nothing else afterwards."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
-        except OSError:  # a sandbox that forbids it: the work runs at the thread's priority, as before
-            pass
 
 
 def tie_children_to_this_process() -> None:

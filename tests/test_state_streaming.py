@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.node.handover import Snapshots, StateSnapshot, made_in_background, transfer_memory_bytes
+from geotrain.node.handover import Snapshots, StateSnapshot, transfer_memory_bytes
 from geotrain.node.holder import StateExpectation
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
@@ -219,43 +219,3 @@ def test_state_deadlines_and_step_timeouts_follow_bytes_and_the_plan_estimate():
     assert driver.step_timeout_s() == 120.0  # the floor
     estimate[0] = 60.0
     assert driver.step_timeout_s() == 600.0  # a slow plan has the time it needs
-
-
-@pytest.mark.timeout(30)
-def test_a_state_stream_made_in_the_background_keeps_its_order_errors_and_stops_when_closed():
-    import os
-    import sys
-
-    chunks = list(framing.state_chunks([("layers.0.w", torch.arange(3 * 2**18, dtype=torch.float32))]))
-    niceness = []
-
-    def tracked():
-        if sys.platform.startswith("linux"):
-            niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        yield from chunks
-
-    assert [c.SerializeToString() for c in made_in_background(tracked())] == [c.SerializeToString() for c in chunks]
-    assert niceness in ([], [19]), "made at the lowest priority on Linux"
-
-    def failing():
-        yield chunks[0]
-        raise FrameError(grpc.StatusCode.DATA_LOSS, "the snapshot went away")
-
-    stream = made_in_background(failing())
-    assert next(stream) is chunks[0]
-    with pytest.raises(FrameError, match="went away"):
-        next(stream)
-
-    made = []
-
-    def endless():
-        while True:
-            made.append(1)
-            yield chunks[0]
-
-    stream = made_in_background(endless())
-    next(stream)
-    stream.close()  # the reader goes away: the maker is joined, and made no more than the queue's few chunks
-    count = len(made)
-    assert not any(t.name == "state-stream" for t in threading.enumerate()) and count < 10
-

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import tempfile
 import threading
 import zlib
@@ -24,10 +23,8 @@ from typing import BinaryIO
 
 import torch
 
-from geotrain.lifetime import background_priority
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
-from geotrain.protocol import geotrain_pb2 as pb
 
 LayerRange = tuple[int, int]
 
@@ -185,48 +182,3 @@ class Snapshots:
             serving = [s for r, s in self._open if r is runtime]
         for snapshot in serving:
             snapshot.preserve()
-
-
-_BACKGROUND_DEPTH = 4  # chunks made ahead of the stream: enough to keep a link busy, few enough to hold no memory
-
-
-def made_in_background(chunks: Iterator[pb.TensorChunk]) -> Iterator[pb.TensorChunk]:
-    """A state stream's chunks made (read and checksummed) on a thread of their own at the lowest CPU priority: a
-    checkpoint's transfer runs while the stage trains its next steps, and must take only the cores training leaves
-    idle (a takeover's transfer, which the run waits for, finds them idle anyway). Closing the stream stops it."""
-    made: queue.Queue[tuple[pb.TensorChunk | None, BaseException | None]] = queue.Queue(_BACKGROUND_DEPTH)
-    stop = threading.Event()
-
-    def offer(item: tuple[pb.TensorChunk | None, BaseException | None]) -> bool:
-        while not stop.is_set():
-            try:
-                made.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False  # the stream was closed: nobody reads what is left
-
-    def make() -> None:
-        background_priority()
-        try:
-            for chunk in chunks:
-                if not offer((chunk, None)):
-                    return
-            offer((None, None))
-        except BaseException as e:  # handed to the stream's reader, which raises it where the stream is read
-            offer((None, e))
-
-    maker = threading.Thread(target=make, name="state-stream", daemon=True)
-    maker.start()
-    try:
-        while True:
-            chunk, error = made.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                return
-            yield chunk
-    finally:
-        stop.set()
-        maker.join()  # within a chunk: what it reads (a snapshot) may be closed once the stream is
-

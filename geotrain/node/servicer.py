@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from geotrain.compression import CodecError, codec_from_payload
-from geotrain.node.handover import StateSnapshot, made_in_background
+from geotrain.node.handover import StateSnapshot
 from geotrain.node.reverse import ReverseError, ReverseSender
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
@@ -176,7 +176,7 @@ class StageServicer(rpc.StageServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no {which} after {request.steps_done} steps"
             )
         try:
-            yield from made_in_background(framing.state_stream(snapshot.sources()))
+            yield from framing.state_stream(snapshot.sources())
         finally:
             self.handler.close_snapshot(snapshot)
 

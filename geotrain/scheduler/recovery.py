@@ -20,7 +20,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from geotrain.lifetime import background_priority
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import StateReceiver, StateSource
 from geotrain.scheduler import placement
@@ -109,7 +108,6 @@ class Recovery:
         checksums: dict[int, str],
     ) -> None:
         """Stream every stage into its file, then commit the checkpoint (the checkpoint thread)."""
-        background_priority()  # the run trains on meanwhile: the checkpoint takes the cores it leaves idle
         steps_done = pending.steps_done
         try:
             for s, member, first, chunks in streams:
