@@ -277,18 +277,22 @@ class ProgressPrinter:
         print(text, file=self.stream, flush=True)
 
 
-def _save_final(path: str, state: dict[str, Any], cfg: RunConfig, out) -> None:
-    """Write the model as safetensors, its [model] section in the metadata so it loads without the run config, and
-    its [data] section, where generate and export find the run's tokenizer."""
-    from safetensors.torch import save_file
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    metadata = {
+def _model_metadata(cfg: RunConfig) -> dict[str, str]:
+    """A saved model's header metadata: its [model] section, so it loads without the run config, and its [data]
+    section, where generate and export find the run's tokenizer."""
+    return {
         MODEL_METADATA_KEY: json.dumps(dataclasses.asdict(cfg.model)),
         DATA_METADATA_KEY: json.dumps(dataclasses.asdict(cfg.data)),
     }
+
+
+def _save_final(path: str, state: dict[str, Any], cfg: RunConfig, out) -> None:
+    """Write train-local's model as safetensors with _model_metadata."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     try:
-        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=metadata)
+        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=_model_metadata(cfg))
     except OSError as e:
         raise CommandFailed(f"cannot write the final model to {path}: {e.strerror}") from None
     print(f"saved the final model to {path}", file=out, flush=True)
@@ -389,14 +393,16 @@ def _run_coordinator(
             coordinator.shutdown_nodes(f"run aborted: {why or e}", aborted=True)
             return EXIT_INTERRUPTED if coordinator.stop_requested.is_set() and why is None else EXIT_FAILED
         if args.save_final:
-            assert coordinator.plan is not None
+            final = Path(args.save_final)
             try:
-                state = coordinator.model_state(summary.steps)
-            except (LookupError, grpc.RpcError) as e:
-                print(f"geotrain: cannot save the final model: {e}", file=sys.stderr, flush=True)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                coordinator.save_model(final, summary.steps, _model_metadata(cfg))
+            except (LookupError, grpc.RpcError, OSError) as e:
+                why = e.strerror if isinstance(e, OSError) and e.strerror else e
+                print(f"geotrain: cannot save the final model: {why}", file=sys.stderr, flush=True)
                 coordinator.shutdown_nodes("run complete")
                 return EXIT_FAILED
-            _save_final(args.save_final, state, cfg, out)
+            print(f"saved the final model to {final}", file=out, flush=True)
         coordinator.shutdown_nodes("run complete")
         _finish(summary.as_dict(), args.json)
         return EXIT_OK

@@ -211,6 +211,11 @@ def test_family_interface_describes_the_layers_it_builds():
             layer = build_layer(cfg, i, 0)
             assert family.layer_params(cfg, i) == [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
             assert family.state_names(cfg, i) == [f"layers.{i}.{n}" for n, _ in layer.named_parameters()]
+            # A layer built for a state load is the same layer less its initial values: all its state is parameters.
+            empty = family.empty_layer(cfg, i, torch.device("cpu"))
+            assert not list(layer.buffers()) and not list(empty.buffers())
+            assert [(n, p.shape, p.dtype) for n, p in empty.named_parameters()] == \
+                [(n, p.shape, p.dtype) for n, p in layer.named_parameters()]
         hidden = build_layer(cfg, 0, 0)(torch.zeros(3, cfg.seq_len, dtype=torch.long))
         assert tuple(hidden.shape) == family.boundary_shape(cfg, 3)
         assert family.vocab(cfg) == (256 if not settings else 320)

@@ -14,6 +14,7 @@ from ipaddress import ip_address
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from geotrain.config import load_config
 from geotrain.node.reverse import ReverseError, ReverseReceiver, ReverseSender, relay_chunks
@@ -29,6 +30,14 @@ from geotrain.scheduler.membership import Member
 from geotrain.scheduler.placement import relay_routes, state_sources
 from geotrain.scheduler.reachability import DIRECT, UNREACHABLE, target
 from tests.conftest import expect_status, local_cluster, max_diff, small_run, train_local_state, wait_until
+
+
+def _saved_model(coordinator, steps: int, tmp_path) -> dict[str, torch.Tensor]:
+    """The model as `geotrain coordinator --save-final` writes it: streamed stage by stage from a holder of each
+    (by upload from a node nobody can dial)."""
+    path = tmp_path / "final.safetensors"
+    coordinator.save_model(path, steps, {})
+    return load_file(path)
 
 
 @contextmanager
@@ -132,7 +141,7 @@ def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
             plan = cluster.coordinator.plan
             status = cluster.coordinator.status()
             # node-2's stage cannot be downloaded by dialling: node-2 uploads it when ordered to.
-            state = cluster.coordinator.model_state(summary.steps)
+            state = _saved_model(cluster.coordinator, summary.steps, tmp_path)
             checkpoint = cluster.coordinator.recovery.checkpoints.latest()
     assert checkpoint is not None and checkpoint.steps_done == cfg.run.steps  # written from node-2's upload too
     assert summary.steps == cfg.run.steps
@@ -172,7 +181,7 @@ def test_two_neighbouring_stages_nobody_can_dial_link_through_a_relay(tmp_path):
             summary = cluster.wait(120)
             plan = cluster.coordinator.plan
             status = cluster.coordinator.status()
-            state = cluster.coordinator.model_state(summary.steps)
+            state = _saved_model(cluster.coordinator, summary.steps, tmp_path)
     assert summary.steps == cfg.run.steps
     assert [list(s.node_ids) for s in plan.stages] == [["node-1"], ["node-2"], ["node-3"]]
     assert [(r.a, r.b, r.relay_id) for r in plan.relays] == [("node-1", "node-2", "node-3")]
@@ -469,7 +478,7 @@ def test_a_replica_nobody_can_dial_averages_and_rejoins_after_sigkill(tmp_path):
             wait_until(lambda: coordinator.members[victim].alive, 60, "the victim registered again")
             summary = cluster.wait(150)
             plan = coordinator.plan
-            state = coordinator.model_state(summary.steps)
+            state = _saved_model(coordinator, summary.steps, tmp_path)
             member = coordinator.members[victim]
     assert summary.steps == cfg.run.steps
     assert member.unreachable and victim in {n for s in plan.stages for n in s.node_ids}

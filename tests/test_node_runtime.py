@@ -477,6 +477,8 @@ def test_two_nodes_swapping_stages_each_fetch_the_state_the_other_held(make_agen
     swapped = _plan(2, 1, total, [(0, cut, b), (cut, total, a)])
     a._apply_plan(swapped)
     b._apply_plan(swapped)
+    # Layers taken over after step 0 are built for the load, uninitialised: they serve no state until it is whole.
+    assert a.state_snapshot(0) is None and b.state_snapshot(0) is None
     a._load_state(pb.LoadState(plan_epoch=2, steps_done=1, source_address=b.address, expected_checksum=held["node-b"]))
     b._load_state(pb.LoadState(plan_epoch=2, steps_done=1, source_address=a.address, expected_checksum=held["node-a"]))
     assert (a.runtime.start, a.runtime.end, a.runtime.checksum()) == (cut, total, held["node-b"])

@@ -63,6 +63,22 @@ def test_every_layer_is_timed_and_sized():
     assert profile.activation_bytes[1] > hidden, "a transformer block keeps several hidden-sized tensors"
 
 
+@pytest.mark.timeout(30)
+def test_timing_the_layers_leaves_none_of_them_allocated():
+    import gc
+
+    import torch
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    before = live_tensors()
+    profile_layers(CFG, slowdown=1.0, repeats=1)
+    # What a node holds after profiling is its baseline, which the planner counts on top of its stage.
+    assert live_tensors() == before
+
+
 class _Clock:
     """A monotonic clock that only sleeping moves."""
 

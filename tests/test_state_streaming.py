@@ -105,6 +105,24 @@ def test_a_stage_file_written_as_it_streams_reads_back_and_serves_only_the_asked
     assert store.checksum(manifest, 1, 2, diloco=False) == stage_checksum(sent, diloco=False)
 
 
+def test_the_final_model_is_written_from_stage_streams_with_its_parameters_only(tmp_path):
+    from safetensors import safe_open
+
+    cfg = _cfg()
+    total, cut = cfg.model.total_layers, cfg.model.total_layers // 2
+    stages = [StageRuntime(cfg, 0, cut), StageRuntime(cfg, cut, total)]
+    path = tmp_path / "final.safetensors"
+    writer = checkpoint_module.ModelFileWriter(path, total, {"geotrain.model": "{}"}, None)
+    for stage in stages:  # each stage's whole state streams in, optimizer included, as a holder sends it
+        framing.receive_state(framing.state_chunks(sorted(stage.full_state())), writer)
+    writer.finish()
+    params = {name: p for stage in stages for name, p in stage.named_state()}
+    with safe_open(str(path), "pt") as saved:
+        assert saved.metadata()["geotrain.model"] == "{}"
+        assert set(saved.keys()) == set(params)
+        assert all(torch.equal(saved.get_tensor(k), v) for k, v in params.items())
+
+
 def _record(step: int) -> StepRecord:
     return StepRecord(step=step, loss=1.0, val_loss=None, tokens_per_s=1.0, seconds=1.0, plan_epoch=1)
 

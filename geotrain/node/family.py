@@ -130,6 +130,15 @@ class ModelFamily(ABC):
             self.initialise(layer, cfg, index, seed)
         return layer
 
+    def empty_layer(self, cfg: ModelSection, index: int, device: torch.device) -> nn.Module:
+        """Layer `index` on `device` with uninitialised parameters, for a saved state to be loaded into: a returning
+        node skips drawing hundreds of millions of initial values only to overwrite them. Layers hold no buffers (a
+        buffer would stay uninitialised too: test_llama checks)."""
+        check_index(cfg, index)
+        with on_meta():
+            layer = self.construct(cfg, index)
+        return layer.to_empty(device=device)
+
     def check(self, cfg: ModelSection) -> None:
         """Raise ConfigError if the model cannot be built as configured (say, its checkpoint does not match)."""
 

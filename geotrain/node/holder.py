@@ -73,14 +73,18 @@ class StageHolder:
             if self.runtime is not None and (self.runtime.start, self.runtime.end) == layers:
                 self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
             else:
-                if self.runtime is not None:
+                if self.runtime is not None and self.runtime is not self._loading:
                     # Whoever takes these layers over may still fetch them from here.
                     self.held.keep(self.runtime, plan.steps_done)
                 # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
-                # unless this node still holds the layers at the committed step from an earlier plan.
-                self.runtime = None if layers is None else (
-                    self.held.take(layers, plan.steps_done) or self._new_runtime(*layers)
-                )
+                # unless this node still holds the layers at the committed step from an earlier plan. Layers that a
+                # load will fill are not initialised first, and serve nothing until it has (state_snapshot).
+                self._loading = None
+                self.runtime = None if layers is None else self.held.take(layers, plan.steps_done)
+                if self.runtime is None and layers is not None:
+                    self.runtime = self._new_runtime(*layers, to_load=plan.steps_done > 0)
+                    if plan.steps_done > 0:
+                        self._loading = self.runtime
             if self.runtime is not None:
                 self.runtime.set_loss_scale(plan.loss_scale)
             self.plan, self.stage_index = plan, index
@@ -181,10 +185,11 @@ class StageHolder:
             None,
         )
 
-    def _new_runtime(self, start: int, end: int) -> StageRuntime:
-        """Layers [start, end) from their initialisation, on this node's device in its precision."""
+    def _new_runtime(self, start: int, end: int, to_load: bool = False) -> StageRuntime:
+        """Layers [start, end) from their initialisation (to_load: uninitialised, for a state load), on this node's
+        device in its precision."""
         assert self.cfg is not None
-        return StageRuntime(self.cfg, start, end, self.device, self.precision)
+        return StageRuntime(self.cfg, start, end, self.device, self.precision, to_load)
 
     def _load_state(self, order: pb.LoadState) -> None:
         """Take over the stage's committed state from a live replica or the coordinator's checkpoint."""

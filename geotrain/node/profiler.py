@@ -80,13 +80,18 @@ def _saved_bytes(run: Callable[[], torch.Tensor], exclude: set[int]) -> int:
     """Bytes of the distinct storages autograd saves while `run` builds its graph, those in `exclude` left out."""
     storages: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in exclude:
             storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        # Nothing kept: this graph is never run backward, and a graph node holding its own output (what a pack
+        # returning t keeps) is a cycle through C++ that Python's collector never frees: every profiled layer's
+        # weights and gradients stayed allocated (1.1 GiB of 1.4 for a 374M-parameter llama).
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("the graph that counts saved activations is never run backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         run()
     return sum(storages.values())
 

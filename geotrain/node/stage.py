@@ -59,8 +59,11 @@ class StageRuntime:
     """Layers [start, end) of the model with their optimizer."""
 
     def __init__(
-        self, cfg: RunConfig, start: int, end: int, device: torch.device | None = None, precision: str | None = None
+        self, cfg: RunConfig, start: int, end: int, device: torch.device | None = None, precision: str | None = None,
+        to_load: bool = False,
     ) -> None:
+        """to_load: the parameters are left uninitialised, for load_full_state to fill (a node taking over a stage
+        after step 0); nothing may read them before it has."""
         total = cfg.model.total_layers
         if not 0 <= start < end <= total:
             raise ValueError(f"stage layers [{start}, {end}) outside the model's 0..{total}")
@@ -74,10 +77,12 @@ class StageRuntime:
         # The exact float64 gradient sums; MPS has no float64, so there they live on the host.
         self._sums_device = torch.device("cpu") if self.device.type == "mps" else self.device
         self.loss_scale = cfg.train.initial_loss_scale().scale  # the coordinator's, from the plan and each apply
+        family = family_of(cfg.model)
         self.layers = nn.ModuleDict(
+            {str(i): family.empty_layer(cfg.model, i, self.device) for i in range(start, end)} if to_load else
             {str(i): build_layer(cfg.model, i, cfg.run.seed) for i in range(start, end)}
         ).to(self.device)
-        fixed = family_of(cfg.model).fixed_embedding(cfg.model)
+        fixed = family.fixed_embedding(cfg.model)
         self.fixed = None if fixed is None else fixed.to(self.device)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(

@@ -227,8 +227,12 @@ class StageFileWriter(framing.StateSink):
     file as it arrives, the stage's checksum (stage_checksum) and the tensors' crc32s are computed on the way, and
     the header is written last into the space reserved for it. Tensors must stay within `bound`, if any."""
 
-    def __init__(self, path: Path, layers: tuple[int, int], diloco: bool, bound: StateBound | None = None) -> None:
+    def __init__(
+        self, path: Path, layers: tuple[int, int], diloco: bool, bound: StateBound | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.path = path
+        self._metadata = metadata or {}
         self._layers = layers
         self._bound = bound
         self._prefix = "sync.anchor." if diloco else ""
@@ -283,7 +287,7 @@ class StageFileWriter(framing.StateSink):
 
     def finish(self) -> str:
         """Write the header, fsync the file and close it; returns the stage's checksum (stage_checksum)."""
-        meta = {"__metadata__": {_CRC_KEY: json.dumps(self._crcs, separators=(",", ":"))}}
+        meta = {"__metadata__": {**self._metadata, _CRC_KEY: json.dumps(self._crcs, separators=(",", ":"))}}
         header = json.dumps({**meta, **self._entries}, separators=(",", ":")).encode()
         if len(header) <= HEADER_RESERVE:
             header += b" " * (HEADER_RESERVE - len(header))
@@ -321,6 +325,25 @@ class StageFileWriter(framing.StateSink):
     def close(self) -> None:
         """Close the file without finishing it (the checkpoint is abandoned)."""
         self._file.close()
+
+
+class ModelFileWriter(StageFileWriter):
+    """The whole model's parameters as one safetensors file (`geotrain coordinator --save-final`), written as the
+    holders stream their stages' state: the optimizer's tensors pass through unwritten, `metadata` goes in its header."""
+
+    def __init__(self, path: Path, total_layers: int, metadata: dict[str, str], bound: StateBound | None) -> None:
+        super().__init__(path, (0, total_layers), diloco=False, bound=bound, metadata=metadata)
+
+    def begin(self, header: pb.TensorHeader) -> Callable[[memoryview], None]:  # noqa: D102
+        return super().begin(header) if header.name.startswith("layers.") else _discard
+
+    def end(self, header: pb.TensorHeader) -> None:  # noqa: D102
+        if header.name.startswith("layers."):
+            super().end(header)
+
+
+def _discard(data: memoryview) -> None:
+    """A tensor's payload that goes nowhere."""
 
 
 class StageFile:

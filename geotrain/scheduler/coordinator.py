@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import Counter
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from geotrain import __version__
@@ -36,7 +38,7 @@ from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.probe import COORDINATOR_PEER
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import costmodel, placement
-from geotrain.scheduler.checkpoint import CheckpointStore
+from geotrain.scheduler.checkpoint import CheckpointStore, ModelFileWriter
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Member, Membership, Rejected
 from geotrain.scheduler.metrics import RunMetrics
@@ -251,15 +253,6 @@ class Coordinator:
         assert self._dial_state is not None
         return self._dial_state(member.address, steps_done, deadline)
 
-    def member_state(self, member: Member, layers: tuple[int, int], steps_done: int) -> dict[str, Any]:
-        """The state of `layers` after steps_done steps from a member that holds them, in memory (member_stream's)."""
-        bound = stage_bound(member, layers, self.cfg.compression.diloco)
-        expect = framing.bounded(bound.tensor_bytes if bound else framing.MAX_TENSOR_BYTES)
-        try:
-            return framing.read_state(self.member_stream(member, layers, steps_done), expect=expect)
-        except FrameError as e:
-            raise LookupError(f"{member.node_id} sent malformed state: {e}") from None
-
     def _state_deadline_s(self, member: Member, layers: tuple[int, int]) -> float:
         """How long the state of `layers` may take to come from `member`: its bytes (the plan's bound) over the
         member's measured link to the coordinator, or over scheduler.state_link_mbps where none was measured."""
@@ -270,19 +263,34 @@ class Coordinator:
         bits_per_s = measured[0] if measured else sched.state_link_mbps * 1e6
         return framing.state_deadline_s(bound.total_bytes if bound else 0, bits_per_s / 8, sched.state_deadline_floor_s)
 
-    def model_state(self, steps_done: int) -> dict[str, Any]:
-        """The whole model's parameters (no optimizer state) after steps_done steps, stage by stage from a live holder
-        of each; LookupError when a stage has none, or its holder cannot send it."""
+    def save_model(self, path: Path, steps_done: int, metadata: dict[str, str]) -> None:
+        """Write the whole model's parameters after steps_done steps to `path` (safetensors, `metadata` in its header)
+        as a live holder of each stage streams them: the coordinator holds a chunk of it at a time, never the model.
+        LookupError when a stage has no holder, or its holder cannot send it; nothing is left at `path` then."""
         assert self.plan is not None
-        state: dict[str, Any] = {}
-        for s in self.plan.stages:
-            layers = (s.layer_start, s.layer_end)
-            have = placement.holders(self.membership.alive(), layers, steps_done)
-            if not have:
-                raise LookupError(f"no live node holds stage {s.index} after {steps_done} steps")
-            tensors = self.member_state(have[0], layers, steps_done)
-            state.update({k: v for k, v in tensors.items() if k.startswith("layers.")})
-        return state
+        total = self.plan.stages[-1].layer_end
+        partial = path.with_name(path.name + ".partial")
+        writer: ModelFileWriter | None = None
+        try:
+            for s in self.plan.stages:
+                layers = (s.layer_start, s.layer_end)
+                have = placement.holders(self.membership.alive(), layers, steps_done)
+                if not have:
+                    raise LookupError(f"no live node holds stage {s.index} after {steps_done} steps")
+                if writer is None:
+                    writer = ModelFileWriter(partial, total, metadata, stage_bound(have[0], (0, total), False))
+                try:
+                    framing.receive_state(self.member_stream(have[0], layers, steps_done), writer)
+                except FrameError as e:
+                    raise LookupError(f"{have[0].node_id} sent malformed state: {e}") from None
+            assert writer is not None
+            writer.finish()
+            os.replace(partial, path)
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            partial.unlink(missing_ok=True)
+            raise
 
     def upload_inbox(self, node_id: str, request: int) -> UploadInbox:
         """Where a member's upload for an UploadState order goes; ReportRefused for one that was not asked of it."""
