@@ -115,7 +115,7 @@ def test_the_final_model_is_written_from_stage_streams_with_its_parameters_only(
     writer = checkpoint_module.ModelFileWriter(path, total, {"geotrain.model": "{}"}, None)
     for stage in stages:  # each stage's whole state streams in, optimizer included, as a holder sends it
         framing.receive_state(framing.state_chunks(sorted(stage.full_state())), writer)
-    writer.finish()
+    assert writer.finish() == ""  # no checksum: nothing to compare one with, and the stages come out of name order
     params = {name: p for stage in stages for name, p in stage.named_state()}
     with safe_open(str(path), "pt") as saved:
         assert saved.metadata()["geotrain.model"] == "{}"

@@ -229,10 +229,11 @@ class StageFileWriter(framing.StateSink):
 
     def __init__(
         self, path: Path, layers: tuple[int, int], diloco: bool, bound: StateBound | None = None,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None, checksummed: bool = True,
     ) -> None:
         self.path = path
         self._metadata = metadata or {}
+        self._checksummed = checksummed  # False: finish() returns "" and no byte is hashed
         self._layers = layers
         self._bound = bound
         self._prefix = "sync.anchor." if diloco else ""
@@ -267,7 +268,7 @@ class StageFileWriter(framing.StateSink):
             "dtype": SAFETENSORS_DTYPES[dtype], "shape": list(header.shape), "data_offsets": [self._offset, self._offset + size],
         }
         self._offset += size
-        counted = name.startswith(self._prefix + "layers.")
+        counted = self._checksummed and name.startswith(self._prefix + "layers.")
         if counted:
             self._in_order &= name > self._last_counted
             self._last_counted = max(name, self._last_counted)
@@ -299,6 +300,8 @@ class StageFileWriter(framing.StateSink):
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        if not self._checksummed:
+            return ""
         if self._in_order:
             return self._digest.hexdigest()
         with StageFile(self.path) as stage:  # a sender that sent them in another order: the checksum from the file
@@ -329,10 +332,12 @@ class StageFileWriter(framing.StateSink):
 
 class ModelFileWriter(StageFileWriter):
     """The whole model's parameters as one safetensors file (`geotrain coordinator --save-final`), written as the
-    holders stream their stages' state: the optimizer's tensors pass through unwritten, `metadata` goes in its header."""
+    holders stream their stages' state: the optimizer's tensors pass through unwritten, `metadata` goes in its header.
+    No checksum: the stages arrive out of name order ("layers.10." before "layers.9."), which would cost a second
+    pass over the file, and no replica reported one for the whole model to compare with."""
 
     def __init__(self, path: Path, total_layers: int, metadata: dict[str, str], bound: StateBound | None) -> None:
-        super().__init__(path, (0, total_layers), diloco=False, bound=bound, metadata=metadata)
+        super().__init__(path, (0, total_layers), diloco=False, bound=bound, metadata=metadata, checksummed=False)
 
     def begin(self, header: pb.TensorHeader) -> Callable[[memoryview], None]:  # noqa: D102
         return super().begin(header) if header.name.startswith("layers.") else _discard
