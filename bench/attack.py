@@ -77,7 +77,7 @@ were over. The holder that answers just under the timeout is caught only when it
 its first stall did (the tensor it took at 64 s was not through the pipeline by 65 s), and its second id was declared
 dead instead (the coordinator's probe of it failed and a heartbeat came late); in an earlier run of the
 same attack every stall ended in time, no step timed out and nothing was refused stages (ratio 0.23, 0 stalls) while
-each step took ~64 s. And its neighbour's failure report, which the holder answers by applying the step in time,
+each stall held a step ~64 s. And its neighbour's failure report, which the holder answers by applying the step in time,
 counts as the neighbour's offence (honest_offences 1): five such stalls would evict an honest node. Not caught either
 way: a sender's first tensors to a peer it has not measured have a 60 s deadline (node/dataplane.py), so with a step
 timeout under that the step fails before any neighbour names the holder (measured with 8 s, 30 s windows: one
