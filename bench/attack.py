@@ -18,7 +18,12 @@ that member; new ids one after another advertising a third host (a port on 127.0
 connections to), a tarpit of its own (127.0.0.1, accepting and never answering), or a port nobody serves (the fill
 of fake ids, which never heartbeat); and 100 connections at each node's raw tensor stream port that never say their
 hello, reopened as they are cut (the ports read from /proc: nothing is scanned). Halfway through every attack window
-a volunteer on another network (source 127.1.0.1, through tests.attackers.SourceProxy) registers a new id.
+a volunteer on another network (source 127.1.0.1, through tests.attackers.SourceProxy) registers a new id. Last, each
+in a run of its own (STALL_SETTINGS: four honest nodes, room for a second replica per stage, a 65 s step timeout),
+a stage holder of the attacker's: a real node with a hook in its own process (tests.attackers.stall_tensors) that
+the plan makes the second replica of stage 1, which answers the first tensor of each step at once and holds every
+other one 64 s, just under the step timeout (stall_holder), or an hour (silent_holder); whenever the plan drops it,
+it joins again under a new id with the same key from the same host.
 
 Each attack gets --rounds attack windows and as many baseline windows without an attack, alternating (baseline
 first in even rounds, the attack first in odd ones) so that a drift of the shared machine's load falls on both
@@ -30,8 +35,12 @@ parameter from train-local's at the first commit after the attack, fetched while
 honest_refused (the volunteer's registrations refused); bytes_to_attacker (bytes of state the attacker got);
 third_host_connections (connections made to the host it named); answers (how the attacker's calls ended, by gRPC status,
 registration reply or HTTP status; OK: a member's report about a step that was over when it arrived, which the
-coordinator ignores). The learning rate is constant after warm-up (train.min_lr = train.lr), so train-local's
-parameters after step s are those of the long run after step s.
+coordinator ignores). The stalling holders' lines add stalls (times its key was refused stages, each after a step
+that timed out) and benched_s (how long each refusal was), step_timeouts, steps_while_benched (steps committed in
+its windows while its key was refused stages), honest_benched and honest_offences (offences counted against the
+honest nodes); their honest_refused is null: no volunteer joins those windows (with room for a second replica, one
+that never serves would be planned too). The learning rate is constant after warm-up (train.min_lr = train.lr), so
+train-local's parameters after step s are those of the long run after step s.
 Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 5] [--rounds 3] [--attacks NAME,...]
 
 Measured on the shared 2-core machine (3 nodes, the coordinator and the attacker on it, ~10 steps/s; --window 5 --rounds
@@ -55,6 +64,24 @@ second were closed at accept, without a thread), checkpoint fetch 0.95, dial-bac
 at --window 4 --rounds 2 before refusals for room were held by the backoff), dial-back to a tarpit 1.07, fake-id fill
 0.95. In one longer run three steps timed out at the step timeout (120 s): a data head past limits.calls_per_s (200
 calls a second) at ~30 steps/s had a MicrobatchDone refused RESOURCE_EXHAUSTED, which it does not retry.
+The stalling holders (--attacks stall_holder,silent_holder --window 200 --rounds 1: a stall costs a 65 s step
+timeout, so 5 s windows would hold only the stall), 4 honest nodes at ~27 steps/s, each run ending where
+train-local does (final_max_diff 0.0), no honest node dead or refused stages:
+{"attack": "stall_holder", "steps_during_attack": 536, "steps_baseline": 5363, "ratio": 0.1, "stalls": 1,
+"benched_s": [20.0], "step_timeouts": 1, "steps_while_benched": 483, "honest_offences": 1, "answers": {"ids": 2,
+"planned": 2}, ...} and {"attack": "silent_holder", "steps_during_attack": 1562, "steps_baseline": 5142, "ratio": 0.3,
+"stalls": 2, "benched_s": [20.0, 40.0], "step_timeouts": 2, "steps_while_benched": 1512, "honest_offences": 0,
+"answers": {"ids": 3, "planned": 3}, ...}. The silent holder's key was refused stages after each stall, for twice as
+long each time, and 1,512 of the 1,562 steps of its window came while it was; its third id was planned once the 40 s
+were over. The holder that answers just under the timeout is caught only when its step does time out: in this run
+its first stall did (the tensor it took at 64 s was not through the pipeline by 65 s), and its second id was declared
+dead instead (the coordinator's probe of it failed and a heartbeat came late); in an earlier run of the
+same attack every stall ended in time, no step timed out and nothing was refused stages (ratio 0.23, 0 stalls) while
+each stall held a step ~64 s. And its neighbour's failure report, which the holder answers by applying the step in time,
+counts as the neighbour's offence (honest_offences 1): five such stalls would evict an honest node. Not caught either
+way: a sender's first tensors to a peer it has not measured have a 60 s deadline (node/dataplane.py), so with a step
+timeout under that the step fails before any neighbour names the holder (measured with 8 s, 30 s windows: one
+timeout, nobody refused stages; under the next plan the data heads routed around the slow replica).
 Before the backoff and the page's process (10 s windows, one each): 0.30x for the page, 0.58-0.84x for forged tensors,
 0.72x for idle streams.
 """
@@ -65,8 +92,10 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -89,7 +118,7 @@ from geotrain.scheduler.service import fetch_model_state
 from geotrain.protocol.version import PROTOCOL_VERSION
 from tests.attackers import (
     ATTACKER, Attacker, CountingListener, IdleStreams, SourceProxy, answer, extreme_profiles, flood_status_page,
-    forged_report, forged_tensors, register_many,
+    forged_report, forged_tensors, hooked_node, register_many, stall_tensors,
 )
 from tests.conftest import local_cluster, max_diff, train_local_state
 
@@ -102,6 +131,20 @@ SETTINGS = [
     "profile.layer_repeats=1", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
     "train.microbatch_size=2", "train.microbatches=4",
 ]
+# The stalling holder's run: room for a second replica of each stage, so that the plan gives a node that joins a stage,
+# and a fourth honest node, the second replica of stage 0, so that the node that joins is the second of stage 1, which
+# every microbatch may be routed through (a data head gets microbatches by its speed: a stalling one is given none).
+# The step timeout is just over the deadline a sender gives its first tensors to a peer it has not measured yet
+# (node/dataplane.py AdaptiveDeadline, 60 s): with a shorter one the step fails before the holder's neighbour reports
+# it, nobody is named, and the next plan's senders route around it (measured: one 8 s timeout, then no stall, no
+# refusal). A first refusal of stages of 20 s (the run's default is 60 s) lets a window show it double. The call rate
+# limit is lifted: at ~30 steps/s a data head's report past it is refused and not retried, a step timeout (65 s here)
+# that is not this attack's.
+STALL_SETTINGS = ["scheduler.replicas=2", "scheduler.step_timeout_s=65", "scheduler.stall_refusal_s=20",
+                  "limits.calls_per_s=1000", "limits.call_burst=2000"]
+# How long each stalling holder holds a tensor: stall_holder just under the step timeout, so that the step commits in
+# time; silent_holder past it (it answers the first tensor of each step and never the rest in time).
+_STALL_HOLD_S = {"stall_holder": 64.0, "silent_holder": 3600.0}
 # The attacker asks the coordinator where the run is (Status) at most this often.
 _STATUS_EVERY_S = 0.1
 # After an attack window, this long passes before the next window starts.
@@ -383,7 +426,10 @@ def _as(report: pb.NodeProfileReport, node_id: str) -> pb.NodeProfileReport:
 # In the order they run: the registrations last, since the members they add stay listed.
 ATTACKS = ["id_takeover", "order_stream_theft", "forged_microbatch_done", "forged_grad_norm", "forged_step_applied",
            "forged_tensors", "extreme_profile", "idle_streams", "status_page", "forged_failure_reports", "raw_port_hold",
-           "checkpoint_fetch", "dial_back_third_host", "dial_back_tarpit", "fake_id_fill", "registrations"]
+           "checkpoint_fetch", "dial_back_third_host", "dial_back_tarpit", "fake_id_fill", "registrations",
+           "stall_holder", "silent_holder"]
+# Attacks that need a run of their own: its settings on top of SETTINGS, and its honest nodes.
+OWN_RUN = {name: (STALL_SETTINGS, NODES + 1) for name in _STALL_HOLD_S}
 
 
 def serve_attacks(address: str, token: str) -> None:
@@ -454,19 +500,67 @@ class HonestVolunteer:
         self._proxy.close()
 
 
+class StallingHolder:
+    """The token holder's stage holder: a real node (`geotrain join` in a process of its own, at the priority the
+    run's nodes have, as its own machine would run it) with stall_tensors' hook, holding each step's tensors but the
+    first for a while. Whenever the plan drops it, it leaves and joins again under a new id with the same key (its
+    state dir) from the same host."""
+
+    def __init__(self, coordinator: str, token: str, log_dir: Path) -> None:
+        self._coordinator, self._token, self._log_dir = coordinator, token, log_dir
+        self.ids: list[str] = []
+        self._node = None
+
+    def attack(self, plan: Callable[[], pb.Plan], hold_s: float, until: float) -> Counter[str]:
+        """Hold a stage whenever the plan gives it one, holding tensors hold_s, until `until`; then leave. Counts its
+        ids and the plans that gave it a stage."""
+        planned, counts = False, Counter()
+        while time.monotonic() < until:
+            if self._node is None:
+                self.ids.append(f"{ATTACKER}-stall-{len(self.ids) + 1}")
+                self._node = hooked_node(stall_tensors, hold_s, self.ids[-1], self._coordinator, self._token,
+                                         self._log_dir, self._log_dir / ATTACKER)
+                planned, counts["ids"] = False, counts["ids"] + 1
+            in_plan = self.ids[-1] in placement.plan_nodes(plan())
+            counts["planned"] += in_plan and not planned
+            if planned and not in_plan:
+                self.leave()
+            planned = planned or in_plan
+            time.sleep(0.1)
+        self.leave()
+        return counts
+
+    def leave(self) -> None:
+        """Stop the node (SIGTERM, then its process group SIGKILLed after 5 s: the hook may hold a thread)."""
+        if self._node is not None:
+            self._node.terminate()
+            try:
+                self._node.wait(5)
+            except subprocess.TimeoutExpired:  # or its exit code was reaped elsewhere: the group goes either way
+                pass
+            try:
+                os.killpg(self._node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._node = None
+
+
 class Run:
     """The run's commits as they happen, and its parameters fetched at the first commit after `hold()`."""
 
     def __init__(self) -> None:
         self.commits: list[float] = []
+        self.events: list[tuple[float, str, dict]] = []  # (when, kind, data): benched members and failed steps
         self.first = threading.Event()
         self.fetch: Callable[[], tuple[int, dict[str, torch.Tensor]]] | None = None
         self._held: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._want = threading.Event()
         self._got = threading.Event()
 
-    def on_event(self, kind: str, _data: dict) -> None:
+    def on_event(self, kind: str, data: dict) -> None:
         """The coordinator's event sink (its run loop waits while a hold fetches the parameters)."""
+        if kind in ("benched", "failure"):
+            self.events.append((time.monotonic(), kind, data))
         if kind != "step":
             return
         self.commits.append(time.monotonic())
@@ -489,12 +583,12 @@ class Run:
         return self._held[-1]
 
 
-def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_dir: Path) -> list[dict]:
-    """Run the attacks one after another on one run, each for `rounds` attack windows and as many baseline windows;
-    a row per attack, with (steps, parameters) after it."""
+def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_dir: Path, nodes: int) -> list[dict]:
+    """Run the attacks one after another on one run of `nodes` honest nodes, each for `rounds` attack windows and as
+    many baseline windows; a row per attack, with (steps, parameters) after it."""
     run = Run()
     rows: list[dict] = []
-    with local_cluster(cfg, NODES, log_dir, on_event=run.on_event) as cluster:
+    with local_cluster(cfg, nodes, log_dir, on_event=run.on_event) as cluster:
         c = cluster.coordinator
         run.fetch = lambda: (c.step, fetch_model_state(c.plan, cluster.token, c.step, c.key))
         page = StatusPageProcess(c.status, "127.0.0.1:0")
@@ -516,16 +610,24 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
                           "max_offences": cfg.scheduler.max_offences, "third_host": third.address,
                           "stream_ports": stream_ports(cluster),
                           "shape": [cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model]}))
+            stalling = StallingHolder(f"127.0.0.1:{cluster.port}", cluster.token, log_dir)
             for name in names:
-                started = time.time()  # events are stamped with the wall clock
+                started, began = time.time(), time.monotonic()  # events are stamped with the wall clock
                 dialled, refused = third.connections, volunteer.refused
-                baselines, during, answers = [], [], Counter()
+                baselines, during, answers, windows = [], [], Counter(), []
                 for i in range(rounds):
                     # Baseline and attack windows alternate, each first in every other round, so that a drift of
                     # the machine's load falls on both alike.
                     for attacking in (False, True) if i % 2 == 0 else (True, False):
                         since = time.monotonic()
-                        if attacking:
+                        if attacking and name in _STALL_HOLD_S:
+                            # No volunteer joins: with room for a second replica, one that never serves would be
+                            # planned as well.
+                            answers += stalling.attack(lambda: c.plan, _STALL_HOLD_S[name], since + window_s)
+                            during.append(run.steps_in(since, since + window_s))
+                            windows.append((since, since + window_s))
+                            time.sleep(_SETTLE_S)
+                        elif attacking:
                             # A volunteer from another network joins mid-window, as the attack goes on.
                             joining = threading.Timer(window_s / 2, volunteer.join)
                             joining.start()
@@ -536,22 +638,43 @@ def measure(cfg: RunConfig, names: list[str], window_s: float, rounds: int, log_
                         else:
                             time.sleep(window_s)
                             baselines.append(run.steps_in(since, since + window_s))
+                if cluster.result:
+                    raise RuntimeError(f"the run ended during the attacks: {cluster.result}") from cluster.result.get(
+                        "error")
                 steps, state = run.hold(120)
                 events = [(kind, node) for at, kind, node, _ in c.store.events(limit=10**6) if at >= started]
-                rows.append({"attack": name, "during": during, "baselines": baselines, "steps": steps,
-                             "state": state, "evicted": sum(kind == "evicted" for kind, _ in events),
-                             "honest_dead": sum(kind == "dead" and node in honest_nodes for kind, node in events),
-                             "honest_refused": volunteer.refused - refused,
-                             "bytes_to_attacker": answers.pop("state bytes", 0),
-                             "third_host_connections": third.connections - dialled, "answers": dict(answers)})
+                row = {"attack": name, "during": during, "baselines": baselines, "steps": steps,
+                       "state": state, "evicted": sum(kind == "evicted" for kind, _ in events),
+                       "honest_dead": sum(kind == "dead" and node in honest_nodes for kind, node in events),
+                       "honest_refused": volunteer.refused - refused,
+                       "bytes_to_attacker": answers.pop("state bytes", 0),
+                       "third_host_connections": third.connections - dialled, "answers": dict(answers)}
+                if name in _STALL_HOLD_S:
+                    offences = {n: c.members[n].offences for n in honest_nodes if n in c.members}
+                    row |= stalls(run, began, set(stalling.ids), windows) | {"honest_offences": sum(offences.values())}
+                rows.append(row)
             third.close()
             volunteer.close()
-            if cluster.result:
-                raise RuntimeError(f"the run ended during the attacks: {cluster.result}")
         finally:
             attacker.close()
             page.stop()
     return rows
+
+
+def stalls(run: Run, since: float, attacker_ids: set[str], windows: list[tuple[float, float]]) -> dict:
+    """What the stalling holder cost and how its refusals grew: stalls (times its key was refused stages, each
+    after a step timed out) with benched_s (each refusal's length), step_timeouts (steps that failed on their
+    timeout), steps_while_benched (steps committed in the attack windows while its key was refused stages),
+    honest_benched (refusals of the honest nodes' keys); honest_refused is None: no volunteer joined."""
+    events = [(at, kind, data) for at, kind, data in run.events if at >= since]
+    benched = [(at, data) for at, kind, data in events if kind == "benched"]
+    refused = [(at, at + data["seconds"]) for at, data in benched if data["node_id"] in attacker_ids]
+    while_benched = [t for t in run.commits for start, end in windows if start <= t <= end
+                     and any(a <= t <= b for a, b in refused)]
+    return {"stalls": len(refused), "benched_s": [round(b - a, 1) for a, b in refused],
+            "step_timeouts": sum(kind == "failure" and "timed out" in data["why"] for _, kind, data in events),
+            "steps_while_benched": len(while_benched),
+            "honest_benched": sum(data["node_id"] not in attacker_ids for _, data in benched), "honest_refused": None}
 
 
 def main() -> None:
@@ -561,6 +684,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="windows with each attack, and as many without")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, of: " + ", ".join(ATTACKS))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run config overrides")
+    parser.add_argument("--log-dir", help="keep the nodes' logs here (default: a temporary directory, removed)")
     parser.add_argument("--attacker", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -572,8 +696,17 @@ def main() -> None:
         parser.error(f"unknown attacks: {', '.join(sorted(unknown))}")
     lr = load_config(None, [*SETTINGS, *args.set]).train.lr
     cfg = load_config(None, [*SETTINGS, f"train.min_lr={lr!r}", *args.set])
+    # The attacks that share the run first, then each that needs a run of its own (their settings change no step's
+    # arithmetic: train-local is the same).
+    runs = [(cfg, [n for n in names if n not in OWN_RUN], NODES)]
+    runs += [(load_config(None, [*SETTINGS, f"train.min_lr={lr!r}", *OWN_RUN[n][0], *args.set]), [n], OWN_RUN[n][1])
+             for n in names if n in OWN_RUN]
+    rows = []
     with tempfile.TemporaryDirectory(prefix="geotrain-bench-") as tmp:
-        rows = measure(cfg, names, args.window, args.rounds, Path(tmp))
+        for i, (run_cfg, run_names, nodes) in enumerate(r for r in runs if r[1]):
+            log_dir = Path(args.log_dir or tmp) / str(i)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            rows += measure(run_cfg, run_names, args.window, args.rounds, log_dir, nodes)
     # train-local to each held step (the learning rate does not depend on run.steps, see above).
     reference: dict[int, dict[str, torch.Tensor]] = {}
     for steps in sorted({row["steps"] for row in rows}):
@@ -588,6 +721,8 @@ def main() -> None:
             "evicted": row["evicted"], "honest_dead": row["honest_dead"], "honest_refused": row["honest_refused"],
             "bytes_to_attacker": row["bytes_to_attacker"], "third_host_connections": row["third_host_connections"],
             "answers": row["answers"],
+            **{k: row[k] for k in ("stalls", "benched_s", "step_timeouts", "steps_while_benched", "honest_benched",
+                                   "honest_offences") if k in row},
         }), flush=True)
 
 

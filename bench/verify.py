@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
 import tempfile
 import time
@@ -37,10 +36,11 @@ import torch
 
 from exactness import local_reference  # a sibling: run as bench/verify.py
 from geotrain.config import RunConfig, load_config
-from geotrain.localnodes import LocalNodes, NodeProcess, _run_join
+from geotrain.localnodes import LocalNodes, NodeProcess
 from geotrain.node.data import Corpus
 from geotrain.protocol.auth import new_token
 from geotrain.scheduler.service import CoordinatorProcess, fetch_model_state
+from tests.attackers import hooked_node
 
 TINY = [
     "model.n_layers=3", "model.d_model=16", "model.n_heads=2", "model.seq_len=16", "train.microbatch_size=2",
@@ -87,21 +87,9 @@ def _install(kind: str) -> None:
         StageRuntime._backward = wrong_grads
 
 
-def _adversary(kind: str, node_id: str, argv: list[str], env: dict[str, str], log_path: str, starter: int) -> None:
-    _install(kind)
-    _run_join(node_id, argv, env, log_path, starter)
-
-
 def _start_adversary(kind: str, coordinator: str, token: str, log_dir: Path) -> NodeProcess:
     """The adversarial node: `geotrain join` in a process of its own with the hook installed first."""
-    argv = ["--log-level", "info", "join", "--coordinator", coordinator, "--node-id", ADVERSARY,
-            "--listen", "127.0.0.1:0", "--state-dir", str(log_dir / ADVERSARY)]
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEOTRAIN_TOKEN": token}
-    process = multiprocessing.get_context("spawn").Process(
-        target=_adversary, args=(kind, ADVERSARY, argv, env, str(log_dir / f"{ADVERSARY}.log"), os.getpid()),
-    )
-    process.start()
-    return NodeProcess(process)
+    return hooked_node(_install, kind, ADVERSARY, coordinator, token, log_dir, log_dir / ADVERSARY)
 
 
 def live(cfg: RunConfig, honest: int, kind: str | None, log_dir: Path, position: int = 1) -> dict:

@@ -336,6 +336,10 @@ class SchedulerSection:
         2.0, 0.001, 1e6, "new node ids one host may register per second, on average (its /24 or /64: 8 times that)"
     )
     new_id_burst: int = _bounded(16, 1, 10**6, "new node ids one host may register at once (its subnet: 8 times)")
+    stall_refusal_s: float = _bounded(
+        60.0, 0.1, 86400.0, "how long a key whose stage stalled a step (a neighbour reported its calls failing, and "
+        "the step timed out) is refused stages the first time; it doubles each time after, up to a day"
+    )
     behind_proxy: bool = field(
         default=False,
         metadata={"doc": "calls reach the coordinator through a relay or proxy on its own host (they come from "

@@ -1,6 +1,7 @@
 """What a token holder can throw at a live run, shared by the attack tests (test_identity.py, test_limits.py) and
 bench/attack.py: stubs that claim any node id and sign with any key (or none), forged reports and tensors, silent
-streams, floods of registrations and status-page requests, profiles with extreme numbers.
+streams, floods of registrations and status-page requests, profiles with extreme numbers, and real nodes with a hook
+in their own process (a stage holder that stalls).
 
 The tests check each answer; the benchmark repeats the attacks for a while and counts the answers.
 """
@@ -9,18 +10,24 @@ from __future__ import annotations
 
 import http.client
 import math
+import multiprocessing
+import os
 import queue
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
+from geotrain.localnodes import NodeProcess, _run_join
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.auth import TOKEN_ENV
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.protocol.version import PROTOCOL_VERSION
@@ -293,3 +300,42 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def hooked_node(install: Callable[[Any], None], arg: Any, node_id: str, coordinator: str, token: str, log_dir: Path,
+                state_dir: Path) -> NodeProcess:
+    """`geotrain join` as node_id in a process of its own with install(arg) run first, in that process only: an
+    adversarial node made without touching node code. Its key is state_dir's, the same whatever id it claims."""
+    argv = ["--log-level", "info", "join", "--coordinator", coordinator, "--node-id", node_id,
+            "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", TOKEN_ENV: token}
+    process = multiprocessing.get_context("spawn").Process(
+        target=_hooked_join, args=(install, arg, node_id, argv, env, str(log_dir / f"{node_id}.log"), os.getpid()),
+    )
+    process.start()
+    return NodeProcess(process)
+
+
+def _hooked_join(install: Callable[[Any], None], arg: Any, node_id: str, argv: list[str], env: dict[str, str],
+                 log_path: str, starter: int) -> None:
+    install(arg)
+    _run_join(node_id, argv, env, log_path, starter)
+
+
+def stall_tensors(hold_s: float) -> None:
+    """A stalling stage holder's hook (hooked_node's install): of the tensors its stage gets in each step it takes
+    the first at once and holds every later one hold_s before taking it, so their senders' calls wait that long
+    (the stage taken, one microbatch answered, the rest never in time)."""
+    from geotrain.node.servicer import StageServicer
+
+    take = StageServicer.take
+    answered: set[tuple[int, int]] = set()
+
+    def stalling(self: StageServicer, direction: str, received: Any) -> None:
+        step = (received.ref.plan_epoch, received.ref.step)
+        if step in answered:
+            time.sleep(hold_s)
+        answered.add(step)
+        take(self, direction, received)
+
+    StageServicer.take = stalling

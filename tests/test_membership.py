@@ -293,7 +293,7 @@ def test_checkpoint_state_goes_only_to_a_member_ordered_to_load_it_in_that_epoch
 
 
 def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_its_host():
-    m = _membership()
+    m = _membership("scheduler.stall_refusal_s=30")
     for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1")):
         _join(m, node_id, host)
     plan = _pipeline(m, ["a"], ["b"], ["c"])
@@ -306,6 +306,7 @@ def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_
     stall(3)
     assert set(m.benched()) == {"b"}
     first = m._stalls[("key", m.members["b"].public_key)][1] - time.monotonic()
+    assert 29 < first <= 30  # scheduler.stall_refusal_s
     # The same key under a new id is refused stages as well; the next stall doubles the time.
     again = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id="b2", address="10.0.1.1:2",
                                public_key=m.members["b"].public_key)
@@ -329,3 +330,29 @@ def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_
     _report(m, plan, "b3", "a")
     stall(6)
     assert "a" not in m.benched() and "c" not in m.benched() and fresh.node_id in m.benched()
+
+
+def test_a_stage_holder_whose_key_stalled_is_left_out_of_the_next_plan_and_a_spare_takes_its_stage():
+    c = Coordinator(load_config(None, ["scheduler.stages=3", "scheduler.replicas=1", "scheduler.placement=uniform",
+                                       "scheduler.step_timeout_s=1", "scheduler.state_deadline_floor_s=1"]))
+    for i, node_id in enumerate("abcd"):  # d joins last: a spare
+        c.register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, node_id=node_id, address=f"127.0.0.1:{7001 + i}",
+                                      public_key=NodeKey.generate().public))
+    failed = []
+
+    def replan() -> None:
+        with pytest.raises(StepFailed, match="timed out") as e:  # nobody runs these nodes: nobody takes the plan up
+            c.planning.replan(0)
+        failed.append(e.value)
+
+    taking_up = threading.Thread(target=replan)
+    taking_up.start()
+    wait_until(lambda: c.plan is not None, 10, "the first plan")
+    assert [list(s.node_ids) for s in c.plan.stages] == [["a"], ["b"], ["c"]]
+    c.report_failure(pb.FailureReport(node_id="a", peer="b", detail="DEADLINE_EXCEEDED"))  # b holds a's tensors
+    taking_up.join()
+    assert failed and "b" in c.planning.left_out() and "refused stages" in c.planning.left_out()["b"]
+    assert [(kind, node) for _, kind, node, _ in c.store.events() if kind == "benched"] == [("benched", "b")]
+    replan()  # the next plan: b stays a spare, d takes its stage
+    assert [list(s.node_ids) for s in c.plan.stages] == [["a"], ["d"], ["c"]] and "b" in c.plan.excluded
+    c.store.close()

@@ -260,6 +260,13 @@ def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_
 
 
 @pytest.mark.timeout(30)
+def test_a_connection_that_never_says_its_hello_is_closed_by_the_hello_deadline():
+    with receiving_node() as node:
+        with socket.create_connection(("127.0.0.1", node.streams.port), timeout=10) as silent:
+            assert silent.recv(1) == b"", "closed by the node (a timeout here: held past its 10 s)"
+
+
+@pytest.mark.timeout(30)
 def test_strangers_holding_the_port_without_a_hello_cannot_keep_a_neighbour_out():
     with receiving_node() as node, sending_plane(node) as plane:
         port = node.streams.port

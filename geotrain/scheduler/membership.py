@@ -60,8 +60,8 @@ _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 # A suspect is declared dead once this many heartbeat intervals late: well inside heartbeat_timeout_s, so a node that
 # died is replaced fast; a report needs a second independent neighbour or the coordinator's own probe first.
 _SUSPECT_LATE_INTERVALS = 1.5
-# A key that took a stage and stalled a step is refused stages this long, doubling each time after, up to a day.
-_STALL_FIRST_S = 60.0
+# A key that took a stage and stalled a step is refused stages for scheduler.stall_refusal_s, doubling each time
+# after, up to a day.
 _STALL_MAX_S = 86400.0
 # A host's subnet of new ids (admission pace, spares cap): volunteers of one ISP customer or one cloud network.
 _SUBNET_BITS = {4: 24, 6: 64}
@@ -632,19 +632,29 @@ class Membership:
                 if remaining <= 0:
                     if scope is None:
                         raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
-                    self._stalled(scope)
-                    raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                    benched = self._stalled(scope)
+                    break
                 self.cond.wait(min(remaining, 0.1))
+            else:
+                return
+        for node_id, seconds in benched:
+            why = f"stalled plan epoch {scope.epoch}: its key is refused stages for {seconds:.0f}s"
+            log.warning("node %s %s (a neighbour reports its calls failing, it answers the coordinator's probe)",
+                        node_id, why)
+            self.store.event("benched", node_id, why)
+            self._on_event("benched", {"node_id": node_id, "seconds": seconds})
+        raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
-    def _stalled(self, scope: Scope) -> None:
+    def _stalled(self, scope: Scope) -> list[tuple[str, float]]:
         """An epoch of `scope` timed out (under the condition): each live node of it that a neighbour reported
         failing in that epoch, and that reported none itself (two nodes that blame each other are not told apart),
         took a stage and stalled. Its key, and its host once two keys of it did, are refused stages
-        (benched) for _STALL_FIRST_S, doubling with each time after."""
+        (benched) for scheduler.stall_refusal_s, doubling with each time after. Returns (node, seconds benched)."""
         reports = {(n, r): a for n, by in self._accusations.items() for r, a in by.items() if a.epoch == scope.epoch}
         accusers = {r for _, r in reports}
         blamed = {n for n, _ in reports if n in scope.nodes and n not in accusers}
         now = time.monotonic()
+        benched = []
         for node_id in sorted(blamed):
             member = self.members.get(node_id)
             if member is None or not member.alive:
@@ -653,9 +663,9 @@ class Membership:
                 self._stalled_keys.setdefault(member.host, set()).add(member.public_key)
             for place in self._places(member):
                 count, _ = self._stalls.get(place, (0, 0.0))
-                self._stalls[place] = (count + 1, now + min(_STALL_MAX_S, _STALL_FIRST_S * 2**count))
-            log.warning("node %s stalled plan epoch %d (its neighbours report its calls failing, it answers the "
-                        "coordinator's probe): its key is refused stages for a while", node_id, scope.epoch)
+                self._stalls[place] = (count + 1, now + min(_STALL_MAX_S, self.cfg.stall_refusal_s * 2**count))
+            benched.append((node_id, max(self._stalls[p][1] for p in self._places(member)) - now))
+        return benched
 
     def _places(self, member: Member) -> list[tuple[str, object]]:
         """What a stall follows: the member's key, and its host once two of that host's keys stalled."""
