@@ -19,7 +19,8 @@ Five paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages)
 cpu_ms_per_mib is the CPU time (user + system, every thread) of both processes together over the timed messages,
 each process measuring its own with time.process_time; wall_ms_per_mib is the sender's time per message, one
 message at a time, from the tensor in memory to the receiver's answer. The receiver is a helper process driven line
-by line (bench/control_plane.py's HelperProcess). Run: python bench/tensor_path.py [--messages N] [--paths P,Q]
+by line (bench/control_plane.py's HelperProcess). Each path runs --runs times (3), the runs taking turns; its line is
+the run of median CPU, with every run's CPU per MiB. Run: python bench/tensor_path.py [--messages N] [--paths P,Q]
 
 Measured on 2 shared cores, 200 messages: geotrain 12.0 ms of CPU per MiB before #18 (protobuf's copies, a bytes copy
 of the reassembled payload, torch's finiteness check), 6.3 after, against raw's 0.78 (8x; the issue's goal is 3x).
@@ -301,6 +302,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200, help="timed messages per path (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed messages first (default 20)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each path; the median's line (default 3)")
     parser.add_argument("--paths", default=",".join(_SERVERS), help=f"comma-separated, of {', '.join(_SERVERS)}")
     parser.add_argument("--receive", nargs=3, metavar=("PATH", "TOKEN", "SENDER_KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -311,8 +313,16 @@ def main() -> None:
     paths = args.paths.split(",")
     if unknown := [path for path in paths if path not in _SERVERS]:
         parser.error(f"--paths: unknown {', '.join(unknown)}")
-    for path in paths:
-        print(json.dumps(measure(path, args.messages, args.warmup)), flush=True)
+    # Runs take turns path by path, so that a change in the machine's load touches every path alike.
+    runs = [[measure(path, args.messages, args.warmup) for path in paths] for _ in range(args.runs)]
+    for lines in zip(*runs):
+        print(json.dumps(median_line(list(lines))), flush=True)
+
+
+def median_line(lines: list[dict[str, object]]) -> dict[str, object]:
+    """One path's runs as one line: the run of median CPU per MiB, with every run's CPU per MiB."""
+    median = sorted(lines, key=lambda line: line["cpu_ms_per_mib"])[len(lines) // 2]
+    return {**median, "cpu_ms_per_mib_runs": [line["cpu_ms_per_mib"] for line in lines]}
 
 
 if __name__ == "__main__":
