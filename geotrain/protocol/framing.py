@@ -186,11 +186,14 @@ def parse_chunk(message: bytes) -> WireChunk:
     return WireChunk(fields, data if data is not None else view[:0])
 
 
+_CODECS = frozenset(pb.Codec.values()) - {pb.CODEC_UNSPECIFIED}  # once: Codec.values() makes a list each call
+
+
 def check_header(header: pb.TensorHeader, max_bytes: int) -> None:
     """Reject a header that is self-inconsistent or too large, before any payload is read."""
     if header.dtype not in WIRE_TO_TORCH:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported tensor dtype {header.dtype}")
-    if header.codec == pb.CODEC_UNSPECIFIED or header.codec not in pb.Codec.values():
+    if header.codec not in _CODECS:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tensor codec {header.codec}")
     if len(header.shape) > MAX_RANK or any(d < 0 for d in header.shape):
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor shape {list(header.shape)}")

@@ -108,10 +108,18 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+def _framed(message: Message) -> bytes:
+    """One length-prefixed message, as it goes on the stream."""
+    data = message.SerializeToString()
+    return _LENGTH.pack(len(data)) + data
+
+
 def write_message(sock: socket.socket, message: Message) -> None:
     """Send one length-prefixed message."""
-    data = message.SerializeToString()
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    sock.sendall(_framed(message))
+
+
+_OK_REPLY = _framed(pb.TensorStreamReply(code=_OK))
 
 
 def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M:
@@ -130,6 +138,9 @@ def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M
 
 
 def _reply(sock: socket.socket, code: grpc.StatusCode, detail: str = "") -> None:
+    if code == grpc.StatusCode.OK and not detail:
+        sock.sendall(_OK_REPLY)  # every tensor taken: made once
+        return
     write_message(sock, pb.TensorStreamReply(code=code.value[0], detail=detail[:1000]))
 
 
