@@ -84,6 +84,49 @@ def test_extra_bytes_and_bad_checksum_are_rejected():
         list(framing.read_tensors(chunks))
 
 
+def test_the_checksum_is_zlib_s_crc32():
+    # The check value of CRC-32 (ISO-HDLC): the wire's crc32 is zlib's, however it is computed.
+    assert framing.crc32(b"123456789") == 0xCBF43926
+    data = torch.randn(1000).numpy()
+    assert framing.crc32(data) == zlib.crc32(data)
+    assert framing.crc32(memoryview(data).cast("B")[100:], framing.crc32(memoryview(data).cast("B")[:100])) == (
+        zlib.crc32(data)
+    )
+
+
+def _into(tensors: list[torch.Tensor]):  # noqa: ANN202
+    """A destination that gives a new tensor of the header's shape and dtype, kept in `tensors`."""
+
+    def into(header: pb.TensorHeader) -> torch.Tensor:
+        tensors.append(torch.empty(tuple(header.shape), dtype=framing.WIRE_TO_TORCH[header.dtype]))
+        return tensors[-1]
+
+    return into
+
+
+def test_a_destination_receives_the_chunks_in_place_and_is_the_received_tensor():
+    tensor = torch.randn(7, 33, 5)
+    given: list[torch.Tensor] = []
+    (received,) = list(framing.read_tensors(_frames(tensor), into=_into(given)))
+    assert received.tensor is given[0] and torch.equal(received.tensor, tensor)
+    assert bytes(received.payload) == framing.raw_payload(tensor)
+
+
+def test_a_destination_s_chunks_are_still_checked():
+    given: list[torch.Tensor] = []
+    chunks = _frames(torch.randn(1000))
+    chunks[2] = pb.TensorChunk(data=bytes(len(chunks[2].data)))  # a corrupted chunk of the right size
+    with pytest.raises(FrameError) as err:
+        list(framing.read_tensors(chunks, into=_into(given)))
+    assert err.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in str(err.value)
+    chunks = _frames(torch.randn(1000))
+    chunks.append(pb.TensorChunk(data=b"x"))
+    with pytest.raises(FrameError, match="more than"):
+        list(framing.read_tensors(chunks, into=_into(given)))
+    with pytest.raises(FrameError, match="truncated"):
+        list(framing.read_tensors(_frames(torch.randn(1000))[:-1], into=_into(given)))
+
+
 def test_oversized_header_is_rejected_before_reading():
     header = pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[1 << 29], codec=pb.CODEC_NONE, payload_bytes=1 << 31)
     with pytest.raises(FrameError) as err:

@@ -19,7 +19,7 @@ import torch
 from geotrain.compression import get_codec
 from geotrain.node.dataplane import DataPlane
 from geotrain.node.reverse import ReverseSender
-from geotrain.node.servicer import StageServicer, add_stage_service, check_activation_header
+from geotrain.node.servicer import StageServicer, add_stage_service, all_finite, check_activation_header
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -158,6 +158,31 @@ def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would():
         assert node.streams.open_connections() == 1 and node.receiver.ticket_asks == 1
         assert len(node.receiver.taken) == 2 and torch.equal(taken, tensor)
         assert torch.equal(node.receiver.taken[1][2], tensor + 1)
+
+
+def test_a_call_s_uncompressed_chunks_are_read_into_the_tensor_the_node_takes():
+    key = NodeKey.generate()
+    receiver = _Receiver(key.public)
+    servicer = StageServicer(receiver, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "r"))
+    tensor = torch.randn(SHAPE)
+    payload = framing.raw_payload(tensor)
+    header = framing.make_header("", tensor.dtype, SHAPE, pb.CODEC_NONE, payload)
+    chunks = [framing.parse_chunk(w) for w in framing.wire_chunks(header, payload, REF, chunk_bytes=100)]
+    servicer.receive("forward", iter(chunks), key.public, "ipv4:127.0.0.1:1")
+    (_, _, taken), = receiver.taken
+    assert torch.equal(taken, tensor)
+    taken.add_(1)  # memory of its own, writable, not the received messages'
+    assert torch.equal(taken, tensor + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_finiteness_check_finds_nan_and_inf_and_passes_finite_values_whose_sum_overflows(dtype):
+    assert all_finite(torch.randn(1000).to(dtype))
+    assert all_finite(torch.full((1000,), torch.finfo(dtype).max, dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        tensor = torch.randn(1000).to(dtype)
+        tensor[417] = bad
+        assert not all_finite(tensor)
 
 
 @pytest.mark.timeout(30)

@@ -8,6 +8,7 @@ from geotrain.compression.base import (
     FeedbackState,
     codec_from_payload,
     get_codec,
+    new_tensor,
 )
 from geotrain.compression.codecs import (
     Bf16Codec,
@@ -34,4 +35,5 @@ __all__ = [
     "TopKCodec",
     "codec_from_payload",
     "get_codec",
+    "new_tensor",
 ]

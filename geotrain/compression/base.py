@@ -237,8 +237,9 @@ class Codec(abc.ABC):
     def encoded_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Payload length for a tensor of this shape, header included; an upper bound for top-k."""
 
-    def encode(self, tensor: torch.Tensor, state: FeedbackState | None = None) -> bytes | bytearray:
-        """Encode `tensor` (on any device) into a payload; updates `state` in place."""
+    def encode(self, tensor: torch.Tensor, state: FeedbackState | None = None) -> Buffer:
+        """Encode `tensor` (on any device) into a payload (a view of the tensor itself for none); updates `state` in
+        place."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if state is not None and not isinstance(state, FeedbackState):
@@ -288,7 +289,7 @@ class Codec(abc.ABC):
         return self.encoded_nbytes(shape, dtype)
 
     @abc.abstractmethod
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes | bytearray:
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> Buffer:
         """Encode a flat contiguous CPU tensor that has `shape`."""
 
     @abc.abstractmethod

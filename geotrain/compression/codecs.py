@@ -171,7 +171,9 @@ def _accumulate(flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState
 @register
 class NoneCodec(Codec):
     """Raw little-endian bytes of any dtype, without a payload header: the frame's dtype and shape say everything,
-    and it is the format the protocol's state transfer uses, so CODEC_NONE means one thing on the wire."""
+    and it is the format the protocol's state transfer uses, so CODEC_NONE means one thing on the wire. A CPU
+    tensor's payload is a view of its own memory, not a copy: its caller keeps it unchanged until the payload is
+    sent."""
 
     codec_id = CodecId.NONE
     base_name = "none"
@@ -182,8 +184,8 @@ class NoneCodec(Codec):
         """The raw bytes."""
         return math.prod(shape) * dtype.itemsize
 
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> bytes:
-        return flat.contiguous().view(torch.uint8).numpy().tobytes()
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: FeedbackState | None) -> memoryview:
+        return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
     def _decode(
         self, view: memoryview, header: Header | None, shape: tuple[int, ...], dtype: torch.dtype, pin: bool

@@ -34,6 +34,7 @@ from geotrain.node.reverse import ReverseSender, relay_chunks
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol.framing import Buffer
 from geotrain.protocol.probe import probe_chunks
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.tensorstream import NoStream, TensorStreamClient
@@ -60,7 +61,7 @@ class Encoded:
     """A tensor encoded for one link, ready to send."""
 
     header: pb.TensorHeader
-    payload: bytes | bytearray
+    payload: Buffer
     raw_bytes: int
     codec: str
 
@@ -220,7 +221,8 @@ class DataPlane:
 
     def encode(self, peer: str, address: str, direction: str, codec: Codec, tensor: torch.Tensor) -> Encoded:
         """Encode a tensor for the link to `peer` in `direction`; encodes on one link run one at a time, in the order
-        their callers take the link's lock (in_turn fixes that order)."""
+        their callers take the link's lock (in_turn fixes that order). Codec none's payload is the tensor's own
+        memory on the CPU: the caller keeps the tensor unchanged until it is sent."""
         key = (peer, address, direction)
         with self._lock:
             link_lock = self._codec_locks[key]
@@ -277,7 +279,7 @@ class DataPlane:
 
     def _send_direct(
         self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
-        payload: bytes | bytearray, deadline: float,
+        payload: Buffer, deadline: float,
     ) -> None:
         """Send to a peer that can be dialled: over its raw tensor stream when the run uses them and there is one,
         else by calling its Forward or Backward."""

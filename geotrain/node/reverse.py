@@ -38,7 +38,7 @@ import grpc
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.framing import DIRECTION_NAMES, DIRECTIONS, FrameError, ReceivedTensor
+from geotrain.protocol.framing import DIRECTION_NAMES, DIRECTIONS, Buffer, FrameError, ReceivedTensor
 from geotrain.protocol.identity import NodeKey, verify
 from geotrain.protocol.transport import StatusError, TlsFiles, make_channel, status_code
 
@@ -59,7 +59,7 @@ def proof_message(nonce: bytes, receiver: str, sender: str) -> bytes:
 
 
 def relayed_message(
-    origin: str, receiver: str, direction: int, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: bytes,
+    origin: str, receiver: str, direction: int, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: Buffer,
 ) -> bytes:
     """What the sender of a relayed tensor signs: both ends' ids, the direction and digests of the tensor (its crc32
     is no defence against a relay that alters it on purpose)."""
@@ -72,11 +72,11 @@ def relayed_message(
 
 def relay_chunks(
     key: NodeKey, sender: str, receiver: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
-    payload: bytes | bytearray,
+    payload: Buffer,
 ) -> Iterator[pb.RelayChunk]:
     """A Stage.Relay call's stream: one tensor for `receiver`, signed by `sender`'s key."""
     wire = DIRECTIONS[direction]
-    signature = key.sign(relayed_message(sender, receiver, wire, ref, header, bytes(payload)))
+    signature = key.sign(relayed_message(sender, receiver, wire, ref, header, payload))
     for i, chunk in enumerate(framing.chunk_tensor(header, payload, ref)):
         yield pb.RelayChunk(receiver=receiver, direction=wire, signature=signature, chunk=chunk) if i == 0 else (
             pb.RelayChunk(chunk=chunk))
@@ -218,7 +218,7 @@ class ReverseSender:
             stream.close("the receiver closed its reverse stream")
 
     def send(
-        self, peer: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: bytes | bytearray,
+        self, peer: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, payload: Buffer,
         timeout_s: float, origin: str = "", signature: bytes = b"",
     ) -> None:
         """Deliver one tensor to `peer` over its reverse stream within timeout_s, as a Forward or Backward call would

@@ -15,10 +15,9 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
 import grpc
-import numpy as np
 import torch
 
-from geotrain.compression import CodecError, codec_from_payload
+from geotrain.compression import CodecError, codec_from_payload, new_tensor
 from geotrain.node.handover import StateSnapshot
 from geotrain.node.reverse import ReverseError, ReverseSender
 from geotrain.protocol import framing
@@ -32,11 +31,14 @@ from geotrain.protocol.tensorstream import TensorStreamServer
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a CPU tensor holds no NaN or Inf: numpy's test where it has the dtype (a tenth of torch's time on a
-    1 MiB activation: torch's makes a bool tensor, then reduces it), torch's for bfloat16."""
-    if tensor.dtype == torch.bfloat16:
-        return bool(torch.isfinite(tensor).all())
-    return bool(np.isfinite(tensor.numpy()).all())
+    """Whether a CPU floating-point tensor holds no NaN or Inf, in one pass: its sum (in float32 at least) is finite
+    only if every element is, as NaN and Inf carry through a sum; only a sum that is not finite (such an element, or
+    finite ones that overflow) needs the exact test, which makes a bool tensor and reduces it (on a 1 MiB
+    activation: 0.017 ms for the sum, 0.025 for numpy's exact test of float32, 0.17 of float16, 0.57 for torch's of
+    bfloat16)."""
+    if math.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def decode_tensor(received: framing.ReceivedTensor, check_finite: bool, pin: bool = False) -> torch.Tensor:
@@ -44,8 +46,11 @@ def decode_tensor(received: framing.ReceivedTensor, check_finite: bool, pin: boo
     raises FrameError on bad input."""
     header = received.header
     try:
-        codec = codec_from_payload(header.codec, received.payload)
-        tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype], pin)
+        if received.tensor is not None:  # read into a tensor of its own, as destination() gave it: its own decode
+            tensor = received.tensor
+        else:
+            codec = codec_from_payload(header.codec, received.payload)
+            tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype], pin)
     except CodecError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode tensor: {e}") from None
     if check_finite and tensor.is_floating_point() and not all_finite(tensor):
@@ -119,7 +124,8 @@ class StageServicer(rpc.StageServicer):
         rate-limited) when it is refused, with nothing changed."""
         try:
             received = framing.read_one_tensor(
-                chunks, self.max_tensor_bytes, lambda ref, header: self.admit(direction, ref, header, key)
+                chunks, self.max_tensor_bytes, lambda ref, header: self.admit(direction, ref, header, key),
+                self.destination,
             )
             if check is not None:
                 check(received)
@@ -135,6 +141,16 @@ class StageServicer(rpc.StageServicer):
         """Raise FrameError unless the node's plan expects this tensor from the node whose key is `key`; called once
         the header passed framing's checks, before the payload is read."""
         self.handler.check_incoming(direction, ref, header, key)
+
+    def destination(self, header: pb.TensorHeader) -> torch.Tensor | None:
+        """A new tensor that an admitted uncompressed payload is read straight into (pinned for a CUDA node), its
+        decode; None for any other payload, decoded (or refused) from the bytes received."""
+        dtype = framing.WIRE_TO_TORCH.get(header.dtype)
+        if header.codec != pb.CODEC_NONE or dtype is None:
+            return None
+        if header.payload_bytes != math.prod(header.shape) * dtype.itemsize:
+            return None  # the codec's decode refuses it
+        return new_tensor(header.shape, dtype, self.pin_decoded)
 
     def take(self, direction: str, received: framing.ReceivedTensor) -> None:
         """Decode a tensor whose payload passed its checksum (into a tensor of its own) and hand it to the node;

@@ -19,8 +19,10 @@ Each tensor's header is checked before its payload is read: its limits here (fra
 receiver's plan (the sink's `admit`, the check a call's first chunk gets, with the connection's key as the call's
 signer). A tensor refused by the plan is answered at once, and its payload skipped without being kept; a header
 that breaks the limits, a malformed frame, a stream cut mid-tensor or one silent mid-tensor for limits.idle_stream_s
-end the connection. The payload is read into a buffer the connection reuses, checked against the header's crc32, and
-decoded by the sink into a tensor of its own (codecs copy out of what they decode).
+end the connection. An uncompressed payload is read straight into the tensor the node is handed (the sink's
+`destination`: pinned memory for a CUDA node), which is its decode; any other into a buffer the connection reuses, to
+be decoded by the sink into a tensor of its own (codecs copy out of what they decode). Either is checked against the
+header's crc32 before the sink takes it.
 
 The sender keeps one connection per receiver and opens another only while the ones it has are busy (sends to one
 peer from several threads at once, as concurrent calls would be), each used by one send at a time: no connection is
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError, Message
 
 from geotrain.protocol import framing
@@ -105,10 +108,18 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+def _framed(message: Message) -> bytes:
+    """One length-prefixed message, as it goes on the stream."""
+    data = message.SerializeToString()
+    return _LENGTH.pack(len(data)) + data
+
+
 def write_message(sock: socket.socket, message: Message) -> None:
     """Send one length-prefixed message."""
-    data = message.SerializeToString()
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    sock.sendall(_framed(message))
+
+
+_OK_REPLY = _framed(pb.TensorStreamReply(code=_OK))
 
 
 def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M:
@@ -127,6 +138,9 @@ def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M
 
 
 def _reply(sock: socket.socket, code: grpc.StatusCode, detail: str = "") -> None:
+    if code == grpc.StatusCode.OK and not detail:
+        sock.sendall(_OK_REPLY)  # every tensor taken: made once
+        return
     write_message(sock, pb.TensorStreamReply(code=code.value[0], detail=detail[:1000]))
 
 
@@ -137,9 +151,13 @@ class TensorSink(Protocol):
         """Raise FrameError unless the node's plan expects this tensor from the node whose key is `key`, before its
         payload is read."""
 
+    def destination(self, header: pb.TensorHeader) -> torch.Tensor | None:
+        """The tensor an admitted header's payload is read straight into, when that payload is its own decode
+        (framing.Destination); None: into the connection's buffer."""
+
     def take(self, direction: str, received: ReceivedTensor) -> None:
-        """Decode the tensor (into memory of its own: the payload's buffer is reused) and hand it to the node;
-        FrameError when it is refused."""
+        """Decode the tensor (into memory of its own: the payload's buffer is reused; a payload read into its
+        destination is received.tensor) and hand it to the node; FrameError when it is refused."""
 
     def refused(self, peer: str, direction: str, why: str) -> None:
         """Note a refused tensor from `peer` (as gRPC names one: "ipv4:HOST:PORT")."""
@@ -302,9 +320,13 @@ class TensorStreamServer:
                 _reply(sock, e.code, str(e))
                 _skip(sock, size)
                 continue
-            if len(buffer) < size:
-                buffer = bytearray(size)
-            payload = memoryview(buffer)[:size]
+            tensor = sink.destination(header)
+            if tensor is not None:
+                payload = memoryview(framing.flat_bytes(tensor).numpy())
+            else:
+                if len(buffer) < size:
+                    buffer = bytearray(size)
+                payload = memoryview(buffer)[:size]
             try:
                 _recv_into(sock, payload)
             except Closed as e:
@@ -314,7 +336,7 @@ class TensorStreamServer:
                 return
             try:
                 framing.check_checksum(header, payload)
-                sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload))
+                sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload, tensor=tensor))
             except FrameError as e:
                 sink.refused(peer, direction, str(e))
                 _reply(sock, e.code, str(e))
