@@ -601,7 +601,7 @@ class VerifySection:
 
     fraction: float = _bounded(
         0.0, 0.0, 1.0, "(stage, microbatch) pairs of each committed step a verifier recomputes, drawn after the step; "
-        "0 = off; 0.05 costs under 10% (README). Checks need an exact run (activation and gradient codecs none, no "
+        "0 = off; what 0.05 costs is in the README. Checks need an exact run (activation and gradient codecs none, no "
         "diloco) on one device class"
     )
     keep_steps: int = _bounded(4, 1, 64, "steps whose evidence (inputs received, parameters) a node keeps for checks")

@@ -94,6 +94,7 @@ class StageRuntime:
             if c.diloco else None
         self.applied_step = -1  # last optimizer step applied
         self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
+        self._checksum: Callable[[], str] | None = None  # checksum_later's last, forgotten at a write (last_checksum)
         self.grads: StepGradients | None = None
         self._pending: dict[MicrobatchKey, _Pending] = {}
         # Sees each counted microbatch's parameter gradients (verification's commitments, node/verifier.py).
@@ -296,13 +297,23 @@ class StageRuntime:
     def checksum(self) -> str:
         """The parameters' checksum (framing.parameters_checksum): replicas that applied the same steps agree bit for
         bit. Under diloco, the anchor's: replicas train apart between syncs, and share the anchor bit for bit."""
-        return self.checksum_later()()
+        return self._take_checksum()()
 
     def checksum_later(self) -> Callable[[], str]:
         """checksum(), computed by the function returned, which another thread may call: on an accelerator the
         parameters' copies to the host start now, after the work queued so far (the step just applied) and beside
         the next step's compute, and the hash waits for them, not the device's queue; on the CPU the hash is taken
-        now, before a later step could change the parameters it reads."""
+        now, before a later step could change the parameters it reads. Kept for last_checksum."""
+        self._checksum = self._take_checksum()
+        return self._checksum
+
+    def last_checksum(self) -> Callable[[], str]:
+        """checksum_later()'s last function if nothing wrote the parameters since but apply or a load (which forget
+        it), else a new one: what verification commits to as the parameters a step is computed with, without hashing
+        them a second time after the apply that made them."""
+        return self._checksum or self.checksum_later()
+
+    def _take_checksum(self) -> Callable[[], str]:
         names = [name for name, _ in self.named_state()]
         tensors = self.sync.anchor if self.sync is not None else self.parameters()
         if self.device.type == "cpu":
@@ -312,10 +323,24 @@ class StageRuntime:
         return lambda: framing.parameters_checksum((n, c.wait()) for n, c in zip(names, copies, strict=True))
 
     def _writes_after_snapshot(self) -> None:
-        """Order the device's next writes to the parameters after checksum_later's copies of them."""
+        """Before any write to the parameters: order the device's next writes to them after checksum_later's copies
+        of them, and forget their checksum."""
         for copy in self._snapshot:
             copy.before_writes()
         self._snapshot = []
+        self._checksum = None
+
+    def load_parameters(self, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite the parameters with `state`'s (whole-model names, named_state's); ValueError, before any write,
+        if it lacks one or one differs in shape or dtype."""
+        named = self.named_state()
+        for name, p in named:
+            if name not in state or state[name].shape != p.shape or state[name].dtype != p.dtype:
+                raise ValueError(f"state has no {name} of shape {tuple(p.shape)} and dtype {p.dtype}")
+        self._writes_after_snapshot()
+        with torch.no_grad():
+            for name, p in named:
+                p.copy_(state[name])
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters under their whole-model names (`layers.<i>.<param>`)."""

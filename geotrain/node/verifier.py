@@ -7,7 +7,6 @@ same parameters and inputs, gives the same bits: the coordinator (scheduler/veri
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -16,46 +15,50 @@ from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 
+import blake3
 import grpc
 import torch
 
 from geotrain.node.device import COMPUTE_DTYPES
 from geotrain.node.stage import MicrobatchKey, StageRuntime
+from geotrain.node.worker import VERIFY
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import FrameError
-from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
+_GROUP_BYTES = 1 << 24
 _EVIDENCE_DEADLINE_S = 60.0
 PARAMS_PREFIX = "params."
 
 
-def _update(hasher: hashlib.blake2b, tensor: torch.Tensor | None) -> None:
-    if tensor is None:
-        hasher.update(b"none;")
-        return
-    t = tensor.detach().cpu().contiguous().reshape(-1)
-    hasher.update(f"{t.dtype};{tuple(tensor.shape)};".encode())
-    hasher.update(t.view(torch.uint8).numpy().tobytes())
-
-
 def digest(tensor: torch.Tensor) -> bytes:
-    """blake2b of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit."""
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    _update(hasher, tensor)
-    return hasher.digest()
+    """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit."""
+    return digest_all([tensor])
 
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
-    """One digest of tensors in order (None, a parameter without gradient, counts as itself)."""
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for t in tensors:
-        _update(hasher, t)
-    return hasher.digest()
+    """One digest of tensors in order (None, a parameter without gradient, counts as itself): blake3 of their shapes,
+    then of each dtype's run of bytes. A stage hashes every microbatch's parameter gradients, dozens of small tensors,
+    on its worker: they are flattened together, up to _GROUP_BYTES at a time, and hashed in one call (a torch or
+    hashlib call per tensor costs more than the hash itself here); blake3 hashes about 7 times as fast as hashlib's
+    blake2b (4 GB/s against 0.55 on one core), as collision resistant."""
+    hasher = blake3.blake3()
+    hasher.update(repr([None if t is None else t.shape for t in tensors]).encode())
+    group: list[torch.Tensor] = []
+    size = 0
+    for t in [*tensors, None]:  # a last None ends the last run
+        if group and (t is None or t.dtype != group[0].dtype or size >= _GROUP_BYTES):
+            flat = torch._utils._flatten_dense_tensors(group).detach()
+            hasher.update(str(flat.dtype).encode())
+            hasher.update(flat.cpu().view(torch.uint8).numpy())
+            group, size = [], 0
+        if t is not None:
+            group.append(t)
+            size += t.numel() * t.element_size()
+    return hasher.digest(_DIGEST_BYTES)
 
 
 def wire_form(runtime: StageRuntime, tensor: torch.Tensor) -> torch.Tensor:
@@ -110,8 +113,8 @@ class Evidence:
             entry = self._entry(epoch, step)
             if entry.checksum:
                 return
-        params = [(name, p.detach().cpu().clone()) for name, p in runtime.named_state()]
-        checksum = runtime.checksum()
+        params = [(name, p.detach().to("cpu", copy=True)) for name, p in runtime.named_state()]
+        checksum = runtime.last_checksum()()
         with self._lock:
             entry.params, entry.checksum = params, checksum
 
@@ -183,12 +186,9 @@ def recompute(
     backward from the served inputs; returns the served parameters' checksum and the digests of everything, as the
     target committed them. ValueError if the evidence lacks a tensor the stage needs."""
     step, microbatch = key
-    with torch.no_grad():
-        for name, p in runtime.named_state():
-            served = evidence.get(PARAMS_PREFIX + name)
-            if served is None or served.shape != p.shape or served.dtype != p.dtype:
-                raise ValueError(f"the evidence has no parameter {name} of shape {tuple(p.shape)}")
-            p.copy_(served)
+    runtime.load_parameters(
+        {name.removeprefix(PARAMS_PREFIX): t for name, t in evidence.items() if name.startswith(PARAMS_PREFIX)}
+    )
     checksum = runtime.checksum()
     runtime.reset_step()
     runtime.applied_step = step - 1
@@ -219,35 +219,51 @@ def recompute(
 
 
 class VerifierPart:
-    """The Agent's part as a verifier (a part of Agent): checks run on a thread of their own, off the worker."""
+    """The Agent's part as a verifier (a part of Agent): a check's evidence is fetched on a thread of its own, over
+    the channel the data plane keeps to the target; its recompute runs on the worker at the lowest priority, when no
+    training task waits, so that checks fill the pipeline's idle time rather than compete with its compute."""
 
     _verify_pool: futures.ThreadPoolExecutor
     _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
 
     def _verify(self, order: pb.VerifyOrder) -> None:
         """Queue a spot check the coordinator ordered."""
-        self._verify_pool.submit(self._run_check, order)
+        self._verify_pool.submit(self._fetch_check, order)
 
-    def _run_check(self, order: pb.VerifyOrder) -> None:
+    def _fetch_check(self, order: pb.VerifyOrder) -> None:
         started = time.monotonic()
         report = pb.VerifyReport(node_id=self.node_id, check=order.check)
         try:
             evidence = self._fetch_evidence(order)
+        except (grpc.RpcError, FrameError, ValueError) as e:
+            report.error = (e.details() if isinstance(e, grpc.RpcError) else str(e))[:500] or type(e).__name__
+            report.seconds = time.monotonic() - started
+            self._report(self.coordinator.Verified, report)
+            return
+        except Exception:  # this node's own failure must not pass as the target's
+            log.exception("check %d: fetching its evidence failed on this node", order.check)
+            return
+        fetch_s = time.monotonic() - started
+        self._submit(VERIFY, lambda: self._run_check(order, evidence, report, fetch_s))
+
+    def _run_check(
+        self, order: pb.VerifyOrder, evidence: dict[str, torch.Tensor], report: pb.VerifyReport, fetch_s: float
+    ) -> None:
+        """The recompute, on the worker; its report's seconds are the fetch's and the recompute's, not the wait."""
+        started = time.monotonic()
+        try:
             runtime = self._check_stage(order.layer_start, order.layer_end)
             batch = self._batch(order.step, order.microbatch)
             tokens = batch[0] if runtime.needs_tokens else None
             checksum, digests = recompute(runtime, evidence, (order.step, order.microbatch), batch, tokens)
             report.params_checksum = checksum
             report.digests.CopyFrom(digests)
-        except (grpc.RpcError, FrameError, ValueError) as e:
-            report.error = (e.details() if isinstance(e, grpc.RpcError) else str(e))[:500] or type(e).__name__
-        except Exception as e:  # a verifier's own failure (out of memory, a bug) must not pass as the target's
+        except ValueError as e:
+            report.error = str(e)[:500] or type(e).__name__
+        except Exception:  # a verifier's own failure (out of memory, a bug) must not pass as the target's
             log.exception("check %d failed on this node", order.check)
-            report.error = f"the verifier failed: {e!r}"[:500]
-            report.node_id = ""
-        if not report.node_id:
             return
-        report.seconds = time.monotonic() - started
+        report.seconds = fetch_s + time.monotonic() - started
         self._report(self.coordinator.Verified, report)
 
     def _check_stage(self, start: int, end: int) -> StageRuntime:
@@ -258,13 +274,9 @@ class VerifierPart:
         return runtime
 
     def _fetch_evidence(self, order: pb.VerifyOrder) -> dict[str, torch.Tensor]:
-        channel = make_channel(order.target_address, self.options.token, lambda: self.node_id, self.options.tls, self.key)
-        try:
-            request = pb.FetchEvidenceRequest(step=order.step, microbatch=order.microbatch)
-            stream = rpc.StageStub(channel).FetchEvidence(request, timeout=_EVIDENCE_DEADLINE_S)
-            return framing.read_state(stream, self.options.max_tensor_bytes)
-        finally:
-            channel.close()
+        request = pb.FetchEvidenceRequest(step=order.step, microbatch=order.microbatch)
+        stream = self.dataplane.stub(order.target_address).FetchEvidence(request, timeout=_EVIDENCE_DEADLINE_S)
+        return framing.read_state(stream, self.options.max_tensor_bytes)
 
     def evidence_snapshot(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
         """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence)."""

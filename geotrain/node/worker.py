@@ -21,9 +21,10 @@ from geotrain.protocol import geotrain_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Task priorities: lower runs first. Validation forwards come last and are not timed: the stage's compute time per
-# training microbatch is what the codec policy and the coordinator's cost model read.
-CONTROL, BACKWARD, FORWARD, EVAL = 0, 1, 2, 3
+# Task priorities: lower runs first. Validation forwards come after training and are not timed: the stage's compute
+# time per training microbatch is what the codec policy and the coordinator's cost model read. A verifier's recompute
+# of another node's work (node/verifier.py) comes last, in the time the worker would idle.
+CONTROL, BACKWARD, FORWARD, EVAL, VERIFY = 0, 1, 2, 3, 4
 _TIMED = {FORWARD: "forward", BACKWARD: "backward"}
 
 

@@ -46,7 +46,7 @@ class StepPhase(enum.Enum):
 
 # Checksums are hex digests (sha256: 64 characters); anything much longer is not one.
 _CHECKSUM_CHARS = 128
-_DIGEST_BYTES = 64  # a commitment's digests (blake2b, node/verifier.py) are 16 bytes; none is longer than this
+_DIGEST_BYTES = 64  # a commitment's digests (blake3, node/verifier.py) are 16 bytes; none is longer than this
 
 
 def _refuse(node_id: str, why: str) -> NoReturn:

@@ -13,7 +13,7 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from geotrain.protocol import geotrain_pb2 as pb
@@ -142,9 +142,12 @@ class VerifyCounts:
         )
 
 
-def choose(candidates: Iterable[str], exclude: set[str], load: Counter[str]) -> str | None:
-    """The candidate with the fewest checks so far (then by id), outside `exclude`; None if none is left."""
-    left = sorted((n for n in candidates if n not in exclude), key=lambda n: (load[n], n))
+def choose(
+    candidates: Iterable[str], exclude: set[str], load: Counter[str], distance: Callable[[str], int] = lambda n: 0
+) -> str | None:
+    """The candidate nearest by `distance`, then with the fewest checks so far (then by id), outside `exclude`; None
+    if none is left."""
+    left = sorted((n for n in candidates if n not in exclude), key=lambda n: (distance(n), load[n], n))
     return left[0] if left else None
 
 
@@ -176,15 +179,21 @@ class Verification:
         classes: dict[str, DeviceClass | None],
     ) -> list[Check]:
         """The checks of a committed step: a fraction of its (stage, microbatch) pairs, each given to a node of the
-        target's device class other than the target (pairs whose target has no such node go unchecked)."""
+        target's device class other than the target (pairs whose target has no such node go unchecked): a replica of
+        the target's stage first, else a node of the stage after it (cyclically), and so on, so that a verifier keeps
+        checking the same layers, whose runtime it keeps (building one, as for a stage with embeddings, can cost more
+        than the recompute), and the checks of each stage fall to the nodes of one other."""
         checks = []
         pairs = [(s.index, mb) for s in plan.stages for mb in sorted(paths)]
+        stage_of = {n: s.index for s in plan.stages for n in s.node_ids}
         for stage_index, mb in draw(pairs, self.fraction, self.rng):
             stage = plan.stages[stage_index]
             target = paths[mb][stage_index]
             cls = classes.get(target)
             candidates = tuple(n for n, c in classes.items() if c is not None and c == cls and n != target)
-            verifier = choose(candidates, set(), self._load)
+            verifier = choose(
+                candidates, set(), self._load, lambda n: (stage_of.get(n, stage_index) - stage_index) % len(plan.stages)
+            )
             if verifier is None:
                 continue
             address = stage.addresses[list(stage.node_ids).index(target)]
