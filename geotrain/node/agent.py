@@ -9,6 +9,7 @@ reports so compute never waits on the network. Every data task carries its plan 
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import queue
@@ -219,6 +220,9 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""
         self._server.start()
         self.address = _advertise_address(self.options, self.port)
+        # What building a stage's optimizer imports the first time (torch._dynamo, ~1 s of CPU) is imported while the
+        # node registers and reads its corpus, not once a plan waits for the stage (a returning node's rejoin).
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="imports", daemon=True).start()
         try:
             self._register()
             # Heartbeats start before the slow corpus read, so the coordinator never mistakes a loading node for dead.

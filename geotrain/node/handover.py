@@ -17,7 +17,6 @@ import math
 import os
 import tempfile
 import threading
-import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -139,7 +138,7 @@ class StateSnapshot:
                     part = flat[at : at + framing.CHUNK_BYTES]
                     data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
                     self._spill.write(data)
-                    crc = zlib.crc32(data, crc)
+                    crc = framing.crc32(data, crc)
                 self._spill.flush()
                 self._copies[i] = (offset, crc)
                 self._items[i] = (self._items[i][0], None)

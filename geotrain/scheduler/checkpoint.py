@@ -22,7 +22,6 @@ import re
 import shutil
 import struct
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,7 +402,7 @@ class StageFile:
         if crc is None:
             crc = 0
             for data in self.chunks(name):
-                crc = zlib.crc32(data, crc)
+                crc = framing.crc32(data, crc)
         fd = self._fd
         return framing.StateSource(name, dtype, shape, crc, lambda offset, n: os.pread(fd, n, at + offset))
 
