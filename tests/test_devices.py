@@ -345,7 +345,8 @@ def test_a_task_counts_its_own_device_time_in_order_even_when_a_later_one_finish
     worker._spans.extend([("forward", 3, slow), ("backward", 3, quick)])
     worker._settle_spans(wait=False)
     assert slow.seconds(wait=False) is None and len(worker._spans) == 2  # the first is still on the device
-    assert worker.take_compute_s(3) == pytest.approx(0.5 + 0.1)  # waits, then each task counts its own time
+    # Waits, then each task counts its own time, by its kind.
+    assert worker.take_task_s(3) == {"forward": pytest.approx(0.5), "backward": pytest.approx(0.1)}
     assert worker.compute.per_microbatch() == pytest.approx(0.6) and not worker._spans
 
 
