@@ -29,12 +29,13 @@ SIGKILLed after step 7, while step 6's checkpoint was being written, so the run 
     {"node": "node-1 rejoined", "peak_rss_bytes": 4192616448, "planned_bytes": 4465053696, "error": -0.061, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
      "coordinator_peak_rss_bytes": 526942208, "checkpoint_bytes": 4489557495, "step_s": 7.76,
-     "checkpoint_step_s": 13.08, "checkpoint_cost": 0.686, "rejoin_s": 8.77, "rejoin_profile_s": 1.35, "run_exit": 0, "max_abs_diff": 0.0,
-     "oom_killed": 0, ...}
-Every node within 15% of its plan (the earlier runs of this version: -7.3% to +2.2%, and -7.1% to +1.2%), nothing
+     "checkpoint_step_s": 13.08, "checkpoint_cost": 0.686, "rejoin_s": 8.77, "rejoin_profile_s": 1.35,
+     "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
+Every node within 15% of its plan (two runs of nearly this version, before its last changes to the tensor path and
+verification: -7.3% to +2.2%, and -7.1% to +1.2%), nothing
 OOM-killed, the coordinator at 0.5 GB for 9 GB of training state, train-local's parameters exactly. The rejoin's 8.77 s
 include 4.13 s of state load (the node's log). What is not met: a step that overlaps a checkpoint takes 0.69 longer
-than one without (0.70 and 0.98 in the two earlier runs; the goal is 0.10). On these 2 shared cores the checkpoint's
+than one without (0.70 and 0.98 in those two runs; the goal is 0.10). On these 2 shared cores the checkpoint's
 4.5 GB cost CPU that the three nodes' steps need: the nodes' reads and crc32s, gRPC's copies, and the coordinator's
 writes and its sha256 of the parameters. In the step's apply, a node also copies what it has not sent yet to its
 snapshot's file. Running the transfer at the lowest CPU priority measured no better (0.70).
