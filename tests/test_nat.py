@@ -118,8 +118,11 @@ def test_a_state_held_only_by_nodes_nobody_can_dial_comes_through_the_coordinato
 def test_a_node_nobody_can_dial_serves_its_stage_over_reverse_links(tmp_path):
     # node-2 advertises a port that refuses every connection, so the coordinator's dial-back fails as it does behind
     # NAT; its neighbours must send to it over the streams it opens, and the run must still equal train-local.
+    # Links reach the status with heartbeats: frequent ones, so that the last has counted every link of so short a run
+    # (at 1 s, node-2's link to node-1 was missing from it once in a loaded suite run).
     settings = ["run.steps=4", "train.microbatches=4", "train.inflight=2", "run.eval_every=2",
-                "run.eval_microbatches=2", "scheduler.placement=uniform", "profile.layer_repeats=1"]
+                "run.eval_microbatches=2", "scheduler.placement=uniform", "profile.layer_repeats=1",
+                "scheduler.heartbeat_interval_s=0.2"]
     cfg = load_config(None, settings)
     plan_ready, attacks_done = threading.Event(), threading.Event()
 
