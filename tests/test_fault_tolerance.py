@@ -81,14 +81,19 @@ def test_lone_stage_node_dies_and_a_spare_takes_over(tmp_path):
     plans: list[pb.Plan] = []
     running: list[LocalCluster] = []
 
-    def kill_after_third_checkpoint(kind: str, data: dict) -> None:
-        # Right after step 3's checkpoint: the stage's only node dies between two steps.
+    def kill_once_three_steps_are_checkpointed(kind: str, data: dict) -> None:
+        # The stage's only node dies as the fourth step starts, once the checkpoint of the three before is whole: it is
+        # written while the run goes on, so it is waited for here, holding the run (killed on the checkpoint's own
+        # event, the node had sometimes applied a fourth step already, which only it held: a rollback).
         if kind == "plan":
             plans.append(data["plan"])
-        if kind == "checkpoint" and data["steps_done"] == 3:
+        if _is_phase(kind, data, 3, "dispatched"):
+            checkpoints = running[0].coordinator.recovery.checkpoints
+            wait_until(lambda: (m := checkpoints.latest()) is not None and m.steps_done == 3, 60, "step 3's checkpoint")
             running[0].nodes.kill(plans[0].stages[1].node_ids[0])
 
-    with local_cluster(cfg, 3, tmp_path, on_event=kill_after_third_checkpoint, state_dir=tmp_path / "state") as cluster:
+    with local_cluster(cfg, 3, tmp_path, on_event=kill_once_three_steps_are_checkpointed,
+                       state_dir=tmp_path / "state") as cluster:
         running.append(cluster)
         summary = cluster.wait(120)
         final_plan = cluster.coordinator.plan
