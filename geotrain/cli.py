@@ -943,8 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--tensorboard", metavar="DIR",
             help="write TensorBoard event files here: losses, tokens/s, step time, each node's forward, backward, "
-            "averaging and idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the same figures "
-            "go to metrics.jsonl in --state-dir always",
+            "averaging and idle share, bytes on each link, failures (needs pip install 'geotrain[tensorboard]'); the "
+            "same figures go to metrics.jsonl in --state-dir always",
         )
 
     def http_options(p: argparse.ArgumentParser, default: str) -> None:

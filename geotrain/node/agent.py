@@ -4,7 +4,8 @@ Threads: gRPC serves the Stage service; the orders thread reads the coordinator'
 again when the coordinator has forgotten this node, e.g. after its restart); the heartbeat thread keeps the node
 alive; one worker thread does all compute and state changes, taking tasks from a priority queue (control first,
 then backward, then forward, as 1F1B prefers draining; a verifier's recomputes last); a small pool sends tensors and
-reports so compute never waits on the network. Every data task carries its plan epoch: a new epoch drops what the old one left in flight.
+reports so compute never waits on the network. Every data task carries its plan epoch: a new epoch drops what the
+old one left in flight.
 """
 
 from __future__ import annotations

@@ -236,7 +236,8 @@ def read_tensors(
     into: Destination | None = None,
 ) -> Iterator[ReceivedTensor]:
     """Reassemble tensors from a chunk stream, validating each header (and on_header) before its payload; a payload
-    `into` gives a tensor for is copied into it chunk by chunk (one copy, where joining chunks and decoding made two)."""
+    `into` gives a tensor for is copied into it chunk by chunk (one copy, where joining chunks and decoding made
+    two)."""
     it = iter(chunks)
     chunk = next(it, None)
     if chunk is None:

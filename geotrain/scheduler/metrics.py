@@ -50,7 +50,8 @@ def node_shares(
         forward = min(compute, timings.forward_s.get(node_id, 0.0) * through)
         averaging = min(1.0 - compute, timings.averaging_s.get(node_id, 0.0) / step_s)
         shares[node_id] = {
-            "forward": forward, "backward": compute - forward, "averaging": averaging, "idle": 1.0 - compute - averaging,
+            "forward": forward, "backward": compute - forward, "averaging": averaging,
+            "idle": 1.0 - compute - averaging,
         }
     return shares
 
