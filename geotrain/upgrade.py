@@ -1,6 +1,7 @@
 """A coordinator's state dir written by an older geotrain, brought up to date when its run resumes (`--resume`).
 
-Checkpoints before version 2 (scheduler.checkpoint) recorded each stage's checksum over its parameters in the stage's
+Version 2 checkpoints recorded each stage's checksum by sha256 over its parameters in name order; version 3's is
+blake3 over the same bytes (framing.parameters_checksum). Checkpoints before version 2 (scheduler.checkpoint) recorded each stage's checksum over its parameters in the stage's
 own order: layer by layer, each layer's parameters as its module lists them. A stage's checksum is now over them in
 name order (framing.parameters_checksum), so a node loading such a stage found another checksum than the recorded one,
 refused the state, and the run re-planned without end. The old order needs the model's code, which the coordinator
@@ -46,6 +47,19 @@ def layer_order_checksum(
     return digest.hexdigest()
 
 
+def recorded_checksum(
+    version: int, state: dict[str, torch.Tensor], model: ModelSection, layer_start: int, layer_end: int, diloco: bool
+) -> str | None:
+    """A stage's checksum as a checkpoint of manifest format `version` (< CHECKPOINT_VERSION) recorded it; None
+    where the state lacks a parameter the model has."""
+    if version >= 2:
+        return stage_checksum(state, diloco, hashlib.sha256)
+    try:
+        return layer_order_checksum(state, model, layer_start, layer_end, diloco)
+    except KeyError:
+        return None
+
+
 def upgrade_checkpoints(state_dir: str | Path, cfg: RunConfig) -> int:
     """Bring the checkpoints in a coordinator's state dir to CHECKPOINT_VERSION, with the stage checksums its
     committed steps recorded; returns how many it converted. UpgradeError names a stage file that fails the checksum
@@ -61,10 +75,7 @@ def upgrade_checkpoints(state_dir: str | Path, cfg: RunConfig) -> int:
                 continue  # none recorded: a node loading it finds its checksum computed from the file (checkpoint.py)
             span = (entry["layer_start"], entry["layer_end"])
             state = checkpoints.load_layers(manifest, *span)
-            try:
-                intact = layer_order_checksum(state, cfg.model, *span, diloco) == entry["checksum"]
-            except KeyError:
-                intact = False
+            intact = recorded_checksum(manifest.version, state, cfg.model, *span, diloco) == entry["checksum"]
             if not intact:
                 raise UpgradeError(
                     f"{manifest.path / entry['file']} does not match the checksum recorded when it was written "

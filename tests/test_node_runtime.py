@@ -29,7 +29,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import new_token
 from geotrain.protocol.identity import NodeKey
 from geotrain.scheduler.checkpoint import (
-    CHECKPOINT_VERSION, CHECKPOINTS_DIR, MANIFEST, CheckpointStore, Manifest, StageState,
+    CHECKPOINT_VERSION, CHECKPOINTS_DIR, MANIFEST, CheckpointStore, Manifest, StageState, stage_checksum,
 )
 from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.service import CoordinatorProcess
@@ -457,6 +457,33 @@ def test_resume_converts_an_older_geotrains_checkpoints_whose_files_pass_their_r
     assert code == EXIT_USAGE and len(lines) == 1, lines
     assert "stage-0000-0002.safetensors does not match the checksum recorded when it was written" in lines[0]
     assert [m.version for m in checkpoints.complete()] == [CHECKPOINT_VERSION, 1]
+
+
+@pytest.mark.timeout(60)
+def test_resume_converts_version_2_checkpoints_whose_checksums_were_sha256(tmp_path):
+    # Version 2 recorded sha256 over the parameters in name order; a node now reports blake3 over the same bytes.
+    cfg = load_config(None, [])
+    stages = _trained_stages(cfg)
+    states = [dict(stage.full_state()) for stage in stages]
+    older = [stage_checksum(state, False, hashlib.sha256) for state in states]
+    assert older != [stage.checksum() for stage in stages]
+    store = RunStore(tmp_path / STORE_FILE)
+    store.commit_step(*_first_step(dict(enumerate(older))))
+    store.close()
+    checkpoints = CheckpointStore(tmp_path / CHECKPOINTS_DIR, keep=3)
+    written = checkpoints.write(
+        1, 1, [StageState(s.start, s.end, checksum, state) for s, checksum, state in zip(stages, older, states)]
+    )
+    data = json.loads((written.path / MANIFEST).read_text())
+    (written.path / MANIFEST).write_text(json.dumps({**data, "version": 2}))
+
+    assert upgrade_checkpoints(tmp_path, cfg) == 1
+    (manifest,) = checkpoints.complete()
+    assert manifest.version == CHECKPOINT_VERSION
+    assert [checkpoints.checksum(manifest, s.start, s.end, False) for s in stages] == [s.checksum() for s in stages]
+    store = RunStore(tmp_path / STORE_FILE)
+    assert store.checksums(0) == {i: stage.checksum() for i, stage in enumerate(stages)}
+    store.close()
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,6 @@ and it is read tensor by tensor (StageFile: only the tensors of the layers asked
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -40,9 +40,10 @@ _DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 """Where a coordinator's --state-dir keeps its checkpoints."""
-CHECKPOINT_VERSION = 2
-"""The manifest's format: 2 records each stage's checksum over its parameters in name order (stage_checksum); 1 (a
-manifest without a version) in the stage's own order, layer by layer, which `--resume` converts (geotrain.upgrade)."""
+CHECKPOINT_VERSION = 3
+"""The manifest's format: 3 records each stage's checksum (stage_checksum: blake3 over its parameters in name order);
+2 the same by sha256; 1 (a manifest without a version) sha256 in the stage's own order, layer by layer. `--resume`
+converts the older ones (geotrain.upgrade)."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,15 @@ class Manifest:
     version: int
 
 
-def stage_checksum(state: dict[str, torch.Tensor], diloco: bool) -> str:
+def stage_checksum(
+    state: dict[str, torch.Tensor], diloco: bool, hasher: Callable[[], Any] = framing.checksum_hasher
+) -> str:
     """The checksum a stage's replicas report (node.stage: framing.parameters_checksum) of a state as transfers and
     checkpoints hold it: over its parameters (`layers.…`), or under diloco over its anchor (`sync.anchor.layers.…`)
     under the parameters' names."""
     prefix = "sync.anchor." if diloco else ""
     return framing.parameters_checksum(
-        (name.removeprefix(prefix), t) for name, t in state.items() if name.startswith(prefix + "layers.")
+        ((name.removeprefix(prefix), t) for name, t in state.items() if name.startswith(prefix + "layers.")), hasher
     )
 
 
@@ -151,7 +154,7 @@ class CheckpointStore:
             if (entry["layer_start"], entry["layer_end"]) == (layer_start, layer_end) and entry["checksum"]:
                 return entry["checksum"]
         prefix = "sync.anchor." if diloco else ""
-        digest = hashlib.sha256()
+        digest = framing.checksum_hasher()
         with contextlib.ExitStack() as files:
             counted: list[tuple[str, StageFile]] = []
             for stage, names in self._files_of(manifest, layer_start, layer_end):
@@ -241,7 +244,7 @@ class StageFileWriter(framing.StateSink):
         self._entries: dict[str, dict] = {}
         self._crcs: dict[str, int] = {}
         self._offset = 0
-        self._digest = hashlib.sha256()
+        self._digest = framing.checksum_hasher()
         self._last_counted = ""
         self._in_order = True  # the counted tensors arrived in name order: the checksum was computed as they passed
 
@@ -304,7 +307,7 @@ class StageFileWriter(framing.StateSink):
         if self._in_order:
             return self._digest.hexdigest()
         with StageFile(self.path) as stage:  # a sender that sent them in another order: the checksum from the file
-            digest = hashlib.sha256()
+            digest = framing.checksum_hasher()
             for name in sorted(n for n in stage.names() if n.startswith(self._prefix + "layers.")):
                 digest.update(name.removeprefix(self._prefix).encode())
                 for data in stage.chunks(name):

@@ -44,7 +44,7 @@ class StepPhase(enum.Enum):
     EVALUATING = "evaluating"  # validation after a committed step
 
 
-# Checksums are hex digests (sha256: 64 characters); anything much longer is not one.
+# Checksums are hex digests (blake3: 64 characters); anything much longer is not one.
 _CHECKSUM_CHARS = 128
 _DIGEST_BYTES = 64  # a commitment's digests (blake3, node/verifier.py) are 16 bytes; none is longer than this
 
