@@ -19,7 +19,7 @@ rejoin_s (the restarted node's process start to serving, its state load included
 profile on the coordinator: what the cached profile saves), run_exit (the coordinator's exit code: 0 when the run
 finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
 
-Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small]
+Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
 This version, the defaults (374M parameters, three nodes capped at 5 GiB, 12 steps, a checkpoint every 3, node-1
 SIGKILLed after step 7, while step 6's checkpoint was being written, so the run rolled back to step 6):
@@ -47,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -225,11 +226,25 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=7, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
     parser.add_argument("--set", action="append", default=[], help="extra config settings (SECTION.KEY=VALUE)")
+    parser.add_argument("--keep", action="store_true", help="keep the run's state dirs and checkpoints (GBs), not just its logs")
     args = parser.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.mlp, args.vocab, args.cap_gib = 8, 256, 4, 704, 32000, 1.0
-    started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="geotrain-scale-"))
+    try:
+        bench(args, work)
+    finally:
+        if not args.keep:  # each run leaves about 14 GB of state and checkpoints: only the logs stay
+            for path in work.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.suffix != ".log":
+                    path.unlink()
+
+
+def bench(args: argparse.Namespace, work: Path) -> None:
+    """The bench itself, in `work`."""
+    started = time.monotonic()
     token = "scale-bench-" + os.urandom(8).hex()
     os.environ["GEOTRAIN_TOKEN"] = token
     port = free_port()
