@@ -1,18 +1,23 @@
-"""Placement as pure functions of members and plans: layer ranges, who serves which stage, the cost model's estimate,
-drift, how replicas average, and where a node's state comes from. No waits, no orders, no SQLite here (petals
-keeps block selection pure the same way); scheduler.replan acts on what these decide.
+"""Placement as pure functions of members and plans: the next plan (next_plan: its layout, what it moves, its
+estimate, averaging, window and relays), layer ranges, who serves which stage, drift and where a node's state comes
+from. No waits, no orders, no SQLite here (petals keeps block selection pure the same way); scheduler.replan waits
+for the nodes these need and installs what they decide.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
 from geotrain.config import AUTO_INFLIGHT, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import costmodel
 from geotrain.scheduler.calibration import Corrections
 from geotrain.scheduler.membership import Member
+from geotrain.scheduler.planner import PlannerConfig
+from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import planner_inputs
 
 Ranges = list[tuple[int, int]]
@@ -20,6 +25,9 @@ Groups = list[list[Member]]
 
 # An auto window this far below its need is raised (window_changed): every microbatch it lacks idles the links.
 _WINDOW_SHORT = 0.05
+# A re-plan keeps the current layers unless moving them is estimated this much faster: profiles measured at
+# different times differ by several percent, and a smaller margin moves layers back and forth on that noise.
+_REPLAN_TOLERANCE = 0.1
 
 
 def split_layers(total_layers: int, n_stages: int) -> Ranges:
@@ -124,14 +132,10 @@ def inflight(cfg: RunConfig, estimate: costmodel.Plan | None, n_stages: int) -> 
 
 
 def window_changed(cfg: RunConfig, plan: pb.Plan, estimate: costmodel.Plan | None) -> bool:
-    """Under train.inflight = "auto", whether the plan's window should become the estimate's: the plan took its window
-    from the profiles it had, and links measured since (a probe runs once the neighbours are known) or in-run times can
-    put the round trip over the pace above it. Too small a window idles the links, so one more than _WINDOW_SHORT
-    below the unrounded need is raised. A larger one than the need stays unless memory lowered the estimate's: it
-    costs memory only, which auto_window bounds, and in-run times move the need down as well as up with the load a
-    window brings (bench/window.py: 14 in flight, lowered to 11 by a need measured under that load, took 4.05 s a step
-    against 3.77 s before). Only raised, a window never flips between two plans as each step's measurements move its
-    need."""
+    """Under train.inflight = "auto", whether the plan's window should become the estimate's: links measured since
+    the plan was made, or in-run times, can put the round trip over the pace above it, and too small a window idles
+    the links. Only raised (more than _WINDOW_SHORT short of the need), unless memory lowered the estimate's: a
+    window moved both ways would flip between plans as each step's measurements move its need (bench/window.py)."""
     if cfg.train.inflight != AUTO_INFLIGHT or estimate is None or not estimate.chosen_inflight or not plan.inflight:
         return False
     chosen, need = estimate.chosen_inflight, estimate.window_need
@@ -244,6 +248,24 @@ def state_sources(
     return StateSources(from_peers, reshaped)
 
 
+def region_probes(alive: list[Member]) -> dict[str, list[Member]]:
+    """Who measures its link to whom so that every pair of regions has one measured link: one node of each region
+    (one that can be dialled, where the region has one) probes one node of every other region it can dial."""
+    first: dict[str, Member] = {}
+    for m in sorted(alive, key=lambda m: (m.unreachable, m.node_id)):
+        first.setdefault(m.region, m)
+    asked: dict[str, list[Member]] = {}
+    regions = sorted(first)
+    for i, a in enumerate(regions):
+        for b in regions[i + 1 :]:
+            prober, target = first[a], first[b]
+            if target.unreachable:
+                prober, target = target, prober  # the probe dials its target
+            if not target.unreachable:
+                asked.setdefault(prober.node_id, []).append(target)
+    return asked
+
+
 def relay_routes(groups: Groups) -> tuple[list[pb.RelayRoute], list[str]]:
     """A relay for each link between neighbouring stages whose two ends nobody can dial: a node of the layout that
     can be dialled (so the plan's take-up waits for it and its death re-plans), each time the one reported failing
@@ -261,3 +283,186 @@ def relay_routes(groups: Groups) -> tuple[list[pb.RelayRoute], list[str]]:
             routes.append(pb.RelayRoute(a=a.node_id, b=b.node_id, relay_id=relay.node_id,
                                         relay_address=relay.address, relay_key=relay.public_key))
     return routes, stranded
+
+
+def beyond_reach(groups: Groups, stranded: list[str]) -> list[str]:
+    """What a layout asks of nodes nobody can dial that this version cannot do: links with both ends behind NAT
+    and no node to relay them (`stranded`), and replicas averaging where none of them can be dialled."""
+    found = []
+    if stranded:
+        found.append(f"nobody can dial either end of {', '.join(stranded)}, nor any node to relay them")
+    for group in groups:
+        behind = [m.node_id for m in group if m.unreachable]
+        if len(group) > 1 and len(behind) == len(group):
+            found.append(f"replicas {', '.join(behind)} would average with no replica anyone can dial")
+    return found
+
+
+def links_measured(plan: pb.Plan | None, members: Mapping[str, Member]) -> bool:
+    """Whether every node of the plan has reported its link to each node of the next stage it can dial: a node
+    probes them once it takes the plan up (node/holder.py), so its first profile prices them with defaults."""
+    stages = plan.stages if plan is not None else []
+    for stage, after in zip(stages, stages[1:]):
+        targets = {n for i, n in enumerate(after.node_ids) if not (i < len(after.unreachable) and after.unreachable[i])}
+        for node_id in stage.node_ids:
+            profile = members[node_id].profile if node_id in members else None
+            if profile is None or not targets <= {link.peer for link in profile.links}:
+                return False
+    return True
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the next plan is decided from: the run's config and corrections, the members, the current plan."""
+
+    cfg: RunConfig
+    members: Mapping[str, Member]  # every member, dead ones too
+    refused: Mapping[str, str] = field(default_factory=dict)  # live members that may serve no stage, and why
+    plan: pb.Plan | None = None  # the current plan
+    estimate: costmodel.Plan | None = None  # the cost model's view of the current plan
+    excluded: Mapping[str, str] = field(default_factory=dict)  # nodes the planner left out of it, and why
+    corrections: Corrections = field(default_factory=Corrections)
+    # A checkpoint store carries the state of layers that move: only then may a plan after the first move layers.
+    layers_may_move: bool = False
+
+    @property
+    def placeable(self) -> list[Member]:
+        """Live members a layout may use."""
+        return [m for m in self.members.values() if m.alive and m.node_id not in self.refused]
+
+    @property
+    def candidates(self) -> list[Member]:
+        """The placeable members the planner plans with: those that reported a profile."""
+        return [m for m in self.placeable if m.profile is not None]
+
+    @property
+    def planned(self) -> bool:
+        """Whether the planner lays the next plan out over measured profiles, rather than the current ranges (an
+        even split at first) keeping their nodes."""
+        return self.cfg.scheduler.placement == "measured" and (self.plan is None or self.layers_may_move)
+
+
+class NoPlan(ValueError):
+    """The planner finds no plan among the candidates: too few, or too little memory among them."""
+
+
+class StageWithoutNode(Exception):
+    """The layout keeps these ranges and a stage of them has no node: the next plan waits for one."""
+
+    def __init__(self, ranges: Ranges) -> None:
+        super().__init__(f"a stage of {ranges} has no node")
+        self.ranges = ranges
+
+
+@dataclass(frozen=True)
+class NextPlan:
+    """The next plan as decided: its layout and what follows from it; `message` makes it a plan to send."""
+
+    ranges: Ranges
+    groups: Groups
+    excluded: dict[str, str]  # the nodes the planner leaves out, and why
+    moved: list[Move]
+    before: costmodel.Plan | None  # the current plan's estimate, where layers move and all its nodes live
+    estimate: costmodel.Plan | None  # None until every node of the layout has reported a profile
+    inflight: int
+    hierarchical: list[bool]  # per stage: its replicas average region by region
+    relays: list[pb.RelayRoute]
+    beyond_reach: list[str]  # what the layout asks that this version cannot do (beyond_reach)
+
+    def message(
+        self, *, epoch: int, total_layers: int, steps_done: int, loss_scale: float, excluded: Mapping[str, str],
+        coordinator_key: bytes,
+    ) -> pb.Plan:
+        """The plan as sent, with its nodes' addresses, keys and averaging peers as the members have them now."""
+        plan = pb.Plan(
+            epoch=epoch, total_layers=total_layers, steps_done=steps_done, loss_scale=loss_scale, excluded=excluded,
+            coordinator_key=coordinator_key, inflight=self.inflight, relays=self.relays,
+        )
+        for i, ((start, end), group) in enumerate(zip(self.ranges, self.groups)):
+            plan.stages.add(
+                index=i,
+                layer_start=start,
+                layer_end=end,
+                node_ids=[m.node_id for m in group],
+                addresses=[m.address for m in group],
+                regions=[m.region for m in group],
+                peer_ids=[m.peer_id for m in group] if len(group) > 1 else [],
+                public_keys=[m.public_key for m in group],
+                unreachable=[m.unreachable for m in group],
+                hierarchical_allreduce=self.hierarchical[i],
+            )
+        return plan
+
+
+def next_plan(inputs: PlanInputs) -> NextPlan:
+    """The next plan for the members as they are. NoPlan when the planner finds none, StageWithoutNode when kept
+    ranges lack a node for a stage: then the next plan waits for nodes."""
+    ranges, groups, excluded = _layout(inputs)
+    if not all(groups):
+        raise StageWithoutNode(ranges)
+    cfg = inputs.cfg
+    moved = moves(inputs.plan, ranges, groups)
+    priced = estimate(cfg, ranges, groups, inputs.corrections)
+    routes, stranded = relay_routes(groups)
+    return NextPlan(
+        ranges=ranges,
+        groups=groups,
+        excluded=excluded,
+        moved=moved,
+        before=_estimate_while_whole(inputs) if moved else None,
+        estimate=priced,
+        inflight=inflight(cfg, priced, len(ranges)),
+        hierarchical=[hierarchical_allreduce(cfg.scheduler.allreduce, priced, i, g) for i, g in enumerate(groups)],
+        relays=routes,
+        beyond_reach=beyond_reach(groups, stranded),
+    )
+
+
+def assign(inputs: PlanInputs, ranges: Ranges) -> Groups:
+    """assign_groups over the placeable members, nodes left out staying spares, up to scheduler.replicas each."""
+    placeable = inputs.placeable
+    left_out = set(inputs.excluded) | set(inputs.refused)
+    return assign_groups(ranges, placeable, inputs.plan, left_out, inputs.cfg.scheduler.replicas or len(placeable))
+
+
+def _layout(inputs: PlanInputs) -> tuple[Ranges, Groups, dict[str, str]]:
+    """Layer ranges, their nodes and the nodes the planner leaves out: the planner's (PlanInputs.planned), else the
+    current ranges (an even split at first) with nodes reassigned."""
+    if inputs.planned:
+        return _planned_layout(inputs)
+    n_alive = sum(m.alive for m in inputs.members.values())
+    ranges = stage_ranges(inputs.plan, inputs.cfg, n_alive)
+    return ranges, assign(inputs, ranges), dict(inputs.excluded)
+
+
+def _planned_layout(inputs: PlanInputs) -> tuple[Ranges, Groups, dict[str, str]]:
+    """The planner's layout over the candidates, starting from the current plan's estimate when there is one."""
+    previous = None
+    if inputs.plan is not None and inputs.estimate is not None:
+        previous = replace(inputs.estimate, excluded={n: "left out before" for n in inputs.excluded})
+    cfg, corrections = inputs.cfg, inputs.corrections
+    try:
+        nodes, model, network = planner_inputs(inputs.candidates, cfg, corrections.scale)
+        planned = plan_stages(
+            nodes=nodes,
+            model=model,
+            network=network,
+            shape=step_shape(cfg, model, corrections),
+            config=PlannerConfig(stages=cfg.scheduler.stages or None, replan_tolerance=_REPLAN_TOLERANCE),
+            previous=previous,
+        )
+    except ValueError as e:
+        raise NoPlan(str(e)) from e
+    groups = [[inputs.members[n] for n in s.node_ids] for s in planned.stages]
+    return [(s.start, s.end) for s in planned.stages], groups, dict(planned.excluded)
+
+
+def _estimate_while_whole(inputs: PlanInputs) -> costmodel.Plan | None:
+    """The current plan's estimate from its nodes' latest profiles at its window, while every node of it lives
+    (a plan that lost one has no step time to compare)."""
+    plan = inputs.plan
+    assert plan is not None
+    groups = [[inputs.members.get(n) for n in s.node_ids] for s in plan.stages]
+    if any(m is None or not m.alive for g in groups for m in g):
+        return None
+    return estimate(inputs.cfg, plan_ranges(plan), groups, inputs.corrections, plan.inflight or None)
