@@ -11,7 +11,8 @@ run's last checkpoint.
 
 One JSON line per node incarnation: peak_rss_bytes (the process's VmHWM, sampled every 0.2 s), cgroup_max_usage_bytes
 (page cache included), planned_bytes (the plan's estimate of the node's peak: geotrain status' planned_memory_bytes,
-the largest the node was planned at), error (peak_rss / planned - 1), failcnt and oom_kills of its cgroup. Then one
+the largest the node was planned at), error (peak_rss / planned - 1), peak_in_step (the step being trained when the
+peak was first seen; 0: before the first commit, profiling included), failcnt and oom_kills of its cgroup. Then one
 line for the run: params, state_bytes (training state of the whole model), cap_bytes, coordinator_peak_rss_bytes,
 checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of steps with no checkpoint
 before them), checkpoint_step_s (the same for steps that follow a checkpoint), checkpoint_cost (their ratio - 1),
@@ -111,10 +112,10 @@ class Cgroup:
 
 
 class Peak:
-    """The largest VmHWM of a process, sampled until it ends."""
+    """The largest VmHWM of a process, sampled until it ends, and when (wall clock) it was first seen."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.bytes = pid, 0
+        self.pid, self.bytes, self.at = pid, 0, 0.0
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
@@ -125,8 +126,8 @@ class Peak:
             except OSError:
                 return
             for line in text.splitlines():
-                if line.startswith("VmHWM:"):
-                    self.bytes = max(self.bytes, int(line.split()[1]) * 1024)
+                if line.startswith("VmHWM:") and int(line.split()[1]) * 1024 > self.bytes:
+                    self.bytes, self.at = int(line.split()[1]) * 1024, time.time()
             if "State:\tZ" in text:
                 return
             time.sleep(0.2)
@@ -193,14 +194,23 @@ def checkpoint_diff(state_dir: Path, local_path: Path) -> tuple[float, int]:
     return diff, nbytes
 
 
-def step_intervals(state_dir: Path, every: int, rejoined_at: float) -> tuple[list[float], list[float]]:
-    """Commit-to-commit seconds of the steps with no checkpoint before them, and of those a checkpoint preceded
-    (steps done % every == 0 after the step before), leaving out the first and those across the rejoin."""
+def commits(state_dir: Path) -> list[tuple[int, float]]:
+    """Each committed step and when (wall clock), in step order."""
     db = sqlite3.connect(state_dir / "run.sqlite")
     try:
-        rows = db.execute("SELECT step, committed_at FROM steps ORDER BY step").fetchall()
+        return db.execute("SELECT step, committed_at FROM steps ORDER BY step").fetchall()
     finally:
         db.close()
+
+
+def step_at(rows: list[tuple[int, float]], at: float) -> int:
+    """The step that was being trained at wall time `at`: the first committed after it (0: none was)."""
+    return next((step for step, committed in rows if committed >= at), 0)
+
+
+def step_intervals(rows: list[tuple[int, float]], every: int, rejoined_at: float) -> tuple[list[float], list[float]]:
+    """Commit-to-commit seconds of the steps with no checkpoint before them, and of those a checkpoint preceded
+    (steps done % every == 0 after the step before), leaving out the first and those across the rejoin."""
     plain, after = [], []
     for (_, before), (step, at) in zip(rows, rows[1:]):
         if before < rejoined_at < at:
@@ -313,20 +323,20 @@ def bench(args: argparse.Namespace, work: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(run["proc"].pid, signal.SIGKILL)
                 run["proc"].wait()
-    oom = 0
+    oom, rows = 0, commits(work / "coordinator")
     for label, run in runs.items():
         figures, peak, estimate = run["cgroup"].figures(), run["peak"].bytes, run["planned"]
         oom += figures["oom_kills"]
         print(json.dumps({"node": label, "peak_rss_bytes": peak, "planned_bytes": estimate,
-                          "error": round(peak / estimate - 1, 3) if estimate else None, "cap_bytes": cap,
-                          **figures}), flush=True)
+                          "error": round(peak / estimate - 1, 3) if estimate else None,
+                          "peak_in_step": step_at(rows, run["peak"].at), "cap_bytes": cap, **figures}), flush=True)
         run["cgroup"].remove()
     local_path = work / "local.safetensors"
     local = start([*python, "train-local", *sets, "--save-final", str(local_path)], work / "local.log")
     if local.wait(3600):
         raise RuntimeError(f"train-local failed: see {work / 'local.log'}")
     diff, checkpoint_bytes = checkpoint_diff(work / "coordinator", local_path)
-    plain, after = step_intervals(work / "coordinator", args.checkpoint_every, rejoined_at)
+    plain, after = step_intervals(rows, args.checkpoint_every, rejoined_at)
     from geotrain.config import load_config
     from geotrain.memory import training_bytes_per_param
     from geotrain.node.model import family_of
