@@ -526,10 +526,32 @@ def _serve_dht(host_maddr: str, conn: Connection) -> None:
         dht.shutdown()
 
 
+def _open_state(state_dir: str | Path | None, resume: bool, keep: int) -> tuple[RunStore, CheckpointStore | None]:
+    """The run state and checkpoints in `state_dir` (in memory and none without one), the run given an id; ValueError
+    for a run there unless resuming, and for a checkpoint of an older geotrain."""
+    store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
+    committed = store.committed_steps()
+    if committed and not resume:
+        store.close()
+        raise ValueError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
+    if not store.get("run_id"):
+        store.put("run_id", secrets.token_hex(8))
+    checkpoints = CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, keep) if state_dir else None
+    older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
+    if older:  # their checksums would fail every node that loads them, plan after plan
+        store.close()
+        raise ValueError(
+            f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
+            "which converts it"
+        )
+    return store, checkpoints
+
+
 class CoordinatorProcess:
     """A coordinator with everything it runs on: run state, checkpoints, the hivemind DHT replicas bootstrap from,
     and its gRPC server (bound, not yet started). close() releases all of it. `advertise`: the host nodes reach this
-    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr), on `dht_port` (0: any free one)."""
+    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr), on `dht_port` (0: any free one).
+    `pause_on_stop`: a stop of this process pauses the run (RunState.PAUSED), which --resume continues."""
 
     def __init__(
         self,
@@ -544,24 +566,9 @@ class CoordinatorProcess:
         advertise: str = "",
         dht_port: int = 0,
         tensorboard: str = "",
+        pause_on_stop: bool = False,
     ) -> None:
-        self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
-        committed = self.store.committed_steps()
-        if committed and not resume:
-            self.store.close()
-            raise ValueError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
-        if not self.store.get("run_id"):
-            self.store.put("run_id", secrets.token_hex(8))
-        checkpoints = (
-            CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
-        )
-        older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
-        if older:  # their checksums would fail every node that loads them, plan after plan
-            self.store.close()
-            raise ValueError(
-                f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
-                "which converts it"
-            )
+        self.store, checkpoints = _open_state(state_dir, resume, cfg.scheduler.keep_checkpoints)
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
@@ -583,6 +590,7 @@ class CoordinatorProcess:
                 on_event=on_event,
                 key=key,
                 metrics=self.metrics,
+                pause_on_stop=pause_on_stop,
             )
             self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
         except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind
