@@ -167,8 +167,8 @@ class Coordinator:
     # -- membership (called from RPC threads) -------------------------------------------------------------------
 
     def register(
-        self, request: pb.RegisterRequest, signer: bytes | None = None, dial_back: Callable[[], DialedBack] | None = None,
-        host: str = "",
+        self, request: pb.RegisterRequest, signer: bytes | None = None,
+        dial_back: Callable[[], DialedBack] | None = None, host: str = "",
     ) -> pb.RegisterReply:
         """Admit a node (new, or returning with the stage it holds), or say why not (Admission.register)."""
         return self.admission.register(request, signer, dial_back, host)
@@ -229,8 +229,7 @@ class Coordinator:
         return self.membership.relay_failed(request)
 
     def order_stream(self, node_id: str) -> AsyncIterator[pb.Order]:
-        """The orders for one node, as long as its stream is open (iterated on the server's event loop); KeyError
-        for an unknown node."""
+        """The orders for one node while its stream is open (on the server loop); KeyError for an unknown one."""
         return self.orders.stream(node_id)
 
     # -- reports (called from RPC threads) ----------------------------------------------------------------------
@@ -375,7 +374,8 @@ class Coordinator:
             latest = self.recovery.checkpoints.latest(at_most=first[v.guilty]) if self.recovery.checkpoints else None
             back_to = latest.steps_done if latest is not None else 0
             if back_to < self.step:
-                log.warning("rolling back from step %d to step %d, before %s's first step", self.step, back_to, v.guilty)
+                log.warning("rolling back from step %d to step %d, before %s's first step", self.step, back_to,
+                            v.guilty)
                 self.store.event("rollback", v.guilty, f"from step {self.step} to step {back_to}")
                 self._on_event("rollback", {"from": self.step, "to": back_to, "node_id": v.guilty})
                 self.store.rollback_to(back_to)

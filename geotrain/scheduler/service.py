@@ -231,7 +231,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
 
     async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
         await self._check_fetch(context, request)
-        chunks = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
+        chunks = await self._off_loop(
+            self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done
+        )
         if chunks is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
                                 f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
@@ -298,7 +300,10 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def Stop(self, request, context):  # noqa: D102, N802
         # The run owner's act: every volunteer holds the token, only the owner holds the coordinator's key.
         if signer(context) != self.c.key.public:
-            why = "only the run owner may end the run: sign the call with the coordinator's key (geotrain stop --state-dir)"
+            why = (
+                "only the run owner may end the run: sign the call with the coordinator's key "
+                "(geotrain stop --state-dir)"
+            )
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "Stop", None)
         await self._off_loop(self.c.end_run, request.reason[:200] or "the run owner stopped the run")  # SQLite
         return pb.Ack()
@@ -413,7 +418,8 @@ def stage_state_stream(
 def fetch_stage_state(
     address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None
 ) -> dict[str, torch.Tensor]:
-    """A stage's parameters and optimizer state after `steps_done` steps, downloaded into memory (stage_state_stream's)."""
+    """A stage's parameters and optimizer state after `steps_done` steps, downloaded into memory
+    (stage_state_stream's)."""
     return framing.read_state(stage_state_stream(address, token, steps_done, key, tls))
 
 
@@ -463,12 +469,11 @@ def announced_maddrs(visible: Sequence[str], advertise_host: str) -> list[str]:
 
 class DhtProcess:
     """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
-    which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
-    gRPC threads are busy can leave the child stuck on a lock it inherited (the test suite's process hung so, at the
-    same test in two runs). The coordinator needs only the DHT's addresses, and only once a plan first has replicas:
-    the DHT starts then (maddrs), so a run whose stages have one node each never pays for hivemind's imports, its DHT
-    process and p2pd. The DHT ends when this object is closed or its coordinator dies, however it died: its process
-    reads a pipe whose other end only the coordinator holds."""
+    which has no threads: hivemind forks its DHT process from whoever creates it, and a fork from a process whose
+    gRPC threads are busy can leave the child stuck on a lock it inherited. The coordinator needs only the DHT's
+    addresses, and only once a plan first has replicas: the DHT starts then (maddrs), so a run whose stages have one
+    node each never pays for hivemind's imports, its DHT process and p2pd. The DHT ends when this object is closed or
+    its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
 
     def __init__(self, listen_host: str, advertise_host: str = "", port: int = 0) -> None:
         self._host_maddr = dht_listen_maddr(listen_host, advertise_host, port)
