@@ -47,6 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def run_config(args: argparse.Namespace, **forced: Any) -> RunConfig:
+    """The run config --config and --set give, with the command's own `forced` values (None: not forced) last."""
     overrides = list(args.set or []) + [f"{k}={v}" for k, v in forced.items() if v is not None]
     return load_config(args.config, overrides)
 
@@ -130,6 +131,7 @@ def progress_stream(as_json: bool):
 
 
 def install_signal_handlers(stop: Callable[[], None]) -> None:
+    """SIGINT and SIGTERM call `stop` (with a warning), for a command that ends its work itself."""
     def handler(signum: int, _frame: Any) -> None:
         log.warning("%s received, shutting down", signal.Signals(signum).name)
         stop()
@@ -148,6 +150,7 @@ def model_metadata(cfg: RunConfig) -> dict[str, str]:
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:
+    """A finished run's last line, and its JSON line on stdout under --json."""
     out = progress_stream(as_json)
     val = "" if summary["val_loss"] is None else (
         f", validation {summary['val_loss']:.4f} ({summary['val_bits_per_byte']:.3f} bits/byte)"

@@ -99,6 +99,7 @@ class Coordinator:
         self.store = store or RunStore()
         self.run_id = run_id
         self._sink = on_event or (lambda kind, data: None)
+        self._status = StatusCache(lambda: render(self.snapshot()))  # before any part reports an event
         self.orders = OrderQueues()
         self.membership = Membership(cfg.scheduler, self.store, self.orders, self._on_event)
         self.uploads = StateUploads(self.orders)
@@ -124,7 +125,6 @@ class Coordinator:
         self.clips = ClipFlags(
             lambda *event: self.store.event(*event), self.membership.cond, lambda: self.plan, lambda: self.step
         )
-        self._status = StatusCache(lambda: render(self.snapshot()))
         self.step = self.store.committed_steps()
         # Why the run owner ended the run for every node (the Stop RPC); None while nobody has. A stop_requested
         # without it is the coordinator's own process stopping, which pauses a run that can resume (pause_on_stop).
