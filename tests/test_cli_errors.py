@@ -342,8 +342,8 @@ def test_protocol_version_mismatch_is_one_line(coordinator):
 def test_demo_whose_nodes_all_fail_ends_in_one_line():
     # Nodes that cannot start (here: a flag their parser refuses) left the demo's coordinator waiting forever.
     patch = (
-        "import geotrain.cli as cli\n"
-        "cli._per_node_flags = lambda args: {f'node-{i + 1}': ['--slowdown', '0.5'] for i in range(args.nodes)}"
+        "import geotrain.commands.demo as demo\n"
+        "demo.per_node_flags = lambda args: {f'node-{i + 1}': ['--slowdown', '0.5'] for i in range(args.nodes)}"
     )
     result = python_cli(patch, "demo", "--nodes", "2", "--http", "off", timeout=100)
     one_line_error(result, EXIT_FAILED, "every local node exited with an error; node-1's last words")
@@ -357,7 +357,10 @@ def test_demo_whose_nodes_all_fail_ends_in_one_line():
 @pytest.mark.timeout(60)
 def test_internal_error_keeps_its_traceback_and_exit_code():
     # A ValueError from a bug used to read as a usage error (exit 2, one line, no traceback).
-    patch = "import geotrain.cli as cli\ndef broken(args):\n    raise ValueError('a bug')\ncli.cmd_tls_init = broken"
+    patch = (
+        "import geotrain.commands.tools as tools\ndef broken(args):\n    raise ValueError('a bug')\n"
+        "tools.cmd_tls_init = broken"
+    )
     result = python_cli(patch, "tls", "init", "somewhere")
     assert result.returncode == EXIT_INTERNAL, result.stderr
     assert "Traceback" in result.stderr and "ValueError: a bug" in result.stderr

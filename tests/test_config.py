@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from geotrain.cli import _per_node_flags, build_parser
+from geotrain.cli import build_parser
+from geotrain.commands.demo import per_node_flags
 from geotrain.config import AUTO_INFLIGHT, ConfigError, LimitsSection, RunConfig, build_config, from_proto, load_config, to_proto
 from geotrain.protocol.limits import LimitValues
 from tests.conftest import run_cli
@@ -92,7 +93,7 @@ def test_demo_refuses_more_stages_than_nodes():
 
 def test_demo_node_flags_from_regions_and_uplink():
     args = build_parser().parse_args(["demo", "--nodes", "3", "--regions", "eu,us", "--uplink", "20/50"])
-    flags = _per_node_flags(args)
+    flags = per_node_flags(args)
     # Demo nodes compute on the CPU unless told otherwise: a GPU box's demo stays the exactness reference.
     assert flags["node-1"] == ["--region", "eu", "--bandwidth-mbps", "20", "--latency-ms", "50", "--device", "cpu"]
     assert flags["node-3"][:2] == ["--region", "eu"] and flags["node-2"][:2] == ["--region", "us"]

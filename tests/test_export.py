@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from geotrain.cli import EXIT_INTERRUPTED, EXIT_USAGE, _save_final
+from geotrain.cli import EXIT_INTERRUPTED, EXIT_USAGE
+from geotrain.commands.model import save_final
 from geotrain.config import DATA_METADATA_KEY, MODEL_METADATA_KEY, ConfigError, RunConfig, load_config
 from geotrain.node.export import export
 from geotrain.node.generate import generate
@@ -42,7 +43,7 @@ def train(settings: list[str], path: Path) -> RunConfig:
     """Train in this process and save as --save-final does; returns the run config."""
     cfg = load_config(None, [*settings, *SHORT])
     runtime, _ = train_local(cfg)
-    _save_final(str(path), {name: p.detach() for name, p in runtime.named_state()}, cfg, io.StringIO())
+    save_final(str(path), {name: p.detach() for name, p in runtime.named_state()}, cfg, io.StringIO())
     return cfg
 
 

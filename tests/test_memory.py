@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from geotrain.cli import parse_size
+from geotrain.commands.common import parse_size
 from geotrain.config import load_config
 from geotrain.memory import serving_bytes_per_param, snapshot_bytes_per_param, training_bytes_per_param
 from geotrain.node import profiler

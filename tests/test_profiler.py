@@ -185,7 +185,7 @@ def test_nodes_on_one_host_take_turns_timing_layers(turn_held_elsewhere):
 @pytest.mark.timeout(60)
 def test_a_starting_node_times_its_speed_probe_in_the_hosts_turn(turn_held_elsewhere, monkeypatch, capsys):
     # Nodes started together on one machine timed their first matmul at once: 0.01 against 0.17 TFLOP/s.
-    from geotrain import cli
+    from geotrain.commands.node import announce_device
     from geotrain.node import device
 
     lock, let_go = turn_held_elsewhere
@@ -195,7 +195,7 @@ def test_a_starting_node_times_its_speed_probe_in_the_hosts_turn(turn_held_elsew
     announced = threading.Event()
 
     def announce() -> None:
-        cli._announce_device("cpu")
+        announce_device("cpu")
         announced.set()
 
     _waits_for_the_turn(lock, let_go, announce, probed)

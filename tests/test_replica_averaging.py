@@ -420,13 +420,14 @@ def test_the_dhts_follow_their_advertised_hosts():
 @pytest.mark.parametrize(("advertise", "ok"), [("10.1.0.2", True), ("::1", True), ("coord.example.org", True),
                                                ("10.1.0.2:7000", False), ("[::1]:7000", False)])
 def test_the_coordinators_advertise_takes_a_host_without_a_port(advertise, ok):
-    from geotrain.cli import UsageError, _advertised_host
+    from geotrain.commands.common import UsageError
+    from geotrain.commands.coordinator import advertised_host
 
     if ok:
-        assert _advertised_host(advertise) == advertise
+        assert advertised_host(advertise) == advertise
     else:
         with pytest.raises(UsageError, match="--advertise takes a HOST without a port"):
-            _advertised_host(advertise)
+            advertised_host(advertise)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from geotrain.cli import _per_node_flags, build_parser
+from geotrain.cli import build_parser
+from geotrain.commands.demo import per_node_flags
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.auth import ClientAuth, new_token
@@ -182,7 +183,7 @@ def test_bad_run_files_are_refused_with_the_reason(tmp_path, run_b):
 def test_demo_gives_its_nodes_the_tls_dir():
     args = build_parser().parse_args(["demo", "--nodes", "2", "--tls-dir", "run-tls"])
     tls = ["--tls-dir", "run-tls", "--device", "cpu"]  # the demo computes on the CPU unless told otherwise
-    assert _per_node_flags(args) == {"node-1": tls, "node-2": tls}
+    assert per_node_flags(args) == {"node-1": tls, "node-2": tls}
 
 
 def _wait_serving(address: str, tls: TlsFiles, proc: subprocess.Popen, timeout: float) -> None:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 StateFetcher = Callable[[Member, tuple[int, int], int], Iterator[pb.TensorChunk]]
 """(a member holding the layers, the layer range, steps done) -> the chunks of that state, as they arrive
-(Coordinator.member_stream)."""
+(StateSources.member_stream)."""
 
 
 def stage_bound(member: Member, layers: tuple[int, int], diloco: bool) -> StateBound | None:

@@ -231,7 +231,9 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
 
     async def FetchCheckpoint(self, request, context):  # noqa: D102, N802
         await self._check_fetch(context, request)
-        chunks = await self._off_loop(self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done)
+        chunks = await self._off_loop(
+            self.c.checkpoint_state, request.layer_start, request.layer_end, request.steps_done
+        )
         if chunks is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint holds layers "
                                 f"[{request.layer_start}, {request.layer_end}) after {request.steps_done} steps")
@@ -298,7 +300,10 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
     async def Stop(self, request, context):  # noqa: D102, N802
         # The run owner's act: every volunteer holds the token, only the owner holds the coordinator's key.
         if signer(context) != self.c.key.public:
-            why = "only the run owner may end the run: sign the call with the coordinator's key (geotrain stop --state-dir)"
+            why = (
+                "only the run owner may end the run: sign the call with the coordinator's key "
+                "(geotrain stop --state-dir)"
+            )
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, why, "Stop", None)
         await self._off_loop(self.c.end_run, request.reason[:200] or "the run owner stopped the run")  # SQLite
         return pb.Ack()
@@ -413,7 +418,8 @@ def stage_state_stream(
 def fetch_stage_state(
     address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None
 ) -> dict[str, torch.Tensor]:
-    """A stage's parameters and optimizer state after `steps_done` steps, downloaded into memory (stage_state_stream's)."""
+    """A stage's parameters and optimizer state after `steps_done` steps, downloaded into memory
+    (stage_state_stream's)."""
     return framing.read_state(stage_state_stream(address, token, steps_done, key, tls))
 
 
@@ -463,12 +469,11 @@ def announced_maddrs(visible: Sequence[str], advertise_host: str) -> list[str]:
 
 class DhtProcess:
     """The hivemind DHT that replicas bootstrap from, in a process forked from the forkserver (lifetime.forkserver),
-    which has no threads. hivemind forks its DHT process from whoever creates it, and a fork from a process whose
-    gRPC threads are busy can leave the child stuck on a lock it inherited (the test suite's process hung so, at the
-    same test in two runs). The coordinator needs only the DHT's addresses, and only once a plan first has replicas:
-    the DHT starts then (maddrs), so a run whose stages have one node each never pays for hivemind's imports, its DHT
-    process and p2pd. The DHT ends when this object is closed or its coordinator dies, however it died: its process
-    reads a pipe whose other end only the coordinator holds."""
+    which has no threads: hivemind forks its DHT process from whoever creates it, and a fork from a process whose
+    gRPC threads are busy can leave the child stuck on a lock it inherited. The coordinator needs only the DHT's
+    addresses, and only once a plan first has replicas: the DHT starts then (maddrs), so a run whose stages have one
+    node each never pays for hivemind's imports, its DHT process and p2pd. The DHT ends when this object is closed or
+    its coordinator dies, however it died: its process reads a pipe whose other end only the coordinator holds."""
 
     def __init__(self, listen_host: str, advertise_host: str = "", port: int = 0) -> None:
         self._host_maddr = dht_listen_maddr(listen_host, advertise_host, port)
@@ -526,10 +531,32 @@ def _serve_dht(host_maddr: str, conn: Connection) -> None:
         dht.shutdown()
 
 
+def _open_state(state_dir: str | Path | None, resume: bool, keep: int) -> tuple[RunStore, CheckpointStore | None]:
+    """The run state and checkpoints in `state_dir` (in memory and none without one), the run given an id; ValueError
+    for a run there unless resuming, and for a checkpoint of an older geotrain."""
+    store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
+    committed = store.committed_steps()
+    if committed and not resume:
+        store.close()
+        raise ValueError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
+    if not store.get("run_id"):
+        store.put("run_id", secrets.token_hex(8))
+    checkpoints = CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, keep) if state_dir else None
+    older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
+    if older:  # their checksums would fail every node that loads them, plan after plan
+        store.close()
+        raise ValueError(
+            f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
+            "which converts it"
+        )
+    return store, checkpoints
+
+
 class CoordinatorProcess:
     """A coordinator with everything it runs on: run state, checkpoints, the hivemind DHT replicas bootstrap from,
     and its gRPC server (bound, not yet started). close() releases all of it. `advertise`: the host nodes reach this
-    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr), on `dht_port` (0: any free one)."""
+    machine at, if not `listen`'s; the DHT is announced there (dht_listen_maddr), on `dht_port` (0: any free one).
+    `pause_on_stop`: a stop of this process pauses the run (RunState.PAUSED), which --resume continues."""
 
     def __init__(
         self,
@@ -544,24 +571,9 @@ class CoordinatorProcess:
         advertise: str = "",
         dht_port: int = 0,
         tensorboard: str = "",
+        pause_on_stop: bool = False,
     ) -> None:
-        self.store = RunStore(Path(state_dir) / "run.sqlite") if state_dir else RunStore()
-        committed = self.store.committed_steps()
-        if committed and not resume:
-            self.store.close()
-            raise ValueError(f"{state_dir} holds a run at step {committed}: pass --resume to continue it")
-        if not self.store.get("run_id"):
-            self.store.put("run_id", secrets.token_hex(8))
-        checkpoints = (
-            CheckpointStore(Path(state_dir) / CHECKPOINTS_DIR, cfg.scheduler.keep_checkpoints) if state_dir else None
-        )
-        older = [m for m in checkpoints.complete() if m.version < CHECKPOINT_VERSION] if checkpoints else []
-        if older:  # their checksums would fail every node that loads them, plan after plan
-            self.store.close()
-            raise ValueError(
-                f"{older[0].path} was written by an older geotrain: resume with `geotrain coordinator --resume`, "
-                "which converts it"
-            )
+        self.store, checkpoints = _open_state(state_dir, resume, cfg.scheduler.keep_checkpoints)
         # The coordinator's key outlives a restart with its state dir, as the plans that carry it do.
         key = NodeKey.load_or_create(state_dir)[0] if state_dir else NodeKey.generate()
         self.dht = DhtProcess(listen.rsplit(":", 1)[0].strip("[]"), advertise, dht_port)
@@ -583,6 +595,7 @@ class CoordinatorProcess:
                 on_event=on_event,
                 key=key,
                 metrics=self.metrics,
+                pause_on_stop=pause_on_stop,
             )
             self.server, self.port = make_coordinator_server(self.coordinator, token, listen, tls)
         except BaseException:  # e.g. the port is taken: nothing of this coordinator may stay behind

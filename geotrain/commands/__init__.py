@@ -1,0 +1,1 @@
+"""The `geotrain` subcommands, each with its parser; geotrain.cli dispatches to them."""
