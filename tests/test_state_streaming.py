@@ -17,6 +17,7 @@ from geotrain.config import load_config
 from geotrain.node.handover import Snapshots, StateSnapshot, transfer_memory_bytes
 from geotrain.node.holder import StateExpectation
 from geotrain.node.stage import StageRuntime
+from geotrain.node.dataplane import AdaptiveDeadline
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
@@ -237,3 +238,16 @@ def test_state_deadlines_and_step_timeouts_follow_bytes_and_the_plan_estimate():
     assert driver.step_timeout_s() == 120.0  # the floor
     estimate[0] = 60.0
     assert driver.step_timeout_s() == 600.0  # a slow plan has the time it needs
+
+
+def test_a_call_s_deadline_is_capped_by_the_plan_s_step_timeout_the_first_to_a_peer_included():
+    deadlines = AdaptiveDeadline()
+    assert deadlines.for_peer("b") == 60.0  # a plan of an older coordinator names no step timeout
+    deadlines.follow(pb.Plan(step_timeout_s=30.0))
+    assert deadlines.for_peer("b") == 15.0, "a holder that stalls under a 30 s step timeout is reported in time"
+    deadlines.observe("b", 0.01)
+    assert deadlines.for_peer("b") == framing.CALL_DEADLINE_FLOOR_S
+    deadlines.observe("c", 10.0)
+    assert deadlines.for_peer("c") == 15.0
+    deadlines.follow(pb.Plan(step_timeout_s=4.0))
+    assert deadlines.for_peer("b") == deadlines.for_peer("new") == 2.0

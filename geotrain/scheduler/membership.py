@@ -35,6 +35,9 @@ class Scope:
 
     epoch: int
     nodes: tuple[str, ...]
+    # After this (monotonic; 0: never) the step is past what its plan allows: a node of it that a neighbour reports
+    # failing in the epoch stalled it (judged then, not at the step timeout).
+    stall_after: float = 0.0
 
 
 class Rejected(Exception):
@@ -61,8 +64,10 @@ _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 # died is replaced fast; a report needs a second independent neighbour or the coordinator's own probe first.
 _SUSPECT_LATE_INTERVALS = 1.5
 # A key that took a stage and stalled a step is refused stages for scheduler.stall_refusal_s, doubling each time
-# after, up to a day.
+# after, up to a day. Once this many keys of one host stalled, the host registers no new ids for as long (doubling
+# likewise): its keys that never stalled keep their stages (local nodes, or volunteers behind one NAT, share a host).
 _STALL_MAX_S = 86400.0
+_HOST_STALLED_KEYS = 3
 # A host's subnet of new ids (admission pace, spares cap): volunteers of one ISP customer or one cloud network.
 _SUBNET_BITS = {4: 24, 6: 64}
 
@@ -99,7 +104,7 @@ def neighbours(plan: pb.Plan | None, node_id: str) -> set[str]:
 @dataclass
 class _Accusation:
     """One neighbour's report that a peer's calls fail: who, from which key and host, and what the peer had applied
-    then (a peer that applies a step later was serving: the report was false)."""
+    then (a peer that applies a step later answered it: judge_reports weighs it by that step's time)."""
 
     key: bytes
     host: str
@@ -187,6 +192,11 @@ class Member:
         return self.lifecycle is Lifecycle.RESTARTED
 
 
+def _key(member: Member) -> tuple[str, object]:
+    """What a member's stalls follow: its key (in process, where members may have none, its id)."""
+    return "key", member.public_key or member.node_id
+
+
 class Membership:
     """The members of one run, their liveness, and the condition every waiter of the coordinator waits on."""
 
@@ -202,7 +212,7 @@ class Membership:
         # neighbours) or the coordinator's probe confirmed: only these are declared dead before heartbeat_timeout_s.
         self._accusations: dict[str, dict[str, _Accusation]] = {}
         self._suspects: set[str] = set()
-        # ("key", public key) or ("host", host) -> (stalls so far, refused stages until): see _stalled.
+        # ("key", public key) or ("host", host) -> (stalls so far, refused until): see _bench.
         self._stalls: dict[tuple[str, object], tuple[int, float]] = {}
         self._stalled_keys: dict[str, set[bytes]] = {}  # host -> its keys that stalled
         self._next_id = 1
@@ -302,6 +312,10 @@ class Membership:
             raise Rejected(pb.REJECT_REASON_FULL, f"the run admits {self.cfg.max_members} nodes and has them")
         if not host or (existing is not None and existing.planned):
             return
+        until = self._stalls.get(("host", host), (0, 0.0))[1]
+        if existing is None and until > time.monotonic():
+            raise Rejected(pb.REJECT_REASON_FULL, f"host {host} registers no new node ids for {until - time.monotonic():.0f}s "
+                           f"more: {len(self._stalled_keys[host])} of its keys took stages and stalled steps")
         spares = [m for m in others if not m.planned]
         where = subnet(host)
         for cap, count, what in (
@@ -412,22 +426,28 @@ class Membership:
             member.averaging_bytes_sent = request.averaging_bytes_sent
             if changed:
                 self.cond.notify_all()
-            false_reports = self._answered(member)
-            beat_every = member.beat_every
-        for reporter in false_reports:
-            self.offence(reporter, f"reported {request.node_id} failing, which heartbeats and applied a step since")
-        return beat_every
+            return member.beat_every
 
-    def _answered(self, member: Member) -> list[str]:
-        """The reporters whose reports against `member` its own progress answered: it heartbeats and has applied a
-        step since their report (under the condition). Their reports are dropped."""
-        reports = self._accusations.get(member.node_id, {})
-        false = [r for r, a in reports.items() if member.applied_steps > a.applied_steps]
-        for reporter in false:
-            del reports[reporter]
-        if not reports:
-            self._accusations.pop(member.node_id, None)
-        return false
+    def judge_reports(self, epoch: int, slow: bool | None) -> None:
+        """A step of plan epoch `epoch` committed, slow (True: past what its plan allows), fast (False: quicker than
+        any honest call's deadline) or neither (None). Each report of that epoch whose accused has applied a step
+        since is judged: on a slow step the accused stalled it (benched, unless it reported someone itself), on a
+        fast one the report was false (the reporter's offence), else it is dropped. Older epochs' are dropped."""
+        with self.cond:
+            answered = []
+            for node_id, reports in list(self._accusations.items()):
+                applied = self.members[node_id].applied_steps if node_id in self.members else -1
+                for reporter, a in list(reports.items()):
+                    if a.epoch != epoch or applied > a.applied_steps:
+                        del reports[reporter]
+                        answered += [(node_id, reporter)] if a.epoch == epoch else []
+                if not reports:
+                    del self._accusations[node_id]
+            reporters = {r for _, r in answered}
+            benched = self._bench({n for n, _ in answered} - reporters) if slow else []
+        for node_id, reporter in answered if slow is False else []:
+            self.offence(reporter, f"reported {node_id} failing in plan epoch {epoch}, whose step was fast")
+        self._announce(benched, f"stalled a step of plan epoch {epoch}")
 
     def set_profile(self, request: pb.NodeProfileReport) -> None:
         """Keep a node's latest (already checked) profile; KeyError for an unknown node."""
@@ -628,61 +648,68 @@ class Membership:
                     raise RunAborted("stopped")
                 if scope is not None:
                     self._check_scope(scope)
+                    if scope.stall_after and time.monotonic() > scope.stall_after:
+                        benched, why = self._stalled(scope), f"{what} stalled past what plan epoch {scope.epoch} allows"
+                        if benched:
+                            break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if scope is None:
                         raise RunAborted(f"timed out after {timeout_s:.0f}s waiting for {what}")
-                    benched = self._stalled(scope)
+                    benched, why = self._stalled(scope), f"timed out after {timeout_s:.0f}s waiting for {what}"
                     break
                 self.cond.wait(min(remaining, 0.1))
             else:
                 return
-        for node_id, seconds in benched:
-            why = f"stalled plan epoch {scope.epoch}: its key is refused stages for {seconds:.0f}s"
-            log.warning("node %s %s (a neighbour reports its calls failing, it answers the coordinator's probe)",
-                        node_id, why)
-            self.store.event("benched", node_id, why)
-            self._on_event("benched", {"node_id": node_id, "seconds": seconds})
-        raise StepFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        self._announce(benched, f"stalled plan epoch {scope.epoch}")
+        raise StepFailed(why)
 
     def _stalled(self, scope: Scope) -> list[tuple[str, float]]:
-        """An epoch of `scope` timed out (under the condition): each live node of it that a neighbour reported
-        failing in that epoch, and that reported none itself (two nodes that blame each other are not told apart),
-        took a stage and stalled. Its key, and its host once two keys of it did, are refused stages
-        (benched) for scheduler.stall_refusal_s, doubling with each time after. Returns (node, seconds benched)."""
-        reports = {(n, r): a for n, by in self._accusations.items() for r, a in by.items() if a.epoch == scope.epoch}
+        """A step of `scope` stalled (under the condition): each node of it that a neighbour reported failing in
+        that epoch, and that reported none itself (two nodes that blame each other are not told apart), is benched
+        (_bench). Returns (node, seconds benched)."""
+        reports = {(n, r) for n, by in self._accusations.items() for r, a in by.items() if a.epoch == scope.epoch}
         accusers = {r for _, r in reports}
-        blamed = {n for n, _ in reports if n in scope.nodes and n not in accusers}
+        return self._bench({n for n, _ in reports if n in scope.nodes and n not in accusers})
+
+    def _bench(self, node_ids: set[str]) -> list[tuple[str, float]]:
+        """Refuse stages to the keys of the live `node_ids`, which took a stage and stalled, for
+        scheduler.stall_refusal_s, doubling with each time after; a host of _HOST_STALLED_KEYS such keys registers
+        no new ids for as long (under the condition). Returns (node, seconds benched)."""
         now = time.monotonic()
         benched = []
-        for node_id in sorted(blamed):
+        for node_id in sorted(node_ids):
             member = self.members.get(node_id)
             if member is None or not member.alive:
                 continue
+            places: list[tuple[str, object]] = [_key(member)]
             if member.host:
-                self._stalled_keys.setdefault(member.host, set()).add(member.public_key)
-            for place in self._places(member):
+                keys = self._stalled_keys.setdefault(member.host, set())
+                keys.add(member.public_key)
+                places += [("host", member.host)] if len(keys) >= _HOST_STALLED_KEYS else []
+            for place in places:
                 count, _ = self._stalls.get(place, (0, 0.0))
                 self._stalls[place] = (count + 1, now + min(_STALL_MAX_S, self.cfg.stall_refusal_s * 2**count))
-            benched.append((node_id, max(self._stalls[p][1] for p in self._places(member)) - now))
+            benched.append((node_id, self._stalls[places[0]][1] - now))
         return benched
 
-    def _places(self, member: Member) -> list[tuple[str, object]]:
-        """What a stall follows: the member's key, and its host once two of that host's keys stalled."""
-        places: list[tuple[str, object]] = [("key", member.public_key)]
-        if member.host and len(self._stalled_keys.get(member.host, ())) >= 2:
-            places.append(("host", member.host))
-        return places
+    def _announce(self, benched: list[tuple[str, float]], why: str) -> None:
+        for node_id, seconds in benched:
+            detail = f"{why}: its key is refused stages for {seconds:.0f}s"
+            log.warning("node %s %s (a neighbour reports its calls failing, it answers the coordinator's probe)",
+                        node_id, detail)
+            self.store.event("benched", node_id, detail)
+            self._on_event("benched", {"node_id": node_id, "seconds": seconds})
 
     def benched(self) -> dict[str, str]:
-        """Live members refused stages because their key (or host) took stages and stalled: id -> why."""
+        """Live members refused stages because their key took stages and stalled: id -> why."""
         now = time.monotonic()
         with self.cond:
             out = {}
             for m in self.alive():
-                until = max((self._stalls.get(p, (0, 0.0))[1] for p in self._places(m)), default=0.0)
+                until = self._stalls.get(_key(m), (0, 0.0))[1]
                 if until > now:
-                    out[m.node_id] = f"refused stages for {until - now:.0f}s more: its key or host stalled steps"
+                    out[m.node_id] = f"refused stages for {until - now:.0f}s more: its key stalled steps"
             return out
 
     def _check_scope(self, scope: Scope) -> None:

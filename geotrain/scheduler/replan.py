@@ -28,7 +28,7 @@ from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import planner_inputs
 from geotrain.scheduler.recovery import Recovery, stage_bound
 from geotrain.scheduler.state import RunStore
-from geotrain.scheduler.stepdriver import current_loss_scale
+from geotrain.scheduler.stepdriver import current_loss_scale, step_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class Planning:
             and not self._priced_late()
             and nodes <= {m.node_id for m in alive}
             and not nodes & self.membership.lost()
+            and not nodes & set(self.membership.benched())
             and not placement.can_grow(
                 self.plan,
                 alive,
@@ -451,6 +452,7 @@ class Planning:
             excluded=self.left_out(),
             coordinator_key=self.coordinator_key,
             inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
+            step_timeout_s=step_timeout_s(self.cfg.scheduler, self.estimate.step_seconds if self.estimate else None),
         )
         routes, stranded = placement.relay_routes(groups)
         plan.relays.extend(routes)

@@ -13,12 +13,15 @@ import enum
 import json
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
-from geotrain.config import LossScale, RunConfig
+from geotrain.config import LossScale, RunConfig, SchedulerSection
+from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.calibration import StepTimings
@@ -43,6 +46,11 @@ class StepPhase(enum.Enum):
     COMMITTED = "committed"  # the step is in the run's history
     EVALUATING = "evaluating"  # validation after a committed step
 
+
+# A step past this many times its plan's estimate (unpriced: the recent steps' median) and past the shortest deadline
+# a sender gives a call was held by one of its nodes: a neighbour's report of that epoch names it.
+_STALL_FACTOR = 4.0
+_RECENT_STEPS = 16
 
 # Checksums are hex digests (sha256: 64 characters); anything much longer is not one.
 _CHECKSUM_CHARS = 128
@@ -79,6 +87,13 @@ def _apply_order(step: int, decided: dict) -> pb.ApplyStep:
         step=step, clip_coef=decided["clip"], lr=decided["lr"], skip=decided["skip"],
         loss_scale=decided["loss_scale"]["scale"],
     )
+
+
+def step_timeout_s(sched: SchedulerSection, estimate_s: float | None) -> float:
+    """How long a step may take under a plan estimated at estimate_s (None: not priced): scheduler.step_timeout_factor
+    times the estimate, and at least scheduler.step_timeout_s, so that a plan the cost model prices slow is not
+    failed by a constant sized for a small model."""
+    return max(sched.step_timeout_s, sched.step_timeout_factor * estimate_s if estimate_s else 0.0)
 
 
 def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
@@ -140,13 +155,18 @@ class StepDriver:
         self.timings: StepTimings | None = None  # what the last committed step measured
         self.verification = Verification(cfg.verify.fraction) if cfg.verifying else None
         self._committed: tuple[int, int, dict[int, str]] = (-1, -1, {})  # (plan epoch, step, stage checksums) last
+        self._recent_s: deque[float] = deque(maxlen=_RECENT_STEPS)  # the last committed steps' seconds
 
     def step_timeout_s(self) -> float:
-        """How long a step (and each of its phases) may take: scheduler.step_timeout_factor times the plan's
-        estimate, and at least scheduler.step_timeout_s, so that a plan the cost model prices slow is not failed by
-        a constant sized for a small model."""
-        sched, estimate = self.cfg.scheduler, self._estimate_s()
-        return max(sched.step_timeout_s, sched.step_timeout_factor * estimate if estimate else 0.0)
+        """How long a step (and each of its phases) may take under the current plan (step_timeout_s)."""
+        return step_timeout_s(self.cfg.scheduler, self._estimate_s())
+
+    def _pace(self, plan: pb.Plan) -> tuple[float, float | None]:
+        """(fast, slow) for a step of `plan`: under `fast` seconds no honest call of it can have timed out (the
+        shortest deadline its senders give, framing's); past `slow` (None: nothing to compare with) it stalled."""
+        fast = min(framing.CALL_DEADLINE_FLOOR_S, framing.call_deadline_cap_s(plan.step_timeout_s))
+        reference = self._estimate_s() or (statistics.median(self._recent_s) if self._recent_s else None)
+        return fast, max(fast, _STALL_FACTOR * reference) if reference else None
 
     def _enter(self, phase: StepPhase, step: int) -> None:
         self.phase = phase
@@ -313,7 +333,8 @@ class StepDriver:
         total = self.cfg.train.microbatches
         timeout = self.step_timeout_s()
         nodes = placement.plan_nodes(plan)
-        in_step = Scope(plan.epoch, tuple(nodes))
+        fast, slow = self._pace(plan)
+        in_step = Scope(plan.epoch, tuple(nodes), t0 + slow if slow is not None else 0.0)
         wait = self.membership.wait
         self._begin(step, plan, nodes)
         if self.verification is not None:
@@ -381,6 +402,9 @@ class StepDriver:
         self._enter(StepPhase.APPLIED, step)
         checksums = self._stage_checksums(plan)
         self.store.commit_step(record, checksums)
+        # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
+        self.membership.judge_reports(plan.epoch, True if slow and seconds > slow else False if seconds < fast else None)
+        self._recent_s.append(seconds)
         self.timings = timings
         self._committed = (plan.epoch, step, checksums)
         self._enter(StepPhase.COMMITTED, step)
