@@ -337,6 +337,43 @@ class StepDriver:
         in_step = Scope(plan.epoch, tuple(nodes), t0 + slow if slow is not None else 0.0)
         wait = self.membership.wait
         self._begin(step, plan, nodes)
+        dispatched = self._dispatch(step, plan, nodes)
+        wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
+        self._enter(StepPhase.MICROBATCHES_DONE, step)
+        commit_started = time.monotonic()
+
+        self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
+        wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
+        self._enter(StepPhase.NORMS_IN, step)
+        if self.verification is not None:
+            self._cross_check(plan)
+        timings = self._timings(plan, dispatched, commit_started)
+        record, decided = self._decide(step, plan, t0)
+        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
+        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
+        # takes up the committed state with the next plan.
+        wait(
+            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
+            f"step {step}'s checksums",
+            timeout,
+        )
+        self._enter(StepPhase.APPLIED, step)
+        checksums = self._stage_checksums(plan)
+        self.store.commit_step(record, checksums)
+        # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
+        seconds = record.seconds
+        self.membership.judge_reports(plan.epoch, True if slow and seconds > slow else False if seconds < fast else None)
+        self._recent_s.append(seconds)
+        self.timings = timings
+        self._committed = (plan.epoch, step, checksums)
+        self._enter(StepPhase.COMMITTED, step)
+        if self.verification is not None:
+            self._order_checks(step, plan)
+        return record
+
+    def _dispatch(self, step: int, plan: pb.Plan, nodes: list[str]) -> float:
+        """Give the data heads the step's microbatch ids by their speeds; when the orders went out."""
+        total = self.cfg.train.microbatches
         if self.verification is not None:
             with self.membership.cond:
                 self.verification.planned(step, nodes)
@@ -349,17 +386,12 @@ class StepDriver:
                 start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
                 self.orders.send([head], pb.Order(start_step=start))
         self._enter(StepPhase.DISPATCHED, step)
-        wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
-        self._enter(StepPhase.MICROBATCHES_DONE, step)
-        commit_started = time.monotonic()
+        return dispatched
 
-        self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
-        wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
-        self._enter(StepPhase.NORMS_IN, step)
-        if self.verification is not None:
-            self._cross_check(plan)
+    def _timings(self, plan: pb.Plan, dispatched: float, commit_started: float) -> StepTimings:
+        """What the step measured, once its norms are in."""
         with self.membership.cond:
-            timings = StepTimings(
+            return StepTimings(
                 plan_epoch=plan.epoch,
                 commit_s=time.monotonic() - commit_started,
                 compute_s=dict(self.progress.compute_s),
@@ -368,6 +400,10 @@ class StepDriver:
                 microbatches_s=commit_started - dispatched,
                 round_trip_s=dict(self.progress.round_trip_s),
             )
+
+    def _decide(self, step: int, plan: pb.Plan, t0: float) -> tuple[StepRecord, dict]:
+        """Decide the step (clip factor, learning rate, loss scale) and record the decision; (its record, the
+        decision as stored)."""
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
         clip, skip, scale = self.cfg.train.decide(
             (p for s in plan.stages for p in self._stage_norm_parts(s)), current_loss_scale(self.cfg, self.store)
@@ -391,26 +427,7 @@ class StepDriver:
         if skip:
             log.warning("step %d: gradients overflowed in fp16: step skipped, loss scale now %g", step, scale.scale)
         self._enter(StepPhase.DECIDED, step)
-        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
-        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
-        # takes up the committed state with the next plan.
-        wait(
-            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
-            f"step {step}'s checksums",
-            timeout,
-        )
-        self._enter(StepPhase.APPLIED, step)
-        checksums = self._stage_checksums(plan)
-        self.store.commit_step(record, checksums)
-        # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
-        self.membership.judge_reports(plan.epoch, True if slow and seconds > slow else False if seconds < fast else None)
-        self._recent_s.append(seconds)
-        self.timings = timings
-        self._committed = (plan.epoch, step, checksums)
-        self._enter(StepPhase.COMMITTED, step)
-        if self.verification is not None:
-            self._order_checks(step, plan)
-        return record
+        return record, decided
 
     def _stage_norm_parts(self, stage: pb.StageAssignment) -> list[float]:
         """The squared norm of each of a stage's gradient tensors. Replicas that average their gradients report the
