@@ -134,12 +134,9 @@ SETTINGS = [
 # The stalling holder's run: room for a second replica of each stage, so that the plan gives a node that joins a stage,
 # and a fourth honest node, the second replica of stage 0, so that the node that joins is the second of stage 1, which
 # every microbatch may be routed through (a data head gets microbatches by its speed: a stalling one is given none).
-# The step timeout is just over the deadline a sender gives its first tensors to a peer it has not measured yet
-# (node/dataplane.py AdaptiveDeadline, 60 s): with a shorter one the step fails before the holder's neighbour reports
-# it, nobody is named, and the next plan's senders route around it (measured: one 8 s timeout, then no stall, no
-# refusal). A first refusal of stages of 20 s (the run's default is 60 s) lets a window show it double. The call rate
-# limit is lifted: at ~30 steps/s a data head's report past it is refused and not retried, a step timeout (65 s here)
-# that is not this attack's.
+# A 65 s step timeout, which stall_holder's 64 s hold stays under. A first refusal of stages of 20 s (the run's
+# default is 60 s) lets a window show it double. The call rate limit is lifted: at ~30 steps/s a data head's report
+# past it is refused and not retried, a step timeout that is not this attack's.
 STALL_SETTINGS = ["scheduler.replicas=2", "scheduler.step_timeout_s=65", "scheduler.stall_refusal_s=20",
                   "limits.calls_per_s=1000", "limits.call_burst=2000"]
 # How long each stalling holder holds a tensor: stall_holder just under the step timeout, so that the step commits in

@@ -335,7 +335,7 @@ def test_a_holder_that_stalls_is_named_before_the_step_timeout_and_the_step_runs
     with scripted_run(4, 2, on_phase, make_coordinator=_short_timeout) as (c, nodes, result):
         pass
     holder = stalled[0][0]
-    assert c.plan.step_timeout_s == 4.0, "nodes cap their calls' deadlines at half of it"
+    assert c.plan.call_deadline_s == 2.0, "unpriced, nodes cap their calls' deadlines at half the step timeout"
     assert _summary(result).steps == STEPS and c.failures == 1
     failure = next((at, d) for at, k, _, d in c.store.events() if k == "failure")
     assert "stalled past what plan epoch" in failure[1], "named after the plan's allowance, not at the step timeout"

@@ -117,17 +117,17 @@ class LinkEmulator:
 
 
 class AdaptiveDeadline:
-    """A per-link deadline that follows measured call times: the plan's cap (framing.call_deadline_cap_s) until a
-    link has been measured, then a multiple of its moving average (a slow link is given time, a dead one is
-    noticed quickly, a holder that stalls is reported before the step times out)."""
+    """A per-link deadline that follows measured call times: the plan's cap (Plan.call_deadline_s) until a link has
+    been measured, then a multiple of its moving average (a slow link is given time, a dead one is noticed quickly,
+    a holder that stalls is reported while the step can still go around it)."""
 
     def __init__(self, floor_s: float = framing.CALL_DEADLINE_FLOOR_S, factor: float = 10.0) -> None:
-        self.cap_s, self.floor_s, self.factor = framing.call_deadline_cap_s(0.0), floor_s, factor
+        self.cap_s, self.floor_s, self.factor = framing.call_deadline_cap_s(pb.Plan()), floor_s, factor
         self._mean: dict[str, float] = {}
 
     def follow(self, plan: pb.Plan) -> None:
-        """Cap the deadlines at what the plan's step timeout allows."""
-        self.cap_s = framing.call_deadline_cap_s(plan.step_timeout_s)
+        """Cap the deadlines at what the plan allows."""
+        self.cap_s = framing.call_deadline_cap_s(plan)
 
     def for_peer(self, peer: str) -> float:
         """Deadline for the next call to peer."""

@@ -523,17 +523,16 @@ def read_state(
     return sink.tensors
 
 
-# A tensor call's deadline: ten times the link's mean call, at least CALL_DEADLINE_FLOOR_S, at most
-# call_deadline_cap_s of the plan's step timeout (the first call to a peer not measured yet has the cap). The
-# coordinator judges failure reports by them: a step shorter than the smallest let no honest call time out.
+# A tensor call's deadline: ten times the link's mean call, at least CALL_DEADLINE_FLOOR_S, at most the plan's
+# call_deadline_s (the first call to a peer not measured yet has that). The coordinator judges failure reports by
+# them: a step shorter than the shortest let no honest call time out.
 CALL_DEADLINE_FLOOR_S = 5.0
-_UNKNOWN_STEP_TIMEOUT_CAP_S = 60.0  # under a plan that names no step timeout (an older coordinator's)
+_OLD_PLAN_CALL_DEADLINE_S = 60.0  # under a plan that names none (an older coordinator's)
 
 
-def call_deadline_cap_s(step_timeout_s: float) -> float:
-    """The longest deadline of a tensor call under a plan whose step timeout is step_timeout_s (0: unknown): half
-    of it, so that a neighbour that holds a call is reported while the step can still fail early."""
-    return step_timeout_s / 2 if step_timeout_s > 0 else _UNKNOWN_STEP_TIMEOUT_CAP_S
+def call_deadline_cap_s(plan: pb.Plan) -> float:
+    """The longest a tensor call waits under `plan`."""
+    return plan.call_deadline_s or _OLD_PLAN_CALL_DEADLINE_S
 
 
 def state_deadline_s(nbytes: int, bytes_per_s: float, floor_s: float) -> float:

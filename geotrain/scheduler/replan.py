@@ -28,7 +28,7 @@ from geotrain.scheduler.planner import plan as plan_stages
 from geotrain.scheduler.profiles import planner_inputs
 from geotrain.scheduler.recovery import Recovery, stage_bound
 from geotrain.scheduler.state import RunStore
-from geotrain.scheduler.stepdriver import current_loss_scale, step_timeout_s
+from geotrain.scheduler.stepdriver import call_deadline_s, current_loss_scale
 
 log = logging.getLogger(__name__)
 
@@ -452,7 +452,7 @@ class Planning:
             excluded=self.left_out(),
             coordinator_key=self.coordinator_key,
             inflight=placement.inflight(self.cfg, self.estimate, len(ranges)),
-            step_timeout_s=step_timeout_s(self.cfg.scheduler, self.estimate.step_seconds if self.estimate else None),
+            call_deadline_s=call_deadline_s(self.cfg.scheduler, self.estimate.step_seconds if self.estimate else None),
         )
         routes, stranded = placement.relay_routes(groups)
         plan.relays.extend(routes)

@@ -96,6 +96,14 @@ def step_timeout_s(sched: SchedulerSection, estimate_s: float | None) -> float:
     return max(sched.step_timeout_s, sched.step_timeout_factor * estimate_s if estimate_s else 0.0)
 
 
+def call_deadline_s(sched: SchedulerSection, estimate_s: float | None) -> float:
+    """The longest a tensor call may wait under a plan estimated at estimate_s (Plan.call_deadline_s): past
+    _STALL_FACTOR times the estimate (at least framing's floor) its step is judged stalled; half the step timeout at
+    most, and without an estimate."""
+    cap = step_timeout_s(sched, estimate_s) / 2
+    return min(cap, max(framing.CALL_DEADLINE_FLOOR_S, _STALL_FACTOR * estimate_s)) if estimate_s else cap
+
+
 def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
     """Share microbatch ids 0..M-1 among data heads in proportion to speed (largest remainder; equal if unknown)."""
     heads = list(speeds)
@@ -164,7 +172,7 @@ class StepDriver:
     def _pace(self, plan: pb.Plan) -> tuple[float, float | None]:
         """(fast, slow) for a step of `plan`: under `fast` seconds no honest call of it can have timed out (the
         shortest deadline its senders give, framing's); past `slow` (None: nothing to compare with) it stalled."""
-        fast = min(framing.CALL_DEADLINE_FLOOR_S, framing.call_deadline_cap_s(plan.step_timeout_s))
+        fast = min(framing.CALL_DEADLINE_FLOOR_S, framing.call_deadline_cap_s(plan))
         reference = self._estimate_s() or (statistics.median(self._recent_s) if self._recent_s else None)
         return fast, max(fast, _STALL_FACTOR * reference) if reference else None
 
