@@ -105,7 +105,8 @@ class Admission:
                       else f"not reachable at {request.address} from outside")
             log.info("%s is %s", member.node_id, detail)
             self.store.event("reachability", member.node_id, detail)
-        self.store.upsert_member(member.node_id, member.address, member.region, "alive", key)  # the address that answered
+        # The address that answered, in the store.
+        self.store.upsert_member(member.node_id, member.address, member.region, "alive", key)
         self.store.event(kind, member.node_id, request.address)
         self._on_event(kind, {"node_id": member.node_id, "address": request.address, "region": member.region})
         return member
@@ -125,7 +126,8 @@ class Admission:
             )
         # The same id from a new address is that node restarted (its old process is gone); from the same
         # address while the old one still heartbeats, it is a second node claiming a live identity.
-        if existing is not None and existing.alive and existing.address == request.address and not self._silent(existing):
+        if existing is not None and existing.alive and existing.address == request.address and not (
+                self._silent(existing)):
             raise Rejected(pb.REJECT_REASON_DUPLICATE_NODE, f"node {node_id} is already live")
         self._check_room(host, existing)
         return existing
@@ -171,8 +173,9 @@ class Admission:
             return
         until = self._stalls.get(("host", host), (0, 0.0))[1]
         if existing is None and until > time.monotonic():
-            raise Rejected(pb.REJECT_REASON_FULL, f"host {host} registers no new node ids for {until - time.monotonic():.0f}s "
-                           f"more: {len(self._stalled_keys[host])} of its keys took stages and stalled steps")
+            raise Rejected(pb.REJECT_REASON_FULL, f"host {host} registers no new node ids for "
+                           f"{until - time.monotonic():.0f}s more: {len(self._stalled_keys[host])} of its keys took "
+                           "stages and stalled steps")
         spares = [m for m in others if not m.planned]
         where = subnet(host)
         for cap, count, what in (

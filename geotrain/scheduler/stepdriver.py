@@ -370,7 +370,8 @@ class StepDriver:
         self.store.commit_step(record, checksums)
         # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
         seconds = record.seconds
-        self.membership.judge_reports(plan.epoch, True if slow and seconds > slow else False if seconds < fast else None)
+        verdict = True if slow and seconds > slow else False if seconds < fast else None
+        self.membership.judge_reports(plan.epoch, verdict)
         self._recent_s.append(seconds)
         self.timings = timings
         self._committed = (plan.epoch, step, checksums)
