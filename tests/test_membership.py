@@ -222,7 +222,7 @@ def test_a_failure_report_counts_only_from_a_neighbour_and_shortens_nothing_alon
     assert not _late(m, "b", 1.7) and _late(m, "b", 5.1)
 
 
-def test_an_accusation_the_accused_answers_by_serving_is_the_accusers_offence():
+def test_an_accusation_the_accused_answers_in_a_fast_step_is_the_accusers_offence():
     m = _membership("scheduler.max_offences=2")
     for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1")):
         _join(m, node_id, host)
@@ -230,8 +230,49 @@ def test_an_accusation_the_accused_answers_by_serving_is_the_accusers_offence():
     for step in (1, 2):
         _report(m, plan, "a", "b")
         m.heartbeat(pb.HeartbeatRequest(node_id="b", applied_step=step))  # b heartbeats and applied a step
+        assert m.members["a"].offences == step - 1, "a heartbeat judges nothing: the step's commit does"
+        m.judge_reports(plan.epoch, slow=False)
     assert m.members["a"].lifecycle is Lifecycle.DEAD and m.members["b"].alive
     assert [kind for _, kind, node, _ in m.store.events() if node == "a"][-1] == "evicted"
+
+
+def test_an_accusation_the_accused_answers_in_a_slow_step_benches_it_and_costs_the_accuser_nothing():
+    m = _membership("scheduler.max_offences=2", "scheduler.stall_refusal_s=30")
+    for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1")):
+        _join(m, node_id, host)
+    plan = _pipeline(m, ["a"], ["b"], ["c"])
+    for step in (1, 2, 3):  # more reports than max_offences: none counts against a
+        _report(m, plan, "a", "b")
+        m.heartbeat(pb.HeartbeatRequest(node_id="b", applied_step=step))
+        m.judge_reports(plan.epoch, slow=True)
+    assert m.members["a"].offences == 0 and m.members["a"].alive
+    assert set(m.benched()) == {"b"} and m._stalls[("key", m.members["b"].public_key)][0] == 3
+    # A step neither fast nor slow judges nobody; a report the accused has not answered yet waits for its commit;
+    # one about an earlier epoch is dropped.
+    _report(m, plan, "b", "c")
+    m.heartbeat(pb.HeartbeatRequest(node_id="c", applied_step=4))
+    m.judge_reports(plan.epoch, slow=None)
+    _report(m, plan, "c", "b")
+    m.judge_reports(plan.epoch, slow=False)
+    assert "b" in m._accusations and m.members["c"].offences == 0 and m.members["b"].offences == 0
+    m.judge_reports(plan.epoch + 1, slow=False)
+    assert m._accusations == {} and m.members["c"].offences == 0
+
+
+def test_a_step_past_what_its_plan_allows_fails_at_once_and_benches_the_reported_holder():
+    m = _membership("scheduler.stall_refusal_s=30")
+    for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1")):
+        _join(m, node_id, host)
+    plan = _pipeline(m, ["a"], ["b"], ["c"])
+    nodes = ("a", "b", "c")
+    past = Scope(plan.epoch, nodes, stall_after=time.monotonic() - 1)
+    with pytest.raises(StepFailed, match="timed out"):  # nobody reported: the step times out as before
+        m.wait(lambda: False, "microbatches", 0.3, past)
+    assert m.benched() == {}
+    _report(m, plan, "a", "b")
+    with pytest.raises(StepFailed, match="stalled past what plan epoch 3 allows"):
+        m.wait(lambda: False, "microbatches", 30, Scope(plan.epoch, nodes, stall_after=time.monotonic() + 0.2))
+    assert set(m.benched()) == {"b"}
 
 
 def test_ids_that_stay_dead_or_never_profile_are_forgotten_and_max_members_counts_live_ones():
@@ -292,7 +333,7 @@ def test_checkpoint_state_goes_only_to_a_member_ordered_to_load_it_in_that_epoch
     assert not m.load_ordered(a.public_key, later, (0, 1), 7)  # ordered in another epoch
 
 
-def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_its_host():
+def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_its_host_new_ids():
     m = _membership("scheduler.stall_refusal_s=30")
     for node_id, host in (("a", "10.0.0.1"), ("b", "10.0.1.1"), ("c", "10.0.2.1")):
         _join(m, node_id, host)
@@ -316,20 +357,25 @@ def test_a_key_whose_stages_stall_is_refused_stages_for_a_growing_time_and_then_
     _report(m, plan, "a", "b")
     stall(4)
     assert m._stalls[("key", m.members["b"].public_key)][1] - time.monotonic() > 1.9 * first
-    # A second key of that host that stalls: the host's fresh keys are refused stages too.
-    fresh = _join(m, "b3", "10.0.1.1")
-    assert "b3" not in m.benched()
-    plan = _pipeline(m, ["a"], ["b3"], ["c"])
-    plan.epoch = 5
-    _report(m, plan, "a", "b3")
-    stall(5)
-    assert "b3" in m.benched() and _join(m, "b4", "10.0.1.1").node_id in m.benched()
+    # Keys of that host that never stalled keep their stages (local nodes share a host); once three of its keys
+    # stalled, the host registers no new ids for a while, and its other keys still serve.
+    honest = _join(m, "h", "10.0.1.1")
+    for epoch, node_id in ((5, "b3"), (6, "b4")):
+        _join(m, node_id, "10.0.1.1")
+        plan = _pipeline(m, ["a"], [node_id], ["c"])
+        plan.epoch = epoch
+        _report(m, plan, "a", node_id)
+        stall(epoch)
+        assert node_id in m.benched() and "h" not in m.benched()
+    with pytest.raises(Rejected, match="host 10.0.1.1 registers no new node ids for 3[0-9]s more: 3 of its keys"):
+        _join(m, "b5", "10.0.1.1")
+    assert honest.alive and "h" not in m.benched() and _join(m, "elsewhere", "10.0.2.2").alive
     # Two nodes that blame each other are not told apart: neither is refused.
-    plan.epoch = 6
-    _report(m, plan, "a", "b3")
-    _report(m, plan, "b3", "a")
-    stall(6)
-    assert "a" not in m.benched() and "c" not in m.benched() and fresh.node_id in m.benched()
+    plan.epoch = 7
+    _report(m, plan, "a", "c")
+    _report(m, plan, "c", "a")
+    stall(7)
+    assert "a" not in m.benched() and "c" not in m.benched()
 
 
 def test_a_stage_holder_whose_key_stalled_is_left_out_of_the_next_plan_and_a_spare_takes_its_stage():
@@ -352,6 +398,7 @@ def test_a_stage_holder_whose_key_stalled_is_left_out_of_the_next_plan_and_a_spa
     c.report_failure(pb.FailureReport(node_id="a", peer="b", detail="DEADLINE_EXCEEDED"))  # b holds a's tensors
     taking_up.join()
     assert failed and "b" in c.planning.left_out() and "refused stages" in c.planning.left_out()["b"]
+    assert not c.planning.is_current(), "a plan with a benched node is replaced before the next step"
     assert [(kind, node) for _, kind, node, _ in c.store.events() if kind == "benched"] == [("benched", "b")]
     replan()  # the next plan: b stays a spare, d takes its stage
     assert [list(s.node_ids) for s in c.plan.stages] == [["a"], ["d"], ["c"]] and "b" in c.plan.excluded

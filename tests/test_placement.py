@@ -29,7 +29,7 @@ def _members(ids: str, profiled: bool = False) -> dict[str, Member]:
 
 def _message(decided: placement.NextPlan, epoch: int = 1) -> pb.Plan:
     return decided.message(epoch=epoch, total_layers=LAYERS, steps_done=0, loss_scale=1.0, excluded={},
-                           coordinator_key=b"k")
+                           coordinator_key=b"k", call_deadline_s=0.0)
 
 
 def _layout(decided: placement.NextPlan) -> list[list[str]]:

@@ -17,6 +17,7 @@ from geotrain.config import load_config
 from geotrain.node.handover import Snapshots, StateSnapshot, transfer_memory_bytes
 from geotrain.node.holder import StateExpectation
 from geotrain.node.stage import StageRuntime
+from geotrain.node.dataplane import AdaptiveDeadline
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
@@ -24,7 +25,7 @@ from geotrain.scheduler import checkpoint as checkpoint_module
 from geotrain.scheduler.checkpoint import CheckpointStore, state_bound, stage_checksum
 from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.state import RunStore, StepRecord
-from geotrain.scheduler.stepdriver import StepDriver
+from geotrain.scheduler.stepdriver import StepDriver, call_deadline_s
 
 
 def _cfg():
@@ -237,3 +238,23 @@ def test_state_deadlines_and_step_timeouts_follow_bytes_and_the_plan_estimate():
     assert driver.step_timeout_s() == 120.0  # the floor
     estimate[0] = 60.0
     assert driver.step_timeout_s() == 600.0  # a slow plan has the time it needs
+
+
+def test_a_call_s_deadline_is_capped_by_the_plan_the_first_to_a_peer_included():
+    sched = load_config(None, ["scheduler.step_timeout_s=30", "scheduler.step_timeout_factor=10"]).scheduler
+    assert call_deadline_s(sched, None) == 15.0  # unpriced: half the step timeout
+    assert call_deadline_s(sched, 0.05) == framing.CALL_DEADLINE_FLOOR_S  # a fast plan: the floor
+    assert call_deadline_s(sched, 2.0) == 8.0  # _STALL_FACTOR times the estimate
+    assert call_deadline_s(sched, 60.0) == 240.0
+    tight = load_config(None, ["scheduler.step_timeout_s=30", "scheduler.step_timeout_factor=2"]).scheduler
+    assert call_deadline_s(tight, 60.0) == 60.0  # at most half the step timeout
+    deadlines = AdaptiveDeadline()
+    assert deadlines.for_peer("b") == 60.0  # a plan of an older coordinator names no cap
+    deadlines.follow(pb.Plan(call_deadline_s=15.0))
+    assert deadlines.for_peer("b") == 15.0, "a holder that stalls its first call is reported in time"
+    deadlines.observe("b", 0.01)
+    assert deadlines.for_peer("b") == framing.CALL_DEADLINE_FLOOR_S
+    deadlines.observe("c", 10.0)
+    assert deadlines.for_peer("c") == 15.0
+    deadlines.follow(pb.Plan(call_deadline_s=2.0))
+    assert deadlines.for_peer("b") == deadlines.for_peer("new") == 2.0

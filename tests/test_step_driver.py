@@ -312,6 +312,55 @@ def test_a_relay_that_does_not_deliver_is_blamed_and_the_next_plan_relays_throug
                for k, _, d in events)
 
 
+def _short_timeout(on_event: EventSink) -> Coordinator:
+    """_config(4, 2) with a 4 s step timeout: a call's deadline is at most 2 s, and so is a stall's allowance."""
+    cfg = _config(4, 2)
+    cfg.scheduler.step_timeout_s = 4.0
+    return Coordinator(cfg, on_event=on_event)
+
+
+def test_a_holder_that_stalls_is_named_before_the_step_timeout_and_the_step_runs_again_without_it():
+    stalled: list[tuple[str, float]] = []
+
+    def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
+        if step == 1 and phase == "microbatches_done" and not stalled:
+            c = nodes["node-1"].c
+            stage = next(s for s in c.plan.stages if len(s.node_ids) > 1)  # its replica goes on without it
+            holder = stage.node_ids[-1]
+            neighbour = c.plan.stages[1 - stage.index].node_ids[0]
+            nodes[holder].hold("commit")  # it took the stage, answers heartbeats, and sits on its tensors
+            c.report_failure(pb.FailureReport(node_id=neighbour, peer=holder, detail="Forward: DEADLINE_EXCEEDED"))
+            stalled.append((holder, time.monotonic()))
+
+    with scripted_run(4, 2, on_phase, make_coordinator=_short_timeout) as (c, nodes, result):
+        pass
+    holder = stalled[0][0]
+    assert c.plan.call_deadline_s == 2.0, "unpriced, nodes cap their calls' deadlines at half the step timeout"
+    assert _summary(result).steps == STEPS and c.failures == 1
+    failure = next((at, d) for at, k, _, d in c.store.events() if k == "failure")
+    assert "stalled past what plan epoch" in failure[1], "named after the plan's allowance, not at the step timeout"
+    assert holder in c.planning.left_out() and holder not in [n for s in c.plan.stages for n in s.node_ids]
+    assert [(k, n) for _, k, n, _ in c.store.events() if k in ("benched", "dead", "evicted")] == [("benched", holder)]
+    assert all(m.offences == 0 for m in c.members.values()), "the neighbour's true report cost it nothing"
+
+
+def test_a_report_the_accused_answers_in_a_fast_step_is_the_reporters_offence():
+    reported: list[str] = []
+
+    def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
+        if step == 1 and phase == "dispatched" and not reported:
+            c = nodes["node-1"].c
+            accused, reporter = c.plan.stages[1].node_ids[0], c.plan.stages[0].node_ids[0]
+            c.report_failure(pb.FailureReport(node_id=reporter, peer=accused, detail="DEADLINE_EXCEEDED"))
+            reported.append(reporter)
+
+    with scripted_run(4, 2, on_phase, make_coordinator=_short_timeout) as (c, nodes, result):
+        pass
+    assert _summary(result).steps == STEPS and c.failures == 0
+    assert {n: m.offences for n, m in c.members.items() if m.offences} == {reported[0]: 1}
+    assert c.planning.left_out() == {}
+
+
 def test_reports_that_contradict_the_plan_are_refused_and_change_nothing():
     refused: list[str] = []
 

@@ -117,17 +117,22 @@ class LinkEmulator:
 
 
 class AdaptiveDeadline:
-    """A per-link deadline that follows measured call times: generous until a link has been measured, then a
-    multiple of its moving average (a slow link is given time, a dead one is noticed quickly)."""
+    """A per-link deadline that follows measured call times: the plan's cap (Plan.call_deadline_s) until a link has
+    been measured, then a multiple of its moving average (a slow link is given time, a dead one is noticed quickly,
+    a holder that stalls is reported while the step can still go around it)."""
 
-    def __init__(self, startup_s: float = 60.0, floor_s: float = 5.0, factor: float = 10.0) -> None:
-        self.startup_s, self.floor_s, self.factor = startup_s, floor_s, factor
+    def __init__(self, floor_s: float = framing.CALL_DEADLINE_FLOOR_S, factor: float = 10.0) -> None:
+        self.cap_s, self.floor_s, self.factor = framing.call_deadline_cap_s(pb.Plan()), floor_s, factor
         self._mean: dict[str, float] = {}
+
+    def follow(self, plan: pb.Plan) -> None:
+        """Cap the deadlines at what the plan allows."""
+        self.cap_s = framing.call_deadline_cap_s(plan)
 
     def for_peer(self, peer: str) -> float:
         """Deadline for the next call to peer."""
         mean = self._mean.get(peer)
-        return self.startup_s if mean is None else min(self.startup_s, max(self.floor_s, self.factor * mean))
+        return self.cap_s if mean is None else min(self.cap_s, max(self.floor_s, self.factor * mean))
 
     def observe(self, peer: str, seconds: float) -> None:
         """Record how long a call to peer took."""

@@ -94,6 +94,7 @@ class StageHolder:
             self.router.reset()
         peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
         self.dataplane.reset_links(peers)
+        self.dataplane.deadlines.follow(plan)
         self._follow_reverse_links(plan, index)
         if stage is not None and index + 1 < len(plan.stages):
             # Each pair is probed by its upstream end only: two probes at once, one each way, skew each other. A

@@ -295,7 +295,7 @@ class CoordinatorLink:
                         detail=f"{what} through relay {relay}: {e.code().name} {e.details()}"[:500],
                     ))
                 elif peer and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._report_failure(peer, f"{what}: {e.code().name}")
+                    self._report_failure(peer, f"{what}: {e.code().name}", epoch)
 
         if self._held_sends is not None:  # a stretched task sends it (only worker tasks send, on the worker thread)
             self._held_sends.append(run)
@@ -306,9 +306,10 @@ class CoordinatorLink:
         """Send a report to the coordinator off the worker thread, retrying while it is unavailable."""
         self._send(lambda: call_with_retry(lambda: method(request, timeout=RPC_DEADLINE_S)), type(request).__name__)
 
-    def _report_failure(self, peer: str, detail: str) -> None:
-        """Tell the coordinator that calls to peer fail, so it can declare the peer dead before its heartbeat lapses."""
-        self._send_failure_report(pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail))
+    def _report_failure(self, peer: str, detail: str, epoch: int = 0) -> None:
+        """Tell the coordinator that calls to peer fail in plan epoch `epoch` (0: the current one), so it can declare
+        the peer dead before its heartbeat lapses, or judge it by that epoch's step."""
+        self._send_failure_report(pb.FailureReport(node_id=self.node_id, peer=peer, detail=detail, plan_epoch=epoch))
 
     def _send_failure_report(self, request: pb.FailureReport) -> None:
         try:

@@ -524,6 +524,18 @@ def read_state(
     return sink.tensors
 
 
+# A tensor call's deadline: ten times the link's mean call, at least CALL_DEADLINE_FLOOR_S, at most the plan's
+# call_deadline_s (the first call to a peer not measured yet has that). The coordinator judges failure reports by
+# them: a step shorter than the shortest let no honest call time out.
+CALL_DEADLINE_FLOOR_S = 5.0
+_OLD_PLAN_CALL_DEADLINE_S = 60.0  # under a plan that names none (an older coordinator's)
+
+
+def call_deadline_cap_s(plan: pb.Plan) -> float:
+    """The longest a tensor call waits under `plan`."""
+    return plan.call_deadline_s or _OLD_PLAN_CALL_DEADLINE_S
+
+
 def state_deadline_s(nbytes: int, bytes_per_s: float, floor_s: float) -> float:
     """How long a state transfer of nbytes may take over a link of bytes_per_s: floor_s (the connection, the
     snapshot, a slow disk) and twice the time its bytes take (the link's measure is one probe)."""

@@ -420,7 +420,7 @@ class StageAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., peer_ids: _Optional[_Iterable[str]] = ..., hierarchical_allreduce: _Optional[bool] = ..., public_keys: _Optional[_Iterable[bytes]] = ..., unreachable: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key", "inflight", "relays")
+    __slots__ = ("epoch", "stages", "total_layers", "steps_done", "loss_scale", "excluded", "coordinator_key", "inflight", "relays", "call_deadline_s")
     class ExcludedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,7 @@ class Plan(_message.Message):
     COORDINATOR_KEY_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    CALL_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     total_layers: int
@@ -446,7 +447,8 @@ class Plan(_message.Message):
     coordinator_key: bytes
     inflight: int
     relays: _containers.RepeatedCompositeFieldContainer[RelayRoute]
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ..., inflight: _Optional[int] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ...) -> None: ...
+    call_deadline_s: float
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., total_layers: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss_scale: _Optional[float] = ..., excluded: _Optional[_Mapping[str, str]] = ..., coordinator_key: _Optional[bytes] = ..., inflight: _Optional[int] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ..., call_deadline_s: _Optional[float] = ...) -> None: ...
 
 class RelayRoute(_message.Message):
     __slots__ = ("a", "b", "relay_id", "relay_address", "relay_key")

@@ -8,7 +8,7 @@
 - recovery: checkpoints, snapshots, rollback (scheduler.recovery);
 - uploads: state from nodes nobody can dial, which they send when ordered to (scheduler.uploads);
 - state sources: a stage's state streamed from a live member, and the final model (scheduler.statesources);
-- registration (scheduler.admission); clip flags (scheduler.clipping); token windows (scheduler.windows);
+- registration (scheduler.registration); clip flags (scheduler.clipping); token windows (scheduler.windows);
 - the run summary (scheduler.summary); the status, rendered a few times a second (scheduler.statuscache);
 - status: a function of a read-only snapshot (scheduler.status).
 
@@ -35,7 +35,7 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.identity import NodeKey
 from geotrain.scheduler import costmodel, placement
-from geotrain.scheduler.admission import Admission, await_returning
+from geotrain.scheduler.registration import Registration, await_returning
 from geotrain.scheduler.checkpoint import CheckpointStore
 from geotrain.scheduler.clipping import ClipFlags
 from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
@@ -119,7 +119,7 @@ class Coordinator:
             cfg, self.membership, self.orders, self.store, self._on_event,
             lambda: self.planning.estimate.step_seconds if self.planning.estimate is not None else None,
         )
-        self.admission = Admission(
+        self.registration = Registration(
             cfg, run_id, self.membership, lambda: set(placement.plan_nodes(self.plan)), lambda: self.state in _OVER
         )
         self.clips = ClipFlags(
@@ -170,13 +170,13 @@ class Coordinator:
         self, request: pb.RegisterRequest, signer: bytes | None = None,
         dial_back: Callable[[], DialedBack] | None = None, host: str = "",
     ) -> pb.RegisterReply:
-        """Admit a node (new, or returning with the stage it holds), or say why not (Admission.register)."""
-        return self.admission.register(request, signer, dial_back, host)
+        """Admit a node (new, or returning with the stage it holds), or say why not (Registration.register)."""
+        return self.registration.register(request, signer, dial_back, host)
 
     def screen(self, request: pb.RegisterRequest, signer: bytes | None, host: str) -> pb.RegisterReply | None:
         """The reply refusing a registration before any dial-back, or None when it may be dialled
-        (Admission.screen)."""
-        return self.admission.screen(request, signer, host)
+        (Registration.screen)."""
+        return self.registration.screen(request, signer, host)
 
     def save_model(self, path: Path, steps_done: int, metadata: dict[str, str]) -> None:
         """Write the whole model's parameters after steps_done steps to `path` as live holders stream them

@@ -371,12 +371,12 @@ class NextPlan:
 
     def message(
         self, *, epoch: int, total_layers: int, steps_done: int, loss_scale: float, excluded: Mapping[str, str],
-        coordinator_key: bytes,
+        coordinator_key: bytes, call_deadline_s: float,
     ) -> pb.Plan:
         """The plan as sent, with its nodes' addresses, keys and averaging peers as the members have them now."""
         plan = pb.Plan(
             epoch=epoch, total_layers=total_layers, steps_done=steps_done, loss_scale=loss_scale, excluded=excluded,
-            coordinator_key=coordinator_key, inflight=self.inflight, relays=self.relays,
+            coordinator_key=coordinator_key, inflight=self.inflight, relays=self.relays, call_deadline_s=call_deadline_s,
         )
         for i, ((start, end), group) in enumerate(zip(self.ranges, self.groups)):
             plan.stages.add(

@@ -21,7 +21,7 @@ from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.recovery import Recovery, stage_bound
 from geotrain.scheduler.state import RunStore
-from geotrain.scheduler.stepdriver import current_loss_scale
+from geotrain.scheduler.stepdriver import call_deadline_s, current_loss_scale
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class Planning:
             and not self._priced_late()
             and nodes <= {m.node_id for m in alive}
             and not nodes & self.membership.lost()
+            and not nodes & set(self.membership.benched())
             and not placement.can_grow(
                 self.plan,
                 alive,
@@ -407,6 +408,7 @@ class Planning:
             loss_scale=current_loss_scale(self.cfg, self.store).scale,
             excluded=self.left_out(),
             coordinator_key=self.coordinator_key,
+            call_deadline_s=call_deadline_s(self.cfg.scheduler, self.estimate.step_seconds if self.estimate else None),
         )
         for route in plan.relays:
             log.info("plan epoch %d: %s and %s cannot be dialled: their link goes through relay %s", epoch, route.a,

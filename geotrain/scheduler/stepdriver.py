@@ -13,12 +13,15 @@ import enum
 import json
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
-from geotrain.config import LossScale, RunConfig
+from geotrain.config import LossScale, RunConfig, SchedulerSection
+from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.calibration import StepTimings
@@ -43,6 +46,11 @@ class StepPhase(enum.Enum):
     COMMITTED = "committed"  # the step is in the run's history
     EVALUATING = "evaluating"  # validation after a committed step
 
+
+# A step past this many times its plan's estimate (unpriced: the recent steps' median) and past the shortest deadline
+# a sender gives a call was held by one of its nodes: a neighbour's report of that epoch names it.
+_STALL_FACTOR = 4.0
+_RECENT_STEPS = 16
 
 # Checksums are hex digests (blake3: 64 characters); anything much longer is not one.
 _CHECKSUM_CHARS = 128
@@ -79,6 +87,21 @@ def _apply_order(step: int, decided: dict) -> pb.ApplyStep:
         step=step, clip_coef=decided["clip"], lr=decided["lr"], skip=decided["skip"],
         loss_scale=decided["loss_scale"]["scale"],
     )
+
+
+def step_timeout_s(sched: SchedulerSection, estimate_s: float | None) -> float:
+    """How long a step may take under a plan estimated at estimate_s (None: not priced): scheduler.step_timeout_factor
+    times the estimate, and at least scheduler.step_timeout_s, so that a plan the cost model prices slow is not
+    failed by a constant sized for a small model."""
+    return max(sched.step_timeout_s, sched.step_timeout_factor * estimate_s if estimate_s else 0.0)
+
+
+def call_deadline_s(sched: SchedulerSection, estimate_s: float | None) -> float:
+    """The longest a tensor call may wait under a plan estimated at estimate_s (Plan.call_deadline_s): past
+    _STALL_FACTOR times the estimate (at least framing's floor) its step is judged stalled; half the step timeout at
+    most, and without an estimate."""
+    cap = step_timeout_s(sched, estimate_s) / 2
+    return min(cap, max(framing.CALL_DEADLINE_FLOOR_S, _STALL_FACTOR * estimate_s)) if estimate_s else cap
 
 
 def assign_microbatches(speeds: dict[str, float], microbatches: int) -> dict[str, list[int]]:
@@ -140,13 +163,18 @@ class StepDriver:
         self.timings: StepTimings | None = None  # what the last committed step measured
         self.verification = Verification(cfg.verify.fraction) if cfg.verifying else None
         self._committed: tuple[int, int, dict[int, str]] = (-1, -1, {})  # (plan epoch, step, stage checksums) last
+        self._recent_s: deque[float] = deque(maxlen=_RECENT_STEPS)  # the last committed steps' seconds
 
     def step_timeout_s(self) -> float:
-        """How long a step (and each of its phases) may take: scheduler.step_timeout_factor times the plan's
-        estimate, and at least scheduler.step_timeout_s, so that a plan the cost model prices slow is not failed by
-        a constant sized for a small model."""
-        sched, estimate = self.cfg.scheduler, self._estimate_s()
-        return max(sched.step_timeout_s, sched.step_timeout_factor * estimate if estimate else 0.0)
+        """How long a step (and each of its phases) may take under the current plan (step_timeout_s)."""
+        return step_timeout_s(self.cfg.scheduler, self._estimate_s())
+
+    def _pace(self, plan: pb.Plan) -> tuple[float, float | None]:
+        """(fast, slow) for a step of `plan`: under `fast` seconds no honest call of it can have timed out (the
+        shortest deadline its senders give, framing's); past `slow` (None: nothing to compare with) it stalled."""
+        fast = min(framing.CALL_DEADLINE_FLOOR_S, framing.call_deadline_cap_s(plan))
+        reference = self._estimate_s() or (statistics.median(self._recent_s) if self._recent_s else None)
+        return fast, max(fast, _STALL_FACTOR * reference) if reference else None
 
     def _enter(self, phase: StepPhase, step: int) -> None:
         self.phase = phase
@@ -313,9 +341,48 @@ class StepDriver:
         total = self.cfg.train.microbatches
         timeout = self.step_timeout_s()
         nodes = placement.plan_nodes(plan)
-        in_step = Scope(plan.epoch, tuple(nodes))
+        fast, slow = self._pace(plan)
+        in_step = Scope(plan.epoch, tuple(nodes), t0 + slow if slow is not None else 0.0)
         wait = self.membership.wait
         self._begin(step, plan, nodes)
+        dispatched = self._dispatch(step, plan, nodes)
+        wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
+        self._enter(StepPhase.MICROBATCHES_DONE, step)
+        commit_started = time.monotonic()
+
+        self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
+        wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
+        self._enter(StepPhase.NORMS_IN, step)
+        if self.verification is not None:
+            self._cross_check(plan)
+        timings = self._timings(plan, dispatched, commit_started)
+        record, decided = self._decide(step, plan, t0)
+        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
+        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
+        # takes up the committed state with the next plan.
+        wait(
+            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
+            f"step {step}'s checksums",
+            timeout,
+        )
+        self._enter(StepPhase.APPLIED, step)
+        checksums = self._stage_checksums(plan)
+        self.store.commit_step(record, checksums)
+        # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
+        seconds = record.seconds
+        verdict = True if slow and seconds > slow else False if seconds < fast else None
+        self.membership.judge_reports(plan.epoch, verdict)
+        self._recent_s.append(seconds)
+        self.timings = timings
+        self._committed = (plan.epoch, step, checksums)
+        self._enter(StepPhase.COMMITTED, step)
+        if self.verification is not None:
+            self._order_checks(step, plan)
+        return record
+
+    def _dispatch(self, step: int, plan: pb.Plan, nodes: list[str]) -> float:
+        """Give the data heads the step's microbatch ids by their speeds; when the orders went out."""
+        total = self.cfg.train.microbatches
         if self.verification is not None:
             with self.membership.cond:
                 self.verification.planned(step, nodes)
@@ -328,17 +395,12 @@ class StepDriver:
                 start = pb.StartStep(step=step, microbatches=ids, total_microbatches=total)
                 self.orders.send([head], pb.Order(start_step=start))
         self._enter(StepPhase.DISPATCHED, step)
-        wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
-        self._enter(StepPhase.MICROBATCHES_DONE, step)
-        commit_started = time.monotonic()
+        return dispatched
 
-        self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
-        wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
-        self._enter(StepPhase.NORMS_IN, step)
-        if self.verification is not None:
-            self._cross_check(plan)
+    def _timings(self, plan: pb.Plan, dispatched: float, commit_started: float) -> StepTimings:
+        """What the step measured, once its norms are in."""
         with self.membership.cond:
-            timings = StepTimings(
+            return StepTimings(
                 plan_epoch=plan.epoch,
                 commit_s=time.monotonic() - commit_started,
                 compute_s=dict(self.progress.compute_s),
@@ -347,6 +409,10 @@ class StepDriver:
                 microbatches_s=commit_started - dispatched,
                 round_trip_s=dict(self.progress.round_trip_s),
             )
+
+    def _decide(self, step: int, plan: pb.Plan, t0: float) -> tuple[StepRecord, dict]:
+        """Decide the step (clip factor, learning rate, loss scale) and record the decision; (its record, the
+        decision as stored)."""
         # Every tensor's part, added exactly: the same clip factor as train-local's, however stages split the model.
         clip, skip, scale = self.cfg.train.decide(
             (p for s in plan.stages for p in self._stage_norm_parts(s)), current_loss_scale(self.cfg, self.store)
@@ -370,23 +436,7 @@ class StepDriver:
         if skip:
             log.warning("step %d: gradients overflowed in fp16: step skipped, loss scale now %g", step, scale.scale)
         self._enter(StepPhase.DECIDED, step)
-        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
-        # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
-        # takes up the committed state with the next plan.
-        wait(
-            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
-            f"step {step}'s checksums",
-            timeout,
-        )
-        self._enter(StepPhase.APPLIED, step)
-        checksums = self._stage_checksums(plan)
-        self.store.commit_step(record, checksums)
-        self.timings = timings
-        self._committed = (plan.epoch, step, checksums)
-        self._enter(StepPhase.COMMITTED, step)
-        if self.verification is not None:
-            self._order_checks(step, plan)
-        return record
+        return record, decided
 
     def _stage_norm_parts(self, stage: pb.StageAssignment) -> list[float]:
         """The squared norm of each of a stage's gradient tensors. Replicas that average their gradients report the
