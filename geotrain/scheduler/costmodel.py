@@ -72,6 +72,7 @@ import numpy as np
 
 from geotrain import memory
 from geotrain.config import AUTO_INFLIGHT, MAX_INFLIGHT, RunConfig
+from geotrain.scheduler.links import LinkClasses
 
 logger = logging.getLogger(__name__)
 
@@ -546,179 +547,17 @@ class CostModel:
             self.max_act[a, a + 1:] = np.maximum.accumulate(acts[a:])
             self.max_tensor[a, a + 1:] = np.maximum.accumulate(tensors[a:])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
-        self._build_links()
-        self._allreduce_terms: dict[bytes, tuple] = {}
+        self.links = LinkClasses(self.nodes, network, shape.codec_ratio)
         self._stage_memo: dict[tuple, tuple] = {}
         self._boundary_memo: dict[tuple[int, int], tuple[float, float]] = {}
         self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
         self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
 
-    def _build_links(self) -> None:
-        """Link matrices over link classes instead of nodes: nodes of one region with the same access cap and no
-        measured pair override see identical links, so a 1,000-node cluster has a few dozen classes, and every
-        link term of a plan costs O(classes^2) instead of O(nodes^2)."""
-        regions = sorted({n.region for n in self.nodes})
-        self.regions = regions
-        pos = {r: k for k, r in enumerate(regions)}
-        r_of = np.array([pos[n.region] for n in self.nodes], dtype=np.int64)
-        # Region matrices filled from the few listed pairs: standalone machines make hundreds of regions.
-        default = self.network.default_inter_region
-        r_bw = np.full((len(regions), len(regions)), float(default.bandwidth_bps) if default else math.nan)
-        r_lat = np.full_like(r_bw, float(default.latency_s) if default else math.nan)
-        for (ra, rb), link in self.network.inter_region.items():
-            if ra in pos and rb in pos:
-                r_bw[pos[ra], pos[rb]] = r_bw[pos[rb], pos[ra]] = link.bandwidth_bps
-                r_lat[pos[ra], pos[rb]] = r_lat[pos[rb], pos[ra]] = link.latency_s
-        np.fill_diagonal(r_bw, self.network.intra_region.bandwidth_bps)
-        np.fill_diagonal(r_lat, self.network.intra_region.latency_s)
-        r_ratio = np.full_like(r_bw, self.shape.codec_ratio.inter_region)
-        np.fill_diagonal(r_ratio, self.shape.codec_ratio.intra_region)
-        missing = np.argwhere(np.isnan(r_bw))
-        if len(missing):
-            self.network.region_link(regions[missing[0][0]], regions[missing[0][1]])  # raises, naming the pair
-        self.region_of = r_of
-        self.region_bw = r_bw
-        self.region_lat = r_lat
-        self.region_seconds_per_bit = r_ratio / r_bw
-        caps = np.array([self.network.node_bandwidth_bps.get(n.node_id, math.inf) for n in self.nodes])
-        overrides = {(self.index[a], self.index[b]): link for (a, b), link in self.network.pair_overrides.items()
-                     if a in self.index and b in self.index}
-        measured = {i for pair in overrides for i in pair}
-        # A node with a measured pair gets a class of its own, so a class pair never mixes measured and default links.
-        behind = [n.unreachable for n in self.nodes]
-        keys = [("node", i) if i in measured else ("region", int(r_of[i]), float(caps[i]), behind[i])
-                for i in range(len(self.nodes))]
-        first: dict[tuple, int] = {}
-        self.link_class = np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
-        self.n_link_classes = len(first)
-        reps = np.unique(self.link_class, return_index=True)[1]  # each class's first node
-        rc = r_of[reps]
-        self.class_region = rc
-        bw = np.minimum(r_bw[np.ix_(rc, rc)], np.minimum.outer(caps[reps], caps[reps]))
-        lat = r_lat[np.ix_(rc, rc)]
-        for (i, j), link in overrides.items():
-            ci, cj = self.link_class[i], self.link_class[j]
-            bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
-            lat[ci, cj] = lat[cj, ci] = link.latency_s
-        behind_class = np.array(behind, dtype=bool)[reps]
-        relayed = np.logical_and.outer(behind_class, behind_class)
-        bw, lat = np.where(relayed, bw / 2, bw), np.where(relayed, 2 * lat, lat)
-        self.class_bw = bw
-        self.class_lat = lat
-        self.class_seconds_per_bit = r_ratio[np.ix_(rc, rc)] / bw
-        # Terms over every pair of a group's classes read a base link and the class pairs whose link differs from
-        # it, never the dense matrices: where machines are regions there are thousands of classes, and all but a
-        # few pairs per class share the default inter-region link.
-        base = default or self.network.intra_region
-        ratio = self.shape.codec_ratio.inter_region if default else self.shape.codec_ratio.intra_region
-        self._base_link = (base.bandwidth_bps, base.latency_s, ratio / base.bandwidth_bps)
-        base_bw, base_lat, base_per_bit = self._base_link
-        rows, cols = np.nonzero((bw != base_bw) | (lat != base_lat) | (self.class_seconds_per_bit != base_per_bit))
-        self._odd_rows, self._odd_cols = rows, cols
-        self._odd_bw, self._odd_lat = bw[rows, cols], lat[rows, cols]
-        self._odd_extra_per_bit = self.class_seconds_per_bit[rows, cols] - self._base_link[2]
-
-    def _class_weights(self, idx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The link classes present in idx and the summed weights of their nodes."""
-        of = self.link_class[idx]
-        classes = np.flatnonzero(np.bincount(of, minlength=self.n_link_classes))
-        return classes, np.bincount(of, weights=weights, minlength=self.n_link_classes)[classes]
-
-    def mean_link(
-        self, a: np.ndarray, wa: np.ndarray, b: np.ndarray, wb: np.ndarray
-    ) -> tuple[float, float]:
-        """Seconds per raw bit (codec applied) and latency between disjoint node sets a and b, expected over
-        routing weights wa and wb (each summing to 1)."""
-        return self._class_link(*self._class_weights(a, wa), *self._class_weights(b, wb))
-
-    def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
-        """mean_link over link classes ca, cb with summed weights va, vb: the base link's terms over all the weight,
-        corrected on the class pairs whose link differs from it."""
-        wa, wb = np.zeros(self.n_link_classes), np.zeros(self.n_link_classes)
-        wa[ca], wb[cb] = va, vb
-        both = wa[self._odd_rows] * wb[self._odd_cols]
-        total = float(va.sum() * vb.sum())
-        _, base_lat, base_per_bit = self._base_link
-        per_bit = base_per_bit * total + float(both @ self._odd_extra_per_bit)
-        lat = base_lat * total + float(both @ (self._odd_lat - base_lat))
-        return per_bit, lat
-
-    def _extreme_link(self, pairs: np.ndarray, n_pairs: int) -> tuple[float, float]:
-        """The lowest bandwidth and the highest latency over n_pairs ordered class pairs, of which `pairs` selects
-        those whose link differs from the base link (the rest have the base link)."""
-        bw, lat = self._odd_bw[pairs], self._odd_lat[pairs]
-        if len(bw) < n_pairs:
-            base_bw, base_lat, _ = self._base_link
-            return min(bw.min(initial=math.inf), base_bw), max(lat.max(initial=-math.inf), base_lat)
-        return float(bw.min()), float(lat.max())
-
-    def _group_terms(self, idx: np.ndarray) -> tuple:
-        """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
-        (seconds per bit, seconds): arrays of them over the regions for the in-region rounds, one pair for the
-        shards."""
-        # How many replicas of each link class, not which: the terms read nothing else, and planners score many
-        # groups of the same make-up (a local search moving one node among interchangeable ones, orders of a group).
-        n = len(idx)
-        classes, counts = self._class_weights(idx, np.ones(n))
-        key = classes.tobytes() + counts.tobytes()
-        if key not in self._allreduce_terms:
-            count = np.zeros(self.n_link_classes)
-            count[classes] = counts
-            rows, cols = self._odd_rows, self._odd_cols
-            # Two different nodes of one class meet over the class's own link only when the class has two of them.
-            pairs = (count[rows] > 0) & (count[cols] > 0) & ((rows != cols) | (count[rows] >= 2))
-            n_pairs = len(classes) * (len(classes) - 1) + int(np.sum(counts >= 2))
-            bw, lat = self._extreme_link(pairs, n_pairs)
-            flat = (2 * (n - 1) / n / bw, 2 * lat)
-            hierarchical = None
-            regions, region = np.unique(self.class_region[classes], return_inverse=True)  # of each class, from 0
-            k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
-            if self.shape.allreduce != "flat" and len(k) > 1 and k.max() > 1:
-                # Per region with two replicas or more, (seconds per bit, seconds) of its in-region rounds. A region
-                # of one link class (the usual case; thousands of them where machines are regions) reads its class's
-                # own link; the others take the slowest pair of their classes.
-                shared = np.flatnonzero(k > 1)
-                classes_in = np.bincount(region)
-                in_bw = np.empty(len(shared))
-                in_lat = np.empty(len(shared))
-                one = classes_in[shared] == 1
-                only_class = classes[np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]]
-                in_bw[one], in_lat[one] = self.class_bw[only_class, only_class], self.class_lat[only_class, only_class]
-                row_region, col_region = self.class_region[rows], self.class_region[cols]
-                several = np.flatnonzero(~one)
-                if len(several):
-                    # _extreme_link over each region's own class pairs, every region at once.
-                    inner = pairs & (row_region == col_region)
-                    at = np.searchsorted(regions, row_region[inner])
-                    low_bw, high_lat = np.full(len(regions), math.inf), np.full(len(regions), -math.inf)
-                    np.minimum.at(low_bw, at, self._odd_bw[inner])
-                    np.maximum.at(high_lat, at, self._odd_lat[inner])
-                    in_pairs = classes_in * (classes_in - 1) + np.bincount(region, weights=counts >= 2)
-                    base = np.bincount(at, minlength=len(regions)) < in_pairs  # some pair has the base link
-                    base_bw, base_lat, _ = self._base_link
-                    low_bw = np.where(base, np.minimum(low_bw, base_bw), low_bw)
-                    high_lat = np.where(base, np.maximum(high_lat, base_lat), high_lat)
-                    in_bw[several], in_lat[several] = low_bw[shared[several]], high_lat[shared[several]]
-                # The slowest region's rounds, a maximum over lines in the bits: only the lines no other one beats
-                # at every size matter (spot instances of one kind are all the same line).
-                per_bit, fixed = 2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat
-                order = np.lexsort((-fixed, -per_bit))
-                beaten = np.concatenate([[False], fixed[order][1:] <= np.maximum.accumulate(fixed[order])[:-1]])
-                inside = (per_bit[order][~beaten], fixed[order][~beaten])
-                across_bw, across_lat = self._extreme_link(
-                    pairs & (row_region != col_region), len(classes) ** 2 - int(np.sum(classes_in**2))
-                )
-                m, shards = len(k), int(k.max())
-                share = max(math.ceil(shards / kr) for kr in k) / shards
-                hierarchical = (inside, (share * 2 * (m - 1) / m / across_bw, 2 * across_lat))
-            self._allreduce_terms[key] = (flat, hierarchical)
-        return self._allreduce_terms[key]
-
     def _allreduce_both(self, idx: np.ndarray, bits: np.ndarray | float) -> tuple:
         """Seconds of one flat and one hierarchical all-reduce of bits (a number or an array of sizes) among the
         replicas idx; inf where that way does not apply or is not allowed."""
-        (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)  # no hierarchical terms under "flat"
+        (flat_per_bit, flat_s), hierarchical = self.links.group_terms(idx, self.shape.allreduce)
         round_s = self.shape.averaging_round_s
         if hierarchical is None:
             return flat_per_bit * bits + flat_s + round_s, math.inf
@@ -866,7 +705,7 @@ class CostModel:
             occ, lat = self.compute_terms(inv.sum(), len(idx))
             allreduce = self.sync_seconds(idx, start, end)
             number = len(self._stage_memo)
-            self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx), number)
+            self._stage_memo[key] = (occ, lat, allreduce, *self.links.class_weights(idx, inv * occ), len(idx), number)
         return self._stage_memo[key]
 
     def _boundary(self, cut: int, left: tuple, right: tuple) -> tuple[float, float]:
@@ -876,7 +715,7 @@ class CostModel:
         if key not in self._boundary_memo:
             (*_, ca, va, na, _), (*_, cb, vb, nb, _) = left, right
             self._boundary_memo[key] = self.boundary_terms(
-                self.boundary_bits[cut - 1], *self._class_link(ca, va, cb, vb), min(na, nb)
+                self.boundary_bits[cut - 1], *self.links.class_link(ca, va, cb, vb), min(na, nb)
             )
         return self._boundary_memo[key]
 

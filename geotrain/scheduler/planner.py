@@ -112,7 +112,7 @@ class Planner:
         self._best_split = math.inf  # the DP's best step time over every group list split so far
         self.typical_boundary_bits = float(np.median(cm.boundary_bits[:-1])) if self.n_layers > 1 else 0.0
         self.region_cost = self._region_costs()
-        self.region_index = {r: k for k, r in enumerate(cm.regions)}
+        self.region_index = {r: k for k, r in enumerate(cm.links.regions)}
         # Nodes with the same layer times and memory are interchangeable inside the layer DP: count them once.
         keys = np.column_stack([cm.prefix_seconds, cm.memory])
         _, self.profile_class = np.unique(keys, axis=0, return_inverse=True)
@@ -152,7 +152,7 @@ class Planner:
         paced_chain = chain
         if len(chain) <= _EXACT_CHAIN_REGIONS:
             occupancy, transfer = cm.boundary_terms(
-                self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1
+                self.typical_boundary_bits, cm.links.region_seconds_per_bit, cm.links.region_lat, 1
             )
             paced_chain = self._region_chain(cm.paced_seconds(occupancy) + transfer)
         if paced_chain not in (chain, chain[::-1]):
@@ -300,12 +300,12 @@ class Planner:
     def _region_costs(self) -> np.ndarray:
         """[a, b] = seconds to move one typical boundary both ways between regions a and b (CostModel.regions)."""
         cm = self.cm
-        return cm.boundary_terms(self.typical_boundary_bits, cm.region_seconds_per_bit, cm.region_lat, 1)[1]
+        return cm.boundary_terms(self.typical_boundary_bits, cm.links.region_seconds_per_bit, cm.links.region_lat, 1)[1]
 
     def _region_chain(self, region_cost: np.ndarray) -> list[str]:
         """The regions in the order that makes the summed cost of consecutive ones least."""
         cm = self.cm
-        present = sorted({int(cm.region_of[i]) for i in cm.usable})  # sorted indices = sorted names
+        present = sorted({int(cm.links.region_of[i]) for i in cm.usable})  # sorted indices = sorted names
         cost = region_cost[np.ix_(present, present)]
 
         def length(order: Sequence[int]) -> float:
@@ -314,7 +314,7 @@ class Planner:
         n = len(present)
         if n <= _EXACT_CHAIN_REGIONS:
             best = min(itertools.permutations(range(n)), key=lambda o: (length(o), o))
-            return [cm.regions[present[k]] for k in best]
+            return [cm.links.regions[present[k]] for k in best]
         best: list[int] = []
         # Nearest neighbour from every start, then 2-opt; with very many regions (standalone machines) one start.
         small = n <= _HEURISTIC_CHAIN_REGIONS
@@ -334,7 +334,7 @@ class Planner:
                         order, improved = trial, True
             if not best or (length(order), order) < (length(best), best):
                 best = order
-        return [cm.regions[present[k]] for k in best]
+        return [cm.links.regions[present[k]] for k in best]
 
     def _groups(
         self, subset: Sequence[int], n_stages: int, chain: Sequence[str], mode: str
@@ -395,7 +395,7 @@ class Planner:
         if key not in self._region_members:
             members = np.asarray(subset, dtype=np.int64)
             members = members[np.argsort(self.rank[members], kind="stable")]
-            of = self.cm.region_of[members]
+            of = self.cm.links.region_of[members]
             by_region = {r: members[of == self.region_index[r]].tolist() for r in chain}
             self._region_members[key] = (by_region, [float(self.speed[by_region[r]].sum()) for r in chain])
         return self._region_members[key]
@@ -508,7 +508,7 @@ class Planner:
             cm = self.cm
             a, b = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
             wa, wb = self.speed[a] / self.speed[a].sum(), self.speed[b] / self.speed[b].sum()
-            per_bit, lat = cm.mean_link(a, wa, b, wb)
+            per_bit, lat = cm.links.mean_link(a, wa, b, wb)
             occupancy, transfer = cm.boundary_terms(cm.boundary_bits, per_bit, lat, min(len(a), len(b)))
             # No cut before the first layer.
             self._link_tables[key] = (
@@ -571,9 +571,9 @@ class Planner:
             speed = [self.speed[g] / self.speed[g].sum() for g in idx]
             # Each boundary's bits per microbatch and seconds per bit of its link.
             bits = [float(cm.boundary_bits[stages[s][1] - 1]) for s in range(n_stages - 1)]
-            per_bit = [cm.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0] for s in range(n_stages - 1)]
+            per_bit = [cm.links.mean_link(idx[s], speed[s], idx[s + 1], speed[s + 1])[0] for s in range(n_stages - 1)]
             count = [float(len(g)) for g in idx]
-            owner = [{int(cm.region_of[i]) for i in nodes} for _, _, nodes in stages]
+            owner = [{int(cm.links.region_of[i]) for i in nodes} for _, _, nodes in stages]
             groups = [list(nodes) if len(regions) > 1 else [] for regions, (_, _, nodes) in zip(owner, stages)]
             for region in sorted({next(iter(r)) for r in owner if len(r) == 1}):
                 served = [s for s, r in enumerate(owner) if r == {region}]
