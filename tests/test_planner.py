@@ -113,7 +113,7 @@ def test_layer_split_is_the_best_for_fixed_groups(seed):
             layers[s], layers[s + 1], n_stages)]) for s, g in enumerate(groups)]
         if all(members for _, _, members in stages):
             best = min(best, cm.step_seconds(stages))
-    split = Planner(cm, PlannerConfig()).split_layers(groups)
+    split = Planner(cm, PlannerConfig()).splitter.split_layers(groups)
     assert (cm.step_seconds(split[0]) if split else math.inf) == pytest.approx(best)
 
 
@@ -217,7 +217,7 @@ def test_dealt_stages_span_every_region_with_even_compute():
     net = Network(intra_region=NET.intra_region, default_inter_region=Link(bandwidth_bps=2e8, latency_s=0.05))
     cm = CostModel(nodes=nodes, model=MODEL, network=net, shape=StepShape(microbatches=48, microbatch_size=2))
     planner = Planner(cm, PlannerConfig())
-    groups = planner._groups(cm.usable, 3, planner._region_chain(planner.region_cost), "deal")
+    groups = planner.grouping.groups(cm.usable, 3, planner.grouping.region_chain(planner.grouping.region_cost), "deal")
     assert sorted(i for g in groups for i in g) == sorted(cm.usable)
     for region in {"a", "b", "c", "d"}:
         counts = [sum(nodes[i].region == region for i in g) for g in groups]
@@ -315,5 +315,5 @@ def test_regions_are_also_chained_by_the_links_that_pace_the_step(monkeypatch):
     # DT-FM's plan there: 8 stages of 2 V100s, two per region, the regions in its order.
     order = ("California", "Oregon", "Virginia", "Ohio")
     pairs = [[i for i in range(16) if nodes[i].region == r][half::2] for r in order for half in (0, 1)]
-    stages, _ = planner.split_layers(pairs)
+    stages, _ = planner.splitter.split_layers(pairs)
     assert ours.step_seconds <= cm.step_seconds(stages) * (1 + 1e-9)
