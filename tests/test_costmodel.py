@@ -82,8 +82,9 @@ def test_codec_ratio_shrinks_the_bytes_term_only():
 def test_replicas_share_by_speed_and_average_gradients():
     cm = model_for([node("fast", [0.5, 0.5]), node("slow", [1.5, 1.5])])
     # t = 1 and 3: c = 1 / (1 + 1/3) = 0.75, h = 2 * 0.75 = 1.5.
-    # All-reduce: 2 (n-1)/n * 200 B * 8 / 8000 + 2 * 0.5 = 0.2 + 1 = 1.2.  T = 3 * 0.75 + 1.5 + 1.2.
-    assert cm.step_seconds([(0, 2, [0, 1])]) == pytest.approx(3 * 0.75 + 1.5 + 1.2)
+    # All-reduce: 2 (n-1)/n * 200 B * 8 / 8000 + 2 * 0.5 = 0.2 + 1 = 1.2. A lone stage fills nothing: its two
+    # replicas start together, T = (4 - 2) * 0.75 + 1.5 + 1.2 (fast does 3 microbatches in 3 s, slow 1 in 3 s).
+    assert cm.step_seconds([(0, 2, [0, 1])]) == pytest.approx(2 * 0.75 + 1.5 + 1.2)
 
 
 def test_parallel_pairs_divide_link_occupancy():

@@ -38,6 +38,8 @@ lowered where a replica's memory cannot hold its share of the W |R_0| microbatch
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
     beta = max(max_s c_s, max_s o_s)
     T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s + f
+  and with one stage (data parallelism: nothing to fill, the replicas take their shares side by side)
+    T = max(max(M - |R_0|, 0) * c_0, w) + h_0 + g_0 + f
     samples/s = M * microbatch_size / T
 where f is the commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
 and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top of its bytes (matchmaking, message
@@ -474,6 +476,10 @@ class Plan:
     node_memory_bytes: dict[str, int] = field(default_factory=dict)
     """Node id -> the peak memory its process is estimated at: its baseline and its stage's need at its share of
     the window's microbatches in flight."""
+    layout: str = ""
+    """The plan's shape (layout_of): "pipeline", "data parallel", "hybrid" or "one node"."""
+    layout_steps: dict[str, float] = field(default_factory=dict)
+    """Layout -> the best estimated step seconds the planner found of it: why it chose this plan's layout."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -488,6 +494,14 @@ Stages = Sequence[tuple[int, int, Sequence[int]]]
 """Internal plan form: (start, end, node indices) per stage, indices into CostModel.nodes."""
 
 
+def layout_of(stages: Stages) -> str:
+    """A plan's shape: one stage of several replicas is data parallelism (every node holds the whole model), stages
+    of one node each a pipeline, several stages with replicas a hybrid."""
+    if len(stages) == 1:
+        return "data parallel" if len(stages[0][2]) > 1 else "one node"
+    return "pipeline" if all(len(nodes) == 1 for *_, nodes in stages) else "hybrid"
+
+
 @dataclass(kw_only=True)
 class _Terms:
     occupancy: np.ndarray  # c_s
@@ -495,6 +509,7 @@ class _Terms:
     transfer: np.ndarray  # x_s, one per boundary
     link_occupancy: np.ndarray  # o_s, one per boundary
     allreduce: np.ndarray  # g_s
+    paced: float  # the pace term: (M - 1) x the slowest stage or link (M - |R_0| for a lone stage)
     window: float  # w, the seconds the data heads' window paces the step
     step_s: float
 
@@ -675,13 +690,21 @@ class CostModel:
             return 0.0 * round_trip_s
         return (math.ceil(self.shape.microbatches / (window * data_heads)) - 1) * round_trip_s
 
-    def paced_seconds(self, per_microbatch_s: np.ndarray | float) -> np.ndarray | float:
-        """The step's pace term: seconds of the M - 1 microbatches after the first at this pace."""
-        paced = self.shape.microbatches - 1
+    def paced_seconds(self, per_microbatch_s: np.ndarray | float, starters: int = 1) -> np.ndarray | float:
+        """The step's pace term: seconds of the microbatches after the first `starters` at this pace (M - 1 in a
+        pipeline; see lone_starters)."""
+        paced = max(self.shape.microbatches - starters, 0)
         if paced or np.all(np.isfinite(per_microbatch_s)):
             return paced * per_microbatch_s
         # One microbatch paces nothing, but a stage that no replica can serve stays out of reach.
         return np.where(np.isinf(per_microbatch_s), math.inf, 0.0)
+
+    @staticmethod
+    def lone_starters(n_stages: int, replicas: int) -> int:
+        """How many microbatches start at once before the pace: a pipeline's microbatches file through its slowest
+        stage or link one after another, but a lone stage (data parallelism) has nothing to fill, its replicas take
+        their shares side by side, so its first |R_0| start together."""
+        return replicas if n_stages == 1 else 1
 
     def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
@@ -731,13 +754,15 @@ class CostModel:
             link_occ[s], transfer[s] = self._boundary(stages[s][1], terms[s], terms[s + 1])
         round_trip = lat.sum() + transfer.sum()
         pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
-        step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5], window)
+        paced = float(self.paced_seconds(pace, self.lone_starters(n_stages, terms[0][5])))
+        step = self.step_from(paced, round_trip, allreduce.max(), terms[0][5], window)
         return _Terms(
             occupancy=occ,
             latency=lat,
             transfer=transfer,
             link_occupancy=link_occ,
             allreduce=allreduce,
+            paced=paced,
             window=self.window_paced_seconds(round_trip, terms[0][5], window),
             step_s=step,
         )
@@ -763,9 +788,13 @@ class CostModel:
             return math.inf
         return self._terms(stages, self.fixed_window).step_s
 
-    def plan(self, stages: Stages, excluded: dict[str, str], inflight: int | None = None) -> Plan:
+    def plan(
+        self, stages: Stages, excluded: dict[str, str], inflight: int | None = None,
+        layout_steps: dict[str, float] | None = None,
+    ) -> Plan:
         """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list; priced at the window
-        `inflight` where given (a running plan's), else at the one train.inflight gives it."""
+        `inflight` where given (a running plan's), else at the one train.inflight gives it; layout_steps is the
+        planner's best step of each layout it tried."""
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages, self.fixed_window)
@@ -800,7 +829,7 @@ class CostModel:
             microbatch_size=self.shape.microbatch_size,
             step_seconds=float(t.step_s),
             samples_per_s=m * self.shape.microbatch_size / t.step_s,
-            bottleneck=self._bottleneck(stages, t, window),
+            bottleneck=_bottleneck(self.nodes, stages, t, window),
             compute_bound_samples_per_s=self.compute_bound(self.usable),
             inflight=window,
             chosen_inflight=chosen,
@@ -810,6 +839,8 @@ class CostModel:
                 self.nodes[i].node_id: int(self.nodes[i].baseline_bytes + need)
                 for (_, _, nodes), stage_needs in zip(stages, needs) for i, need in zip(nodes, stage_needs)
             },
+            layout=layout_of(stages),
+            layout_steps=dict(layout_steps or {}),
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
@@ -862,37 +893,43 @@ class CostModel:
         pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
         return float((unbounded.latency.sum() + unbounded.transfer.sum()) / (pace * heads))
 
-    def _bottleneck(self, stages: Stages, t: _Terms, window: int | None) -> str:
-        m = self.shape.microbatches
-        pace = max((m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0), t.window)
-        fill = t.latency.sum() + t.transfer.sum()
-        sync = t.allreduce.max()
 
-        def share(x: float) -> str:
-            return f"{100 * x / t.step_s:.0f}% of the step"
+def _bottleneck(nodes: Sequence[NodeProfile], stages: Stages, t: _Terms, window: int | None) -> str:
+    """What limits the step of these stages priced at t, in one line."""
+    pace = max(t.paced, t.window)
+    fill = t.latency.sum() + t.transfer.sum()
+    sync = t.allreduce.max()
 
-        def regions(k: int) -> str:
-            names = sorted({self.nodes[i].region for i in stages[k][2]})
-            return "+".join(names) if len(names) <= 3 else f"{len(names)} regions"
+    def share(x: float) -> str:
+        return f"{100 * x / t.step_s:.0f}% of the step"
 
-        if sync >= pace and sync >= fill:
-            s = int(np.argmax(t.allreduce))
-            return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
-        if fill > pace:
-            return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
-        s = int(np.argmax(t.occupancy))
-        if t.window > (m - 1) * max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
-            return (
-                f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
-                f" replicas over a {fill:.3g} s round trip, {share(pace)}"
-            )
-        if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
-            b = int(np.argmax(t.link_occupancy))
-            return (
-                f"link stage {b} -> {b + 1} ({regions(b)} -> {regions(b + 1)}): {t.link_occupancy[b]:.3g} s per"
-                f" microbatch over {min(len(stages[b][2]), len(stages[b + 1][2]))} parallel pairs, {share(pace)}"
-            )
+    def regions(k: int) -> str:
+        names = sorted({nodes[i].region for i in stages[k][2]})
+        return "+".join(names) if len(names) <= 3 else f"{len(names)} regions"
+
+    if sync >= pace and sync >= fill:
+        s = int(np.argmax(t.allreduce))
+        return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
+    if len(stages) == 1 and t.window <= t.paced:
         return (
-            f"stage {s} compute (layers {stages[s][0]}-{stages[s][1] - 1}, {len(stages[s][2])} replicas):"
-            f" {t.occupancy[s]:.3g} s per microbatch, {share(pace)}"
+            f"compute: {len(stages[0][2])} replicas of the whole model side by side, {t.occupancy[0]:.3g} s per"
+            f" microbatch together, {share(t.paced + fill)}"
         )
+    if fill > pace:
+        return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
+    s = int(np.argmax(t.occupancy))
+    if t.window > t.paced:
+        return (
+            f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
+            f" replicas over a {fill:.3g} s round trip, {share(pace)}"
+        )
+    if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
+        b = int(np.argmax(t.link_occupancy))
+        return (
+            f"link stage {b} -> {b + 1} ({regions(b)} -> {regions(b + 1)}): {t.link_occupancy[b]:.3g} s per"
+            f" microbatch over {min(len(stages[b][2]), len(stages[b + 1][2]))} parallel pairs, {share(pace)}"
+        )
+    return (
+        f"stage {s} compute (layers {stages[s][0]}-{stages[s][1] - 1}, {len(stages[s][2])} replicas):"
+        f" {t.occupancy[s]:.3g} s per microbatch, {share(pace)}"
+    )

@@ -59,7 +59,8 @@ class CostTables:
             with np.errstate(divide="ignore"):  # a range no member can hold: c and h are inf
                 c, h = cm.compute_terms(rate, len(idx))
             sync = np.broadcast_to(cm.sync_seconds(idx, self._starts, self._ends), c.shape)
-            self._stages[key] = (cm.paced_seconds(c), h, sync, fit_rep, member_class.reshape(-1), count)
+            paced = cm.paced_seconds(c, cm.lone_starters(n_stages, len(idx)))
+            self._stages[key] = (paced, h, sync, fit_rep, member_class.reshape(-1), count)
         return self._stages[key]
 
     @staticmethod

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from geotrain.scheduler.costmodel import CostModel, ModelProfile, Network, NodeProfile, Plan, StepShape
+from geotrain.scheduler.costmodel import CostModel, ModelProfile, Network, NodeProfile, Plan, StepShape, layout_of
 from geotrain.scheduler.costtables import CostTables
 from geotrain.scheduler.grouping import EXACT_CHAIN_REGIONS, Grouping, Pool
 from geotrain.scheduler.layersplit import LayerSplitter, Stage
@@ -122,7 +122,17 @@ class Planner:
         else:
             best = min(scored, key=lambda c: (scored[c], c))
         logger.debug("planner scored %d candidates, best %.4g s/step", len(scored), scored[best])
-        return cm.plan(best, self._exclusions(best))
+        return cm.plan(best, self._exclusions(best), layout_steps=self._layout_steps(scored))
+
+    @staticmethod
+    def _layout_steps(scored: dict[tuple[Stage, ...], float]) -> dict[str, float]:
+        """The best step time of each layout (pipeline, data parallel, hybrid) among the scored plans."""
+        best: dict[str, float] = {}
+        for cand, cost in scored.items():
+            if math.isfinite(cost):
+                layout = layout_of(cand)
+                best[layout] = min(best.get(layout, math.inf), float(cost))
+        return dict(sorted(best.items(), key=lambda item: (item[1], item[0])))
 
     def _paced_chain(self, chain: list[str], scored: dict[tuple[Stage, ...], float]) -> None:
         """Score into scored the best plan along the chain ordered by what a boundary adds to the step, its paced
