@@ -95,11 +95,12 @@ LINKS = ("namespaces", "emulator")
 
 
 def run_settings(config: Config, steps: int) -> list[str]:
-    """Every --set of one run of `config`."""
+    """Every --set of one run of `config`: the default plan (the planner chooses the layout), but the replica
+    configurations' STAGES stages of even layers."""
+    layout = [f"scheduler.stages={STAGES}", "scheduler.placement=uniform"] if config.replicas > 1 else []
     return [
         *MODEL, *TRAIN, f"run.steps={steps}", f"run.eval_every={EVAL_EVERY}",
-        f"run.eval_microbatches={EVAL_MICROBATCHES}", f"scheduler.stages={STAGES}",
-        "scheduler.placement=uniform", *config.settings,
+        f"run.eval_microbatches={EVAL_MICROBATCHES}", *layout, *config.settings,
     ]
 
 
@@ -151,8 +152,10 @@ def run_summary(settings: list[str], steps: int, links: str, replicas: int = 1, 
     `links` (LINKS)."""
     flags = [arg for s in settings for arg in ("--set", s)]
     if links == "emulator":
+        # demo's --stages outranks --set: the settings' own, or 0 (the planner chooses).
+        stages = next((s.split("=", 1)[1] for s in settings if s.startswith("scheduler.stages=")), "0")
         cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * replicas), "--stages",
-               str(STAGES), "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
+               stages, "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
         if done.returncode != 0:
