@@ -1,7 +1,8 @@
 """Time to a target loss over slow links: each way to send fewer bytes, judged by when it reaches the loss that
 exact training reaches, not by its bytes.
 
-Three stages in three regions joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
+Three regions of one node each (two for the replica configurations) under the planner's default plan (the replica
+configurations: three stages of even layers), joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
 runs as root (tbf rate limits, and the router delays every packet between regions), else `geotrain demo --uplink
 50/50` (every node's traffic through one emulated 50 Mbit/s, 50 ms uplink); each line says which, key "links". The
 model is a byte GPT of 2.7M parameters (6 blocks of width 192); every configuration trains the same steps on the
