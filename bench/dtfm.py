@@ -144,11 +144,11 @@ class _Search:
         groups = [tuple(sorted(self.members[labels == g].tolist())) for g in range(k)]
         # Every pair of groups at once: routing weights by link class, then the cost model's class link matrices.
         speed = 1.0 / self.cm.prefix_seconds[self.members, -1]
-        weights = np.zeros((k, self.cm.n_link_classes))
-        np.add.at(weights, (labels, self.cm.link_class[self.members]), speed)
+        weights = np.zeros((k, self.cm.links.n_link_classes))
+        np.add.at(weights, (labels, self.cm.links.link_class[self.members]), speed)
         weights /= weights.sum(axis=1, keepdims=True)
-        per_bit = weights @ self.cm.class_seconds_per_bit @ weights.T
-        lat = weights @ self.cm.class_lat @ weights.T
+        per_bit = weights @ self.cm.links.class_seconds_per_bit @ weights.T
+        lat = weights @ self.cm.links.class_lat @ weights.T
         sizes = np.bincount(labels, minlength=k)
         occupancy, transfer = self.cm.boundary_terms(self.typical_bits, per_bit, lat, np.minimum.outer(sizes, sizes))
         cost = self.cm.paced_seconds(occupancy) + transfer
@@ -162,9 +162,9 @@ class _Search:
     def __post_init__(self) -> None:
         # DT-FM's pairwise cost of two devices, over the link classes of the candidates: the latency plus the bits
         # of one activation over the bandwidth.
-        classes, self.member_class = np.unique(self.cm.link_class[self.members], return_inverse=True)
+        classes, self.member_class = np.unique(self.cm.links.link_class[self.members], return_inverse=True)
         pick = np.ix_(classes, classes)
-        self.pair_cost = self.cm.class_lat[pick] + self.typical_bits * self.cm.class_seconds_per_bit[pick]
+        self.pair_cost = self.cm.links.class_lat[pick] + self.typical_bits * self.cm.links.class_seconds_per_bit[pick]
         values, counts = np.unique(self.pair_cost, return_counts=True)
         common_cost = values[np.argmax(counts)]
         # Classes of one device that see the commonest cost to every other class (standalone machines) are one class

@@ -1,7 +1,8 @@
 """Time to a target loss over slow links: each way to send fewer bytes, judged by when it reaches the loss that
 exact training reaches, not by its bytes.
 
-Three stages in three regions joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
+Three regions of one node each (two for the replica configurations) under the planner's default plan (the replica
+configurations: three stages of even layers), joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
 runs as root (tbf rate limits, and the router delays every packet between regions), else `geotrain demo --uplink
 50/50` (every node's traffic through one emulated 50 Mbit/s, 50 ms uplink); each line says which, key "links". The
 model is a byte GPT of 2.7M parameters (6 blocks of width 192); every configuration trains the same steps on the
@@ -95,11 +96,12 @@ LINKS = ("namespaces", "emulator")
 
 
 def run_settings(config: Config, steps: int) -> list[str]:
-    """Every --set of one run of `config`."""
+    """Every --set of one run of `config`: the default plan (the planner chooses the layout), but the replica
+    configurations' STAGES stages of even layers."""
+    layout = [f"scheduler.stages={STAGES}", "scheduler.placement=uniform"] if config.replicas > 1 else []
     return [
         *MODEL, *TRAIN, f"run.steps={steps}", f"run.eval_every={EVAL_EVERY}",
-        f"run.eval_microbatches={EVAL_MICROBATCHES}", f"scheduler.stages={STAGES}",
-        "scheduler.placement=uniform", *config.settings,
+        f"run.eval_microbatches={EVAL_MICROBATCHES}", *layout, *config.settings,
     ]
 
 
@@ -151,8 +153,10 @@ def run_summary(settings: list[str], steps: int, links: str, replicas: int = 1, 
     `links` (LINKS)."""
     flags = [arg for s in settings for arg in ("--set", s)]
     if links == "emulator":
+        # demo's --stages outranks --set: the settings' own, or 0 (the planner chooses).
+        stages = next((s.split("=", 1)[1] for s in settings if s.startswith("scheduler.stages=")), "0")
         cmd = [sys.executable, "-m", "geotrain", "demo", "--nodes", str(STAGES * replicas), "--stages",
-               str(STAGES), "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
+               stages, "--steps", str(steps), "--uplink", f"{LINK_MBPS:g}/{LATENCY_MS:g}", "--http", "off", "--json", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
         if done.returncode != 0:

@@ -2,8 +2,8 @@
 
 The links, model, data and target of bench/time_to_target.py (3 regions joined by 50 Mbit/s, 50 ms; a 2.7M-parameter
 byte GPT; 3,072 tokens a step). Systems:
-- geotrain (config none) and geotrain's best configuration (--best, a config of time_to_target.py's table): a
-  pipeline of 3 stages, one per region, through time_to_target.py's own run.
+- geotrain (config none) and geotrain's best configuration (--best, a config of time_to_target.py's table): the
+  default plan (the planner's choice of pipeline, data parallelism or hybrid), through time_to_target.py's own run.
 - torch pipelining: `torch.distributed.pipelining`'s GPipe schedule over gloo, 3 ranks, one per region, each with
   the layers geotrain's uniform placement gives its stage (the same layers, built by the same model zoo and seed),
   the step's 6 microbatches as GPipe's microbatches (gradients averaged over them), the global gradient-norm clip

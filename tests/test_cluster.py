@@ -37,10 +37,10 @@ def test_parse_expands_counts_and_units():
     assert g.memory_bytes == 16 * 10**9
     # The plan is priced with the laptop's 50 Mbit/s uplink under the 500 Mbit/s, 40 ms link between the regions.
     cm = CostModel(nodes=cluster.nodes, model=MODEL, network=cluster.network, shape=StepShape(microbatches=4, microbatch_size=2))
-    g_class, lap_class = cm.link_class[0], cm.link_class[2]
-    assert cm.class_bw[g_class, lap_class] == 50e6
-    assert cm.class_lat[g_class, lap_class] == pytest.approx(0.04)
-    assert cm.class_bw[g_class, g_class] == 10e9 and cm.class_lat[g_class, g_class] == pytest.approx(0.001)
+    g_class, lap_class = cm.links.link_class[0], cm.links.link_class[2]
+    assert cm.links.class_bw[g_class, lap_class] == 50e6
+    assert cm.links.class_lat[g_class, lap_class] == pytest.approx(0.04)
+    assert cm.links.class_bw[g_class, g_class] == 10e9 and cm.links.class_lat[g_class, g_class] == pytest.approx(0.001)
 
 
 def with_change(path, value):

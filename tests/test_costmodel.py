@@ -82,8 +82,9 @@ def test_codec_ratio_shrinks_the_bytes_term_only():
 def test_replicas_share_by_speed_and_average_gradients():
     cm = model_for([node("fast", [0.5, 0.5]), node("slow", [1.5, 1.5])])
     # t = 1 and 3: c = 1 / (1 + 1/3) = 0.75, h = 2 * 0.75 = 1.5.
-    # All-reduce: 2 (n-1)/n * 200 B * 8 / 8000 + 2 * 0.5 = 0.2 + 1 = 1.2.  T = 3 * 0.75 + 1.5 + 1.2.
-    assert cm.step_seconds([(0, 2, [0, 1])]) == pytest.approx(3 * 0.75 + 1.5 + 1.2)
+    # All-reduce: 2 (n-1)/n * 200 B * 8 / 8000 + 2 * 0.5 = 0.2 + 1 = 1.2. A lone stage fills nothing: its two
+    # replicas start together, T = (4 - 2) * 0.75 + 1.5 + 1.2 (fast does 3 microbatches in 3 s, slow 1 in 3 s).
+    assert cm.step_seconds([(0, 2, [0, 1])]) == pytest.approx(2 * 0.75 + 1.5 + 1.2)
 
 
 def test_parallel_pairs_divide_link_occupancy():
@@ -167,7 +168,7 @@ def test_link_matrices_by_hand():
     cm = CostModel(nodes=nodes, model=TINY, network=net,
                    shape=shape4(codec_ratio=CodecRatio(intra_region=1.0, inter_region=0.5)))
     # d and e see the same links, so they share a class; a (capped), b and c (measured) get classes of their own.
-    assert cm.link_class.tolist() == [0, 1, 2, 3, 3, 4]
+    assert cm.links.link_class.tolist() == [0, 1, 2, 3, 3, 4]
     g, m, w = 1e9, 1e8, 1e7
     bandwidth = [  # a    b    c    d    e    f
         [2e7, 2e7, 2e7, 2e7, 2e7, w],  # a: its cap everywhere but towards z, which is slower still
@@ -185,12 +186,12 @@ def test_link_matrices_by_hand():
         [0.05, 0.05, 1e-3, 1e-3, 1e-3, 0.1],
         [0.1, 0.1, 0.1, 0.1, 0.1, 1e-3],
     ]
-    per_node = np.ix_(cm.link_class, cm.link_class)
-    np.testing.assert_array_equal(cm.class_bw[per_node], bandwidth)
-    np.testing.assert_array_equal(cm.class_lat[per_node], latency)
+    per_node = np.ix_(cm.links.link_class, cm.links.link_class)
+    np.testing.assert_array_equal(cm.links.class_bw[per_node], bandwidth)
+    np.testing.assert_array_equal(cm.links.class_lat[per_node], latency)
     # The inter-region codec ratio halves the bits of links between regions only.
     inter = np.not_equal.outer(list(regions.values()), list(regions.values()))
-    np.testing.assert_allclose(cm.class_seconds_per_bit[per_node], np.where(inter, 0.5, 1.0) / np.array(bandwidth))
+    np.testing.assert_allclose(cm.links.class_seconds_per_bit[per_node], np.where(inter, 0.5, 1.0) / np.array(bandwidth))
     # Without a default, a region pair nobody listed is an error naming it.
     with pytest.raises(ValueError, match="no link between regions 'x' and 'z'"):
         CostModel(nodes=nodes, model=TINY, network=Network(intra_region=net.intra_region, inter_region=net.inter_region),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import io
 import itertools
 import math
 import random
@@ -13,6 +14,7 @@ from geotrain.memory import serving_bytes_per_param
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
+from geotrain.scheduler.plan_cli import write_plan
 from geotrain.scheduler.planner import Planner, PlannerConfig, plan
 from tests.conftest import REPO
 
@@ -113,7 +115,7 @@ def test_layer_split_is_the_best_for_fixed_groups(seed):
             layers[s], layers[s + 1], n_stages)]) for s, g in enumerate(groups)]
         if all(members for _, _, members in stages):
             best = min(best, cm.step_seconds(stages))
-    split = Planner(cm, PlannerConfig()).split_layers(groups)
+    split = Planner(cm, PlannerConfig()).splitter.split_layers(groups)
     assert (cm.step_seconds(split[0]) if split else math.inf) == pytest.approx(best)
 
 
@@ -217,7 +219,7 @@ def test_dealt_stages_span_every_region_with_even_compute():
     net = Network(intra_region=NET.intra_region, default_inter_region=Link(bandwidth_bps=2e8, latency_s=0.05))
     cm = CostModel(nodes=nodes, model=MODEL, network=net, shape=StepShape(microbatches=48, microbatch_size=2))
     planner = Planner(cm, PlannerConfig())
-    groups = planner._groups(cm.usable, 3, planner._region_chain(planner.region_cost), "deal")
+    groups = planner.grouping.groups(cm.usable, 3, planner.grouping.region_chain(planner.grouping.region_cost), "deal")
     assert sorted(i for g in groups for i in g) == sorted(cm.usable)
     for region in {"a", "b", "c", "d"}:
         counts = [sum(nodes[i].region == region for i in g) for g in groups]
@@ -315,5 +317,57 @@ def test_regions_are_also_chained_by_the_links_that_pace_the_step(monkeypatch):
     # DT-FM's plan there: 8 stages of 2 V100s, two per region, the regions in its order.
     order = ("California", "Oregon", "Virginia", "Ohio")
     pairs = [[i for i in range(16) if nodes[i].region == r][half::2] for r in order for half in (0, 1)]
-    stages, _ = planner.split_layers(pairs)
+    stages, _ = planner.splitter.split_layers(pairs)
     assert ours.step_seconds <= cm.step_seconds(stages) * (1 + 1e-9)
+
+
+def _three_regions(model, link, shape):
+    """Three equal CPU nodes, one per region, joined by `link`; each runs the whole model in 0.25 s a microbatch."""
+    total = sum(model.layer_flops)
+    nodes = [NodeProfile(node_id=f"n{i}", region=f"r{i}", layer_seconds=[0.25 * f / total for f in model.layer_flops],
+                         memory_bytes=64 * 2**30) for i in range(3)]
+    net = Network(intra_region=Link(bandwidth_bps=10e9, latency_s=1e-4), default_inter_region=link)
+    return plan(nodes=nodes, model=model, network=net, shape=shape)
+
+
+# bench/versus.py's byte GPT (2.7M parameters), its step, and the float64 sums a live run's replicas average.
+BYTE_GPT = ModelProfile.gpt(n_layers=6, d_model=192, n_heads=6, seq_len=64, vocab=256, microbatch_size=8)
+VERSUS_STEP = StepShape(microbatches=6, microbatch_size=8, inflight=6, sync_bytes_per_value=8)
+WAN = Link(bandwidth_bps=50e6, latency_s=0.05)
+
+
+def test_a_small_model_on_fast_links_gets_data_parallelism():
+    result = _three_regions(BYTE_GPT, Link(bandwidth_bps=10e9, latency_s=1e-4), VERSUS_STEP)
+    assert result.layout == "data parallel"
+    assert [(st.start, st.end, st.node_ids) for st in result.stages] == [(0, 8, ["n0", "n1", "n2"])]
+    # It beat the best pipeline the planner found, and says so.
+    assert result.layout_steps["data parallel"] == pytest.approx(result.step_seconds)
+    assert result.layout_steps["data parallel"] < result.layout_steps["pipeline"]
+
+
+def test_gradients_that_cost_more_than_activations_get_a_pipeline():
+    # Every step's float64 gradient sums of 2.7M parameters cross 50 Mbit/s links: seconds, where a pipeline's
+    # activations take tens of milliseconds a microbatch.
+    result = _three_regions(BYTE_GPT, WAN, VERSUS_STEP)
+    assert result.layout == "pipeline"
+    assert result.layout_steps["pipeline"] < result.layout_steps["data parallel"]
+    # A wide model: its gradients dwarf its activations even on faster links.
+    wide = ModelProfile.gpt(n_layers=8, d_model=1024, n_heads=16, seq_len=64, vocab=256, microbatch_size=8)
+    result = _three_regions(wide, Link(bandwidth_bps=1e9, latency_s=0.01), VERSUS_STEP)
+    assert result.layout == "pipeline" and len(result.stages) > 1
+
+
+def test_data_parallelism_is_priced_with_the_averaging_the_run_allows():
+    # The same WAN, but replicas average DiLoCo-style every 10 steps in int16: data parallelism wins.
+    diloco = dataclasses.replace(VERSUS_STEP, diloco=True, replica_sync_every=10, sync_bytes_per_value=2)
+    result = _three_regions(BYTE_GPT, WAN, diloco)
+    assert result.layout == "data parallel"
+    assert result.layout_steps["data parallel"] < result.layout_steps["pipeline"]
+
+
+def test_geotrain_plan_says_why_it_chose_its_layout():
+    out = io.StringIO()
+    write_plan(_three_regions(BYTE_GPT, WAN, VERSUS_STEP), as_json=False, out=out)
+    line = next(line for line in out.getvalue().splitlines() if line.startswith("layout: "))
+    assert line.startswith("layout: pipeline, by the estimated step of the best plan of each layout: pipeline ")
+    assert "data parallel" in line

@@ -102,7 +102,7 @@ def test_planner_prices_a_split_as_the_cost_model_does(shape, seed):
     order = random.Random(seed).sample(range(9), 9)
     for n_stages in (1, 2, 3):
         groups = [order[s::n_stages] for s in range(n_stages)]
-        stages, estimate = Planner(cm, PlannerConfig()).split_layers(groups)
+        stages, estimate = Planner(cm, PlannerConfig()).splitter.split_layers(groups)
         assert estimate == pytest.approx(cm.step_seconds(stages), rel=1e-9)
         if shape.inflight == 1 and n_stages > 1:
             # The window paces this step: a planner that left it out would price the split lower.
@@ -124,7 +124,7 @@ def test_planner_keeps_exactly_the_members_the_cost_model_says_fit():
                                        memory_bytes=memory))
     cm = CostModel(nodes=members, model=MODEL, network=NET, shape=shape)
     groups = [[3 * s, 3 * s + 1, 3 * s + 2] for s in range(n_stages)]
-    stages, _ = Planner(cm, PlannerConfig()).split_layers(groups)
+    stages, _ = Planner(cm, PlannerConfig()).splitter.split_layers(groups)
     assert [(a, b) for a, b, _ in stages] == [(s, s + 1) for s in range(n_stages)]
     assert [list(kept) for _, _, kept in stages] == [[3 * s, 3 * s + 1] for s in range(n_stages)]
     assert cm.feasible(stages) and not cm.feasible([(a, b, [*kept, kept[0] + 2]) for a, b, kept in stages])

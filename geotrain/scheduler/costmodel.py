@@ -38,6 +38,8 @@ lowered where a replica's memory cannot hold its share of the W |R_0| microbatch
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
     beta = max(max_s c_s, max_s o_s)
     T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s + f
+  and with one stage (data parallelism: nothing to fill, the replicas take their shares side by side)
+    T = max(max(M - |R_0|, 0) * c_0, w) + h_0 + g_0 + f
     samples/s = M * microbatch_size / T
 where f is the commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
 and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top of its bytes (matchmaking, message
@@ -72,6 +74,7 @@ import numpy as np
 
 from geotrain import memory
 from geotrain.config import AUTO_INFLIGHT, MAX_INFLIGHT, RunConfig
+from geotrain.scheduler.links import LinkClasses
 
 logger = logging.getLogger(__name__)
 
@@ -473,6 +476,10 @@ class Plan:
     node_memory_bytes: dict[str, int] = field(default_factory=dict)
     """Node id -> the peak memory its process is estimated at: its baseline and its stage's need at its share of
     the window's microbatches in flight."""
+    layout: str = ""
+    """The plan's shape (layout_of): "pipeline", "data parallel", "hybrid" or "one node"."""
+    layout_steps: dict[str, float] = field(default_factory=dict)
+    """Layout -> the best estimated step seconds the planner found of it: why it chose this plan's layout."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -487,6 +494,14 @@ Stages = Sequence[tuple[int, int, Sequence[int]]]
 """Internal plan form: (start, end, node indices) per stage, indices into CostModel.nodes."""
 
 
+def layout_of(stages: Stages) -> str:
+    """A plan's shape: one stage of several replicas is data parallelism (every node holds the whole model), stages
+    of one node each a pipeline, several stages with replicas a hybrid."""
+    if len(stages) == 1:
+        return "data parallel" if len(stages[0][2]) > 1 else "one node"
+    return "pipeline" if all(len(nodes) == 1 for *_, nodes in stages) else "hybrid"
+
+
 @dataclass(kw_only=True)
 class _Terms:
     occupancy: np.ndarray  # c_s
@@ -494,6 +509,7 @@ class _Terms:
     transfer: np.ndarray  # x_s, one per boundary
     link_occupancy: np.ndarray  # o_s, one per boundary
     allreduce: np.ndarray  # g_s
+    paced: float  # the pace term: (M - 1) x the slowest stage or link (M - |R_0| for a lone stage)
     window: float  # w, the seconds the data heads' window paces the step
     step_s: float
 
@@ -546,179 +562,17 @@ class CostModel:
             self.max_act[a, a + 1:] = np.maximum.accumulate(acts[a:])
             self.max_tensor[a, a + 1:] = np.maximum.accumulate(tensors[a:])
         self.boundary_bits = np.asarray(model.boundary_bytes, dtype=np.float64) * 8
-        self._build_links()
-        self._allreduce_terms: dict[bytes, tuple] = {}
+        self.links = LinkClasses(self.nodes, network, shape.codec_ratio)
         self._stage_memo: dict[tuple, tuple] = {}
         self._boundary_memo: dict[tuple[int, int], tuple[float, float]] = {}
         self._fits_memo: dict[tuple, bool] = {}
         # A node that cannot hold even the smallest one-layer stage can serve no plan.
         self.usable = [int(i) for i in np.flatnonzero(self.memory >= self.min_memory_bytes())]
 
-    def _build_links(self) -> None:
-        """Link matrices over link classes instead of nodes: nodes of one region with the same access cap and no
-        measured pair override see identical links, so a 1,000-node cluster has a few dozen classes, and every
-        link term of a plan costs O(classes^2) instead of O(nodes^2)."""
-        regions = sorted({n.region for n in self.nodes})
-        self.regions = regions
-        pos = {r: k for k, r in enumerate(regions)}
-        r_of = np.array([pos[n.region] for n in self.nodes], dtype=np.int64)
-        # Region matrices filled from the few listed pairs: standalone machines make hundreds of regions.
-        default = self.network.default_inter_region
-        r_bw = np.full((len(regions), len(regions)), float(default.bandwidth_bps) if default else math.nan)
-        r_lat = np.full_like(r_bw, float(default.latency_s) if default else math.nan)
-        for (ra, rb), link in self.network.inter_region.items():
-            if ra in pos and rb in pos:
-                r_bw[pos[ra], pos[rb]] = r_bw[pos[rb], pos[ra]] = link.bandwidth_bps
-                r_lat[pos[ra], pos[rb]] = r_lat[pos[rb], pos[ra]] = link.latency_s
-        np.fill_diagonal(r_bw, self.network.intra_region.bandwidth_bps)
-        np.fill_diagonal(r_lat, self.network.intra_region.latency_s)
-        r_ratio = np.full_like(r_bw, self.shape.codec_ratio.inter_region)
-        np.fill_diagonal(r_ratio, self.shape.codec_ratio.intra_region)
-        missing = np.argwhere(np.isnan(r_bw))
-        if len(missing):
-            self.network.region_link(regions[missing[0][0]], regions[missing[0][1]])  # raises, naming the pair
-        self.region_of = r_of
-        self.region_bw = r_bw
-        self.region_lat = r_lat
-        self.region_seconds_per_bit = r_ratio / r_bw
-        caps = np.array([self.network.node_bandwidth_bps.get(n.node_id, math.inf) for n in self.nodes])
-        overrides = {(self.index[a], self.index[b]): link for (a, b), link in self.network.pair_overrides.items()
-                     if a in self.index and b in self.index}
-        measured = {i for pair in overrides for i in pair}
-        # A node with a measured pair gets a class of its own, so a class pair never mixes measured and default links.
-        behind = [n.unreachable for n in self.nodes]
-        keys = [("node", i) if i in measured else ("region", int(r_of[i]), float(caps[i]), behind[i])
-                for i in range(len(self.nodes))]
-        first: dict[tuple, int] = {}
-        self.link_class = np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
-        self.n_link_classes = len(first)
-        reps = np.unique(self.link_class, return_index=True)[1]  # each class's first node
-        rc = r_of[reps]
-        self.class_region = rc
-        bw = np.minimum(r_bw[np.ix_(rc, rc)], np.minimum.outer(caps[reps], caps[reps]))
-        lat = r_lat[np.ix_(rc, rc)]
-        for (i, j), link in overrides.items():
-            ci, cj = self.link_class[i], self.link_class[j]
-            bw[ci, cj] = bw[cj, ci] = link.bandwidth_bps
-            lat[ci, cj] = lat[cj, ci] = link.latency_s
-        behind_class = np.array(behind, dtype=bool)[reps]
-        relayed = np.logical_and.outer(behind_class, behind_class)
-        bw, lat = np.where(relayed, bw / 2, bw), np.where(relayed, 2 * lat, lat)
-        self.class_bw = bw
-        self.class_lat = lat
-        self.class_seconds_per_bit = r_ratio[np.ix_(rc, rc)] / bw
-        # Terms over every pair of a group's classes read a base link and the class pairs whose link differs from
-        # it, never the dense matrices: where machines are regions there are thousands of classes, and all but a
-        # few pairs per class share the default inter-region link.
-        base = default or self.network.intra_region
-        ratio = self.shape.codec_ratio.inter_region if default else self.shape.codec_ratio.intra_region
-        self._base_link = (base.bandwidth_bps, base.latency_s, ratio / base.bandwidth_bps)
-        base_bw, base_lat, base_per_bit = self._base_link
-        rows, cols = np.nonzero((bw != base_bw) | (lat != base_lat) | (self.class_seconds_per_bit != base_per_bit))
-        self._odd_rows, self._odd_cols = rows, cols
-        self._odd_bw, self._odd_lat = bw[rows, cols], lat[rows, cols]
-        self._odd_extra_per_bit = self.class_seconds_per_bit[rows, cols] - self._base_link[2]
-
-    def _class_weights(self, idx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The link classes present in idx and the summed weights of their nodes."""
-        of = self.link_class[idx]
-        classes = np.flatnonzero(np.bincount(of, minlength=self.n_link_classes))
-        return classes, np.bincount(of, weights=weights, minlength=self.n_link_classes)[classes]
-
-    def mean_link(
-        self, a: np.ndarray, wa: np.ndarray, b: np.ndarray, wb: np.ndarray
-    ) -> tuple[float, float]:
-        """Seconds per raw bit (codec applied) and latency between disjoint node sets a and b, expected over
-        routing weights wa and wb (each summing to 1)."""
-        return self._class_link(*self._class_weights(a, wa), *self._class_weights(b, wb))
-
-    def _class_link(self, ca: np.ndarray, va: np.ndarray, cb: np.ndarray, vb: np.ndarray) -> tuple[float, float]:
-        """mean_link over link classes ca, cb with summed weights va, vb: the base link's terms over all the weight,
-        corrected on the class pairs whose link differs from it."""
-        wa, wb = np.zeros(self.n_link_classes), np.zeros(self.n_link_classes)
-        wa[ca], wb[cb] = va, vb
-        both = wa[self._odd_rows] * wb[self._odd_cols]
-        total = float(va.sum() * vb.sum())
-        _, base_lat, base_per_bit = self._base_link
-        per_bit = base_per_bit * total + float(both @ self._odd_extra_per_bit)
-        lat = base_lat * total + float(both @ (self._odd_lat - base_lat))
-        return per_bit, lat
-
-    def _extreme_link(self, pairs: np.ndarray, n_pairs: int) -> tuple[float, float]:
-        """The lowest bandwidth and the highest latency over n_pairs ordered class pairs, of which `pairs` selects
-        those whose link differs from the base link (the rest have the base link)."""
-        bw, lat = self._odd_bw[pairs], self._odd_lat[pairs]
-        if len(bw) < n_pairs:
-            base_bw, base_lat, _ = self._base_link
-            return min(bw.min(initial=math.inf), base_bw), max(lat.max(initial=-math.inf), base_lat)
-        return float(bw.min()), float(lat.max())
-
-    def _group_terms(self, idx: np.ndarray) -> tuple:
-        """Coefficients of the flat and the hierarchical all-reduce among the replicas idx, each as
-        (seconds per bit, seconds): arrays of them over the regions for the in-region rounds, one pair for the
-        shards."""
-        # How many replicas of each link class, not which: the terms read nothing else, and planners score many
-        # groups of the same make-up (a local search moving one node among interchangeable ones, orders of a group).
-        n = len(idx)
-        classes, counts = self._class_weights(idx, np.ones(n))
-        key = classes.tobytes() + counts.tobytes()
-        if key not in self._allreduce_terms:
-            count = np.zeros(self.n_link_classes)
-            count[classes] = counts
-            rows, cols = self._odd_rows, self._odd_cols
-            # Two different nodes of one class meet over the class's own link only when the class has two of them.
-            pairs = (count[rows] > 0) & (count[cols] > 0) & ((rows != cols) | (count[rows] >= 2))
-            n_pairs = len(classes) * (len(classes) - 1) + int(np.sum(counts >= 2))
-            bw, lat = self._extreme_link(pairs, n_pairs)
-            flat = (2 * (n - 1) / n / bw, 2 * lat)
-            hierarchical = None
-            regions, region = np.unique(self.class_region[classes], return_inverse=True)  # of each class, from 0
-            k = np.bincount(region, weights=counts).astype(np.int64)  # replicas per region
-            if self.shape.allreduce != "flat" and len(k) > 1 and k.max() > 1:
-                # Per region with two replicas or more, (seconds per bit, seconds) of its in-region rounds. A region
-                # of one link class (the usual case; thousands of them where machines are regions) reads its class's
-                # own link; the others take the slowest pair of their classes.
-                shared = np.flatnonzero(k > 1)
-                classes_in = np.bincount(region)
-                in_bw = np.empty(len(shared))
-                in_lat = np.empty(len(shared))
-                one = classes_in[shared] == 1
-                only_class = classes[np.argsort(region, kind="stable")[np.searchsorted(np.sort(region), shared[one])]]
-                in_bw[one], in_lat[one] = self.class_bw[only_class, only_class], self.class_lat[only_class, only_class]
-                row_region, col_region = self.class_region[rows], self.class_region[cols]
-                several = np.flatnonzero(~one)
-                if len(several):
-                    # _extreme_link over each region's own class pairs, every region at once.
-                    inner = pairs & (row_region == col_region)
-                    at = np.searchsorted(regions, row_region[inner])
-                    low_bw, high_lat = np.full(len(regions), math.inf), np.full(len(regions), -math.inf)
-                    np.minimum.at(low_bw, at, self._odd_bw[inner])
-                    np.maximum.at(high_lat, at, self._odd_lat[inner])
-                    in_pairs = classes_in * (classes_in - 1) + np.bincount(region, weights=counts >= 2)
-                    base = np.bincount(at, minlength=len(regions)) < in_pairs  # some pair has the base link
-                    base_bw, base_lat, _ = self._base_link
-                    low_bw = np.where(base, np.minimum(low_bw, base_bw), low_bw)
-                    high_lat = np.where(base, np.maximum(high_lat, base_lat), high_lat)
-                    in_bw[several], in_lat[several] = low_bw[shared[several]], high_lat[shared[several]]
-                # The slowest region's rounds, a maximum over lines in the bits: only the lines no other one beats
-                # at every size matter (spot instances of one kind are all the same line).
-                per_bit, fixed = 2 * (k[shared] - 1) / k[shared] / in_bw, 2 * in_lat
-                order = np.lexsort((-fixed, -per_bit))
-                beaten = np.concatenate([[False], fixed[order][1:] <= np.maximum.accumulate(fixed[order])[:-1]])
-                inside = (per_bit[order][~beaten], fixed[order][~beaten])
-                across_bw, across_lat = self._extreme_link(
-                    pairs & (row_region != col_region), len(classes) ** 2 - int(np.sum(classes_in**2))
-                )
-                m, shards = len(k), int(k.max())
-                share = max(math.ceil(shards / kr) for kr in k) / shards
-                hierarchical = (inside, (share * 2 * (m - 1) / m / across_bw, 2 * across_lat))
-            self._allreduce_terms[key] = (flat, hierarchical)
-        return self._allreduce_terms[key]
-
     def _allreduce_both(self, idx: np.ndarray, bits: np.ndarray | float) -> tuple:
         """Seconds of one flat and one hierarchical all-reduce of bits (a number or an array of sizes) among the
         replicas idx; inf where that way does not apply or is not allowed."""
-        (flat_per_bit, flat_s), hierarchical = self._group_terms(idx)  # no hierarchical terms under "flat"
+        (flat_per_bit, flat_s), hierarchical = self.links.group_terms(idx, self.shape.allreduce)
         round_s = self.shape.averaging_round_s
         if hierarchical is None:
             return flat_per_bit * bits + flat_s + round_s, math.inf
@@ -836,13 +690,21 @@ class CostModel:
             return 0.0 * round_trip_s
         return (math.ceil(self.shape.microbatches / (window * data_heads)) - 1) * round_trip_s
 
-    def paced_seconds(self, per_microbatch_s: np.ndarray | float) -> np.ndarray | float:
-        """The step's pace term: seconds of the M - 1 microbatches after the first at this pace."""
-        paced = self.shape.microbatches - 1
+    def paced_seconds(self, per_microbatch_s: np.ndarray | float, starters: int = 1) -> np.ndarray | float:
+        """The step's pace term: seconds of the microbatches after the first `starters` at this pace (M - 1 in a
+        pipeline; see lone_starters)."""
+        paced = max(self.shape.microbatches - starters, 0)
         if paced or np.all(np.isfinite(per_microbatch_s)):
             return paced * per_microbatch_s
         # One microbatch paces nothing, but a stage that no replica can serve stays out of reach.
         return np.where(np.isinf(per_microbatch_s), math.inf, 0.0)
+
+    @staticmethod
+    def lone_starters(n_stages: int, replicas: int) -> int:
+        """How many microbatches start at once before the pace: a pipeline's microbatches file through its slowest
+        stage or link one after another, but a lone stage (data parallelism) has nothing to fill, its replicas take
+        their shares side by side, so its first |R_0| start together."""
+        return replicas if n_stages == 1 else 1
 
     def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
@@ -866,7 +728,7 @@ class CostModel:
             occ, lat = self.compute_terms(inv.sum(), len(idx))
             allreduce = self.sync_seconds(idx, start, end)
             number = len(self._stage_memo)
-            self._stage_memo[key] = (occ, lat, allreduce, *self._class_weights(idx, inv * occ), len(idx), number)
+            self._stage_memo[key] = (occ, lat, allreduce, *self.links.class_weights(idx, inv * occ), len(idx), number)
         return self._stage_memo[key]
 
     def _boundary(self, cut: int, left: tuple, right: tuple) -> tuple[float, float]:
@@ -876,7 +738,7 @@ class CostModel:
         if key not in self._boundary_memo:
             (*_, ca, va, na, _), (*_, cb, vb, nb, _) = left, right
             self._boundary_memo[key] = self.boundary_terms(
-                self.boundary_bits[cut - 1], *self._class_link(ca, va, cb, vb), min(na, nb)
+                self.boundary_bits[cut - 1], *self.links.class_link(ca, va, cb, vb), min(na, nb)
             )
         return self._boundary_memo[key]
 
@@ -892,13 +754,15 @@ class CostModel:
             link_occ[s], transfer[s] = self._boundary(stages[s][1], terms[s], terms[s + 1])
         round_trip = lat.sum() + transfer.sum()
         pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
-        step = self.step_from(self.paced_seconds(pace), round_trip, allreduce.max(), terms[0][5], window)
+        paced = float(self.paced_seconds(pace, self.lone_starters(n_stages, terms[0][5])))
+        step = self.step_from(paced, round_trip, allreduce.max(), terms[0][5], window)
         return _Terms(
             occupancy=occ,
             latency=lat,
             transfer=transfer,
             link_occupancy=link_occ,
             allreduce=allreduce,
+            paced=paced,
             window=self.window_paced_seconds(round_trip, terms[0][5], window),
             step_s=step,
         )
@@ -924,9 +788,13 @@ class CostModel:
             return math.inf
         return self._terms(stages, self.fixed_window).step_s
 
-    def plan(self, stages: Stages, excluded: dict[str, str], inflight: int | None = None) -> Plan:
+    def plan(
+        self, stages: Stages, excluded: dict[str, str], inflight: int | None = None,
+        layout_steps: dict[str, float] | None = None,
+    ) -> Plan:
         """Full Plan with per-stage estimates and the bottleneck, for a feasible stage list; priced at the window
-        `inflight` where given (a running plan's), else at the one train.inflight gives it."""
+        `inflight` where given (a running plan's), else at the one train.inflight gives it; layout_steps is the
+        planner's best step of each layout it tried."""
         if not self.feasible(stages):
             raise ValueError("plan is infeasible: layers not covered in order, empty stage, or a replica lacks memory")
         t = self._terms(stages, self.fixed_window)
@@ -961,7 +829,7 @@ class CostModel:
             microbatch_size=self.shape.microbatch_size,
             step_seconds=float(t.step_s),
             samples_per_s=m * self.shape.microbatch_size / t.step_s,
-            bottleneck=self._bottleneck(stages, t, window),
+            bottleneck=_bottleneck(self.nodes, stages, t, window),
             compute_bound_samples_per_s=self.compute_bound(self.usable),
             inflight=window,
             chosen_inflight=chosen,
@@ -971,6 +839,8 @@ class CostModel:
                 self.nodes[i].node_id: int(self.nodes[i].baseline_bytes + need)
                 for (_, _, nodes), stage_needs in zip(stages, needs) for i, need in zip(nodes, stage_needs)
             },
+            layout=layout_of(stages),
+            layout_steps=dict(layout_steps or {}),
         )
 
     def _in_flight_shares(self, stages: Stages, s: int, window: int) -> np.ndarray:
@@ -1023,37 +893,43 @@ class CostModel:
         pace = max(unbounded.occupancy.max(), unbounded.link_occupancy.max() if len(unbounded.link_occupancy) else 0.0)
         return float((unbounded.latency.sum() + unbounded.transfer.sum()) / (pace * heads))
 
-    def _bottleneck(self, stages: Stages, t: _Terms, window: int | None) -> str:
-        m = self.shape.microbatches
-        pace = max((m - 1) * max(t.occupancy.max(), t.link_occupancy.max() if len(t.link_occupancy) else 0.0), t.window)
-        fill = t.latency.sum() + t.transfer.sum()
-        sync = t.allreduce.max()
 
-        def share(x: float) -> str:
-            return f"{100 * x / t.step_s:.0f}% of the step"
+def _bottleneck(nodes: Sequence[NodeProfile], stages: Stages, t: _Terms, window: int | None) -> str:
+    """What limits the step of these stages priced at t, in one line."""
+    pace = max(t.paced, t.window)
+    fill = t.latency.sum() + t.transfer.sum()
+    sync = t.allreduce.max()
 
-        def regions(k: int) -> str:
-            names = sorted({self.nodes[i].region for i in stages[k][2]})
-            return "+".join(names) if len(names) <= 3 else f"{len(names)} regions"
+    def share(x: float) -> str:
+        return f"{100 * x / t.step_s:.0f}% of the step"
 
-        if sync >= pace and sync >= fill:
-            s = int(np.argmax(t.allreduce))
-            return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
-        if fill > pace:
-            return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
-        s = int(np.argmax(t.occupancy))
-        if t.window > (m - 1) * max(t.occupancy[s], t.link_occupancy.max() if len(t.link_occupancy) else 0.0):
-            return (
-                f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
-                f" replicas over a {fill:.3g} s round trip, {share(pace)}"
-            )
-        if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
-            b = int(np.argmax(t.link_occupancy))
-            return (
-                f"link stage {b} -> {b + 1} ({regions(b)} -> {regions(b + 1)}): {t.link_occupancy[b]:.3g} s per"
-                f" microbatch over {min(len(stages[b][2]), len(stages[b + 1][2]))} parallel pairs, {share(pace)}"
-            )
+    def regions(k: int) -> str:
+        names = sorted({nodes[i].region for i in stages[k][2]})
+        return "+".join(names) if len(names) <= 3 else f"{len(names)} regions"
+
+    if sync >= pace and sync >= fill:
+        s = int(np.argmax(t.allreduce))
+        return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
+    if len(stages) == 1 and t.window <= t.paced:
         return (
-            f"stage {s} compute (layers {stages[s][0]}-{stages[s][1] - 1}, {len(stages[s][2])} replicas):"
-            f" {t.occupancy[s]:.3g} s per microbatch, {share(pace)}"
+            f"compute: {len(stages[0][2])} replicas of the whole model side by side, {t.occupancy[0]:.3g} s per"
+            f" microbatch together, {share(t.paced + fill)}"
         )
+    if fill > pace:
+        return f"pipeline fill and drain over {len(stages)} stages: {fill:.3g} s, {share(fill)}"
+    s = int(np.argmax(t.occupancy))
+    if t.window > t.paced:
+        return (
+            f"data heads' window: {window} microbatches in flight on each of {len(stages[0][2])} stage-0"
+            f" replicas over a {fill:.3g} s round trip, {share(pace)}"
+        )
+    if len(t.link_occupancy) and t.link_occupancy.max() > t.occupancy[s]:
+        b = int(np.argmax(t.link_occupancy))
+        return (
+            f"link stage {b} -> {b + 1} ({regions(b)} -> {regions(b + 1)}): {t.link_occupancy[b]:.3g} s per"
+            f" microbatch over {min(len(stages[b][2]), len(stages[b + 1][2]))} parallel pairs, {share(pace)}"
+        )
+    return (
+        f"stage {s} compute (layers {stages[s][0]}-{stages[s][1] - 1}, {len(stages[s][2])} replicas):"
+        f" {t.occupancy[s]:.3g} s per microbatch, {share(pace)}"
+    )

@@ -102,6 +102,9 @@ def write_plan(result: Plan, *, as_json: bool, out: TextIO) -> None:
         f"\nbottleneck: {result.bottleneck}\n"
         + (f"window: {result.inflight} microbatches in flight per data head\n" if result.inflight else "")
     )
+    if result.layout_steps:
+        best = "; ".join(f"{layout} {seconds:.3f} s" for layout, seconds in result.layout_steps.items())
+        out.write(f"layout: {result.layout}, by the estimated step of the best plan of each layout: {best}\n")
     if result.excluded:
         out.write(f"\nleft out ({len(result.excluded)}):\n")
         for node_id, reason in result.excluded.items():
