@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from geotrain.scheduler.costmodel import CodecRatio, Network, NodeProfile
+    from geotrain.scheduler.costinputs import CodecRatio, Network, NodeProfile
 
 
 class LinkClasses:
