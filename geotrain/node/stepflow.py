@@ -175,7 +175,7 @@ class StepFlow:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
 
     def _begin_evidence(self, step: int) -> None:
-        """Keep the parameters this step is computed with, and commit to each microbatch's parameter gradients."""
+        """Commit to the parameters this step is computed with, and to each microbatch's parameter gradients."""
         runtime, plan = self.runtime, self.plan
         if self.evidence is None or runtime is None or plan is None:
             return
@@ -428,8 +428,11 @@ class StepFlow:
         runtime.mean_gradients(step, lambda sums: all_reduce(0, sums))
 
     def _apply(self, order: pb.ApplyStep) -> None:
-        runtime = self.runtime
+        runtime, plan = self.runtime, self.plan
         assert runtime is not None
+        if self.evidence is not None and plan is not None:  # before the apply writes the parameters checked
+            drawn = [c.microbatch for c in order.checks if c.stage == self.stage_index]
+            self.evidence.keep(plan.epoch, order.step, runtime, drawn)
         with self._state_lock:
             self.snapshots.preserve(runtime)  # a transfer of the committed state goes on as it was (node.handover)
             runtime.apply(order.step, order.clip_coef, order.lr, order.skip, order.loss_scale)

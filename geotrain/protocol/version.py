@@ -2,7 +2,8 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
+# 15: ApplyStep.checks: a node of 14 keeps no evidence of drawn microbatches, so every check of it would go unserved
 # 14: GradNormRequest.forward_s_per_microbatch (a node of 13 leaves it 0: its compute would read as all backward)
 # 13: a stage's checksum (StepApplied, LoadState.expected_checksum) is over its parameters in name order
 #    (framing.parameters_checksum): an older node's would differ from its replicas' and from every checkpoint's
