@@ -380,7 +380,8 @@ class StepFlow:
         replicas = len(stage.peer_ids)
 
         def average() -> None:
-            from geotrain.node.averaging import Job, group_id, replica_all_reduce
+            from geotrain.node.allreduce import replica_all_reduce
+            from geotrain.node.averaging import Job, group_id
             from geotrain.node.diloco import from_grid, grid_steps, largest_values, to_grid
 
             def gid(round_: int, part: str) -> bytes:
@@ -405,7 +406,8 @@ class StepFlow:
         self, runtime: StageRuntime, plan: pb.Plan, stage: pb.StageAssignment, step: int
     ) -> None:
         """Replace the step's gradients by their weighted mean over the stage's replicas."""
-        from geotrain.node.averaging import group_id, replica_all_reduce
+        from geotrain.node.allreduce import replica_all_reduce
+        from geotrain.node.averaging import group_id
 
         assert self.averager is not None
         all_reduce = replica_all_reduce(
