@@ -19,7 +19,7 @@ import blake3
 import grpc
 import torch
 
-from geotrain.node.device import COMPUTE_DTYPES
+from geotrain.node.device import COMPUTE_DTYPES, device_pool
 from geotrain.node.stage import MicrobatchKey, StageRuntime
 from geotrain.node.worker import VERIFY
 from geotrain.protocol import framing
@@ -243,6 +243,10 @@ class VerifierPart:
 
     _verify_pool: futures.ThreadPoolExecutor
     _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
+
+    def _init_verifier(self, device: torch.device) -> None:
+        self._verify_pool = device_pool(device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
+        self._verify_stages = {}
 
     def _verify(self, order: pb.VerifyOrder) -> None:
         """Queue a spot check the coordinator ordered."""
