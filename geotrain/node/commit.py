@@ -191,11 +191,10 @@ class StepCommit:
         threading.Thread(target=self._start_averaging, args=(initial_peers,), name="dht", daemon=True).start()
 
     def _start_averaging(self, initial_peers: list[str]) -> None:
-        """Join the run's hivemind DHT, through which replicas of a stage average their gradients. A few attempts:
-        bootstrapping pings the coordinator's DHT with a 3 s deadline, which a loaded machine can miss, and hivemind
-        forks the DHT's process from this one while gRPC's threads run here: a lock one of them held is taken for good
-        in the child (gRPC skips its fork handlers then), which has died of it before it was ready ("Mutex::Fer with
-        pending CondVar queueing"). An attempt waits _DHT_READY_S for its process, then the next forks another."""
+        """Join the run's hivemind DHT, through which replicas of a stage average their gradients. A few attempts,
+        each waiting _DHT_READY_S for its process: bootstrapping pings the coordinator's DHT with a 3 s deadline, which
+        a loaded machine can miss, and the DHT's process, forked while gRPC's threads run here, can inherit a lock one
+        of them held and die before it is ready."""
         from hivemind import DHT
 
         from geotrain.node.averaging import ReplicaAverager, dht_maddrs
