@@ -122,6 +122,22 @@ def test_only_the_microbatches_drawn_with_the_apply_are_kept_for_verifiers() -> 
     assert dropped.commitments(1, STEP) == ("", [])  # applied: its commitments went with its commit report
 
 
+def test_evidence_goes_as_one_flat_tensor_per_dtype_and_must_fit_the_stage() -> None:
+    """A check's parameters travel flattened (a message per parameter costs more than the recompute's own work);
+    ones that do not fill the verifier's stage exactly are no evidence, and the check says so."""
+    cfg = _config()
+    with one_compute_thread():
+        evidence, batch = _run_target(cfg)
+    served = dict(evidence.serve(STEP, MICROBATCH))
+    assert sorted(served) == [verifier.PARAMS_PREFIX + "torch.float32", "received", "received_grad"]
+    short = {**served, verifier.PARAMS_PREFIX + "torch.float32": served[verifier.PARAMS_PREFIX + "torch.float32"][1:]}
+    with pytest.raises(ValueError, match="do not hold"):
+        recompute(StageRuntime(cfg, 1, 2), short, (STEP, MICROBATCH), batch, None)
+    longer = {**served, verifier.PARAMS_PREFIX + "torch.float64": torch.zeros(1, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="more parameters"):
+        recompute(StageRuntime(cfg, 1, 2), longer, (STEP, MICROBATCH), batch, None)
+
+
 def test_a_check_is_awaited_only_once_issued() -> None:
     """Checks are drawn before the apply that tells their targets; a report is taken only for an issued one."""
     verification = Verification(1.0, random.Random(0))

@@ -77,7 +77,7 @@ class _StepEvidence:
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
-    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step, if any kept
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
 
 
 class Evidence:
@@ -178,7 +178,7 @@ class Evidence:
                 del self._steps[step]
                 return
             entry.received = {key: t for key, t in entry.received.items() if key[0] in kept}
-        params = [(name, p.detach().to("cpu", copy=True)) for name, p in runtime.named_state()]
+        params = flat_params(runtime)
         with self._lock:
             entry.params, entry.kept = params, kept
 
@@ -188,11 +188,37 @@ class Evidence:
             entry = self._steps.get(step)
             if entry is None or microbatch not in entry.kept:
                 return None
-            items = [(PARAMS_PREFIX + name, t) for name, t in entry.params]
+            items = list(entry.params)
             for (mb, direction), tensor in entry.received.items():
                 if mb == microbatch:
                     items.append(("received" if direction == "forward" else "received_grad", tensor))
             return items
+
+
+def flat_params(runtime: StageRuntime) -> list[tuple[str, torch.Tensor]]:
+    """Host copies of a stage's parameters, those of one dtype flattened into one tensor named after it: a check's
+    evidence goes in a few messages, not one per parameter (unflat_params reads it back)."""
+    params = [p.detach() for _, p in runtime.named_state()]
+    dtypes = dict.fromkeys(p.dtype for p in params)
+    flat = {dtype: torch.cat([p.reshape(-1) for p in params if p.dtype == dtype]) for dtype in dtypes}
+    return [(PARAMS_PREFIX + str(dtype), t.to("cpu", copy=True)) for dtype, t in flat.items()]
+
+
+def unflat_params(runtime: StageRuntime, evidence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters of `runtime`'s stage, by name, from the evidence's flat_params; ValueError unless they fill
+    them exactly."""
+    flats = {name: t for name, t in evidence.items() if name.startswith(PARAMS_PREFIX)}
+    taken = dict.fromkeys(flats, 0)
+    state = {}
+    for name, p in runtime.named_state():
+        key = PARAMS_PREFIX + str(p.dtype)
+        flat, at = flats.get(key), taken.get(key, 0)
+        if flat is None or flat.dtype != p.dtype or flat.dim() != 1 or at + p.numel() > flat.numel():
+            raise ValueError(f"the evidence's parameters do not hold {name}")
+        state[name], taken[key] = flat[at : at + p.numel()].view(p.shape), at + p.numel()
+    if any(taken[key] != flat.numel() for key, flat in flats.items()):
+        raise ValueError("the evidence holds more parameters than the stage has")
+    return state
 
 
 def recompute(
@@ -203,9 +229,7 @@ def recompute(
     backward from the served inputs; returns the served parameters' checksum and the digests of everything, as the
     target committed them. ValueError if the evidence lacks a tensor the stage needs."""
     step, microbatch = key
-    runtime.load_parameters(
-        {name.removeprefix(PARAMS_PREFIX): t for name, t in evidence.items() if name.startswith(PARAMS_PREFIX)}
-    )
+    runtime.load_parameters(unflat_params(runtime, evidence))
     checksum = runtime.checksum()
     runtime.reset_step()
     runtime.applied_step = step - 1
