@@ -602,7 +602,7 @@ def test_an_outsider_cannot_join_a_stages_averaging(averagers, request):
 @pytest.mark.cluster
 @pytest.mark.timeout(90)
 def test_a_sync_every_32_steps_averages_over_30x_fewer_bytes_per_step_than_every_step(averagers):
-    # The same stage on two real hivemind peers, averaged as node.stepflow does: a step's float64 gradient sums
+    # The same stage on two real hivemind peers, averaged as node.commit does: a step's float64 gradient sums
     # (every_step), then a sync's pseudo-gradients (diloco), each counted by the averagers' own byte counters.
     from geotrain.node.allreduce import replica_all_reduce
     from geotrain.node.averaging import group_id
