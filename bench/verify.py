@@ -53,6 +53,9 @@ TINY = [
     "train.microbatches=4", "train.inflight=4", "run.eval_every=0", "run.eval_microbatches=1",
     "scheduler.placement=uniform", "scheduler.heartbeat_interval_s=0.5", "scheduler.heartbeat_timeout_s=2.5",
     "profile.layer_repeats=1",
+    # About 40 steps/s, each some 6 calls from the data head: over limits.calls_per_s's 200 once the burst is spent
+    # (a StepApplied refused that way leaves the run waiting for it until the step times out).
+    "limits.calls_per_s=1000",
 ]
 ADVERSARY = "node-9"
 HONEST_FRACTION = 0.05
