@@ -174,9 +174,9 @@ def adversarial(kind: str, steps: int, fraction: float, log_dir: Path) -> dict:
     }
 
 
-def honest(steps: int, log_dir: Path) -> dict:
+def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION) -> dict:
     """The honest line: false alarms at the default fraction, and tokens/s with and without verification."""
-    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={HONEST_FRACTION}"])
+    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={fraction}"])
     run = live(default, 3, None, log_dir)
     off = live(load_config(None, [*TINY, f"run.steps={steps}", "verify.fraction=0"]), 3, None, log_dir)
     v = run["verify"]
@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--cases", default="shift,shift_1_in_20,lazy,poison,honest")
     parser.add_argument("--steps", type=int, default=40, help="steps of each adversarial case")
     parser.add_argument("--honest-steps", type=int, default=300)
+    parser.add_argument("--honest-fraction", type=float, default=HONEST_FRACTION,
+                        help="the honest run's verify.fraction (1e-6: commitments with next to no check drawn)")
     parser.add_argument("--fraction", type=float, default=0.25, help="verify.fraction of the adversarial cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if os.environ.get("VERIFY_BENCH_LOG") else logging.ERROR)
@@ -203,7 +205,7 @@ def main() -> None:
             log_dir = Path(tmp) / case
             log_dir.mkdir()
             if case == "honest":
-                line = honest(args.honest_steps, log_dir)
+                line = honest(args.honest_steps, log_dir, args.honest_fraction)
             else:
                 steps = args.steps * 3 if case == "shift_1_in_20" else args.steps
                 line = adversarial(case, steps, args.fraction, log_dir)
