@@ -77,7 +77,8 @@ def test_the_clip_factor_does_not_depend_on_how_stages_split_the_norm():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("regions", [["eu", "eu", "eu"], ["eu", "us", "eu"]], ids=["flat", "region-by-region"])
 def test_the_presummed_all_reduce_gives_every_replica_the_exact_mean(averagers, regions, request):  # noqa: F811
-    from geotrain.node.averaging import HierarchicalAllReduce, group_id, replica_all_reduce
+    from geotrain.node.allreduce import HierarchicalAllReduce, replica_all_reduce
+    from geotrain.node.averaging import group_id
 
     g = torch.Generator().manual_seed(5)
     counts = [3, 1, 2]

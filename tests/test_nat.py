@@ -416,7 +416,8 @@ def test_a_replica_in_hivemind_client_mode_averages_exactly_without_being_dialle
     # groupmate, which reduces every part and answers over those streams. Both end with the same exact mean.
     from hivemind import DHT
 
-    from geotrain.node.averaging import ReplicaAverager, group_id, replica_all_reduce
+    from geotrain.node.allreduce import replica_all_reduce
+    from geotrain.node.averaging import ReplicaAverager, group_id
 
     dhts, averagers = [], []
     try:

@@ -308,7 +308,7 @@ def test_a_dht_process_that_is_never_ready_is_shut_down_and_another_started(make
     import hivemind
 
     import geotrain.node.averaging
-    import geotrain.node.stepflow
+    import geotrain.node.commit
 
     class DHT:
         def __init__(self, *, start: bool, await_ready: bool, **kwargs: Any) -> None:
@@ -317,7 +317,7 @@ def test_a_dht_process_that_is_never_ready_is_shut_down_and_another_started(make
             started.append(self)
 
         def wait_until_ready(self, timeout: float) -> None:
-            assert timeout == geotrain.node.stepflow._DHT_READY_S
+            assert timeout == geotrain.node.commit._DHT_READY_S
             if self.dead:
                 raise TimeoutError
 
@@ -337,7 +337,7 @@ def test_a_dht_process_that_is_never_ready_is_shut_down_and_another_started(make
 
     monkeypatch.setattr(hivemind, "DHT", DHT)
     monkeypatch.setattr(geotrain.node.averaging, "ReplicaAverager", Averager)
-    monkeypatch.setattr(geotrain.node.stepflow, "tie_children_to_this_process", lambda: None)
+    monkeypatch.setattr(geotrain.node.commit, "tie_children_to_this_process", lambda: None)
     agent = make_agent("node-1", _FakeCoordinator())
     agent._start_averaging(["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
     assert [d.shut_down for d in started] == [True, False]

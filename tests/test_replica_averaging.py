@@ -239,7 +239,8 @@ def _together(calls: list[Callable[[], None]]) -> None:
 
 
 def _all_reduces(averagers, regions, weights, name, hierarchical=True):
-    from geotrain.node.averaging import group_id, replica_all_reduce
+    from geotrain.node.allreduce import replica_all_reduce
+    from geotrain.node.averaging import group_id
 
     peers = [a.peer_id for a in averagers[: len(regions)]]
     return [
@@ -262,7 +263,7 @@ def _all_reduces(averagers, regions, weights, name, hierarchical=True):
     ids=["2+2", "2+2-idle-site", "2+1+3"],
 )
 def test_hierarchical_all_reduce_gives_every_replica_the_same_weighted_mean(averagers, regions, weights, request):
-    from geotrain.node.averaging import HierarchicalAllReduce
+    from geotrain.node.allreduce import HierarchicalAllReduce
 
     g = torch.Generator().manual_seed(len(regions))
     # 49 values in 3 tensors: shards of unequal length, and shard boundaries inside tensors.
@@ -375,7 +376,7 @@ class _Recorder:
     ids=["one-site", "one-replica-per-site", "not-asked"],
 )
 def test_degenerate_sites_average_in_one_flat_group(regions, hierarchical):
-    from geotrain.node.averaging import replica_all_reduce
+    from geotrain.node.allreduce import replica_all_reduce
 
     averager = _Recorder()
     peers = ["p0", "p1", "p2"]
@@ -385,7 +386,7 @@ def test_degenerate_sites_average_in_one_flat_group(regions, hierarchical):
 
 
 def test_sites_keep_first_appearance_and_member_order():
-    from geotrain.node.averaging import sites_of
+    from geotrain.node.allreduce import sites_of
 
     assert sites_of(["a", "b", "c", "d", "e"], ["us", "eu", "us", "asia", "eu"]) == [["a", "c"], ["b", "e"], ["d"]]
 
@@ -483,7 +484,7 @@ def test_four_replicas_in_two_regions_average_region_by_region_and_equal_train_l
 
 
 def test_centered_clip_moves_at_most_the_outliers_share_of_the_radius():
-    from geotrain.node.averaging import centered_clip
+    from geotrain.node.reducers import centered_clip
 
     g = torch.Generator().manual_seed(5)
     honest = torch.randn(1000, generator=g, dtype=torch.float64)
@@ -501,7 +502,7 @@ def test_centered_clip_moves_at_most_the_outliers_share_of_the_radius():
 
 
 def test_a_replica_claiming_a_huge_weight_pulls_no_harder_than_the_others():
-    from geotrain.node.averaging import _ClipAccumulator
+    from geotrain.node.reducers import ClipAccumulator
 
     g = torch.Generator().manual_seed(7)
     n, clip_rms = 1000, 1e-3
@@ -512,7 +513,7 @@ def test_a_replica_claiming_a_huge_weight_pulls_no_harder_than_the_others():
 
     def reduce(parts: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, set[int]]:
         clipped: set[int] = set()
-        accumulator = _ClipAccumulator(torch.Size([n]), clip_rms, clipped)
+        accumulator = ClipAccumulator(torch.Size([n]), clip_rms, clipped)
         for sender, (mean, weight) in enumerate(parts):
             accumulator.add_((sender, mean * weight), weight)  # a part is weight x mean
         return accumulator.div_(0.0), clipped
@@ -534,7 +535,8 @@ def test_a_replica_claiming_a_huge_weight_pulls_no_harder_than_the_others():
 @pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_a_replica_sending_a_100x_gradient_is_clipped_and_flagged(averagers, request):
-    from geotrain.node.averaging import group_id, replica_all_reduce
+    from geotrain.node.allreduce import replica_all_reduce
+    from geotrain.node.averaging import group_id
 
     clip_rms = 1e-3  # a tenth of the gradients' own scale; the honest replicas differ by far less
     g = torch.Generator().manual_seed(13)
@@ -601,9 +603,10 @@ def test_an_outsider_cannot_join_a_stages_averaging(averagers, request):
 @pytest.mark.cluster
 @pytest.mark.timeout(90)
 def test_a_sync_every_32_steps_averages_over_30x_fewer_bytes_per_step_than_every_step(averagers):
-    # The same stage on two real hivemind peers, averaged as node.stepflow does: a step's float64 gradient sums
+    # The same stage on two real hivemind peers, averaged as node.commit does: a step's float64 gradient sums
     # (every_step), then a sync's pseudo-gradients (diloco), each counted by the averagers' own byte counters.
-    from geotrain.node.averaging import group_id, replica_all_reduce
+    from geotrain.node.allreduce import replica_all_reduce
+    from geotrain.node.averaging import group_id
 
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
                              "compression.replica_sync=diloco", "compression.replica_sync_every=32"])

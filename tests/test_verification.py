@@ -67,9 +67,10 @@ def test_cross_check_names_the_hop_whose_ends_disagree() -> None:
     assert [d.nodes for d in found] == [("b",)]
 
 
-def _run_target(cfg, shift: float = 0.0):
-    """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it; returns the
-    evidence it kept and the microbatch's tokens and targets."""
+def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,)):
+    """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it, then told
+    at the apply that `drawn` microbatches are checked; returns the evidence it kept and the microbatch's tokens and
+    targets."""
     corpus = Corpus.load(cfg.data)
     batch = corpus.batch(seed=cfg.run.seed, step=STEP, microbatch=MICROBATCH, size=cfg.train.microbatch_size,
                          seq_len=cfg.model.seq_len)
@@ -86,6 +87,8 @@ def _run_target(cfg, shift: float = 0.0):
         grad = torch.randn_like(out, generator=torch.Generator().manual_seed(7))
         evidence.received(1, STEP, MICROBATCH, "backward", grad)
         evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
+    evidence.commitments(1, STEP)  # the commit reports them; the microbatch is drawn with the apply
+    evidence.keep(1, STEP, target, drawn)
     return evidence, batch
 
 
@@ -104,6 +107,49 @@ def test_an_honest_stage_recomputed_elsewhere_gives_the_same_bits() -> None:
     assert committed.sent and committed.received_grad and committed.param_grads and committed.sent_grad
     assert compare(committed, params, report) == ""
     assert evidence.serve(STEP, MICROBATCH + 1) is None  # nothing kept of a microbatch the stage did not compute
+
+
+def test_only_the_microbatches_drawn_with_the_apply_are_kept_for_verifiers() -> None:
+    """Commitments are made for every microbatch; the draw comes with the step's apply, after they were sent, and
+    only then does the stage copy its parameters: a step with nothing of its own drawn keeps nothing."""
+    cfg = _config()
+    with one_compute_thread():
+        kept, _ = _run_target(cfg)
+        dropped, _ = _run_target(cfg, drawn=(MICROBATCH + 1,))  # another stage's replica computed that one
+    served = dict(kept.serve(STEP, MICROBATCH))
+    assert {"received", "received_grad"} < served.keys() and any(n.startswith(verifier.PARAMS_PREFIX) for n in served)
+    assert dropped.serve(STEP, MICROBATCH) is None and dropped.serve(STEP, MICROBATCH + 1) is None
+    assert dropped.commitments(1, STEP) == ("", [])  # applied: its commitments went with its commit report
+
+
+def test_evidence_goes_as_one_flat_tensor_per_dtype_and_must_fit_the_stage() -> None:
+    """A check's parameters travel flattened (a message per parameter costs more than the recompute's own work);
+    ones that do not fill the verifier's stage exactly are no evidence, and the check says so."""
+    cfg = _config()
+    with one_compute_thread():
+        evidence, batch = _run_target(cfg)
+    served = dict(evidence.serve(STEP, MICROBATCH))
+    assert sorted(served) == [verifier.PARAMS_PREFIX + "torch.float32", "received", "received_grad"]
+    short = {**served, verifier.PARAMS_PREFIX + "torch.float32": served[verifier.PARAMS_PREFIX + "torch.float32"][1:]}
+    with pytest.raises(ValueError, match="do not hold"):
+        recompute(StageRuntime(cfg, 1, 2), short, (STEP, MICROBATCH), batch, None)
+    longer = {**served, verifier.PARAMS_PREFIX + "torch.float64": torch.zeros(1, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="more parameters"):
+        recompute(StageRuntime(cfg, 1, 2), longer, (STEP, MICROBATCH), batch, None)
+
+
+def test_a_check_is_awaited_only_once_issued() -> None:
+    """Checks are drawn before the apply that tells their targets; a report is taken only for an issued one."""
+    verification = Verification(1.0, random.Random(0))
+    plan = pb.Plan(epoch=1)
+    plan.stages.add(index=0, layer_start=0, layer_end=1, node_ids=["a"], addresses=["127.0.0.1:1"])
+    classes = {"a": "cpu|x|2.5.1|fp32", "b": "cpu|x|2.5.1|fp32"}
+    [check] = verification.draw_checks(0, plan, {0: ["a"]}, {"a": {0: _commitment(0)}}, {}, classes)
+    report = pb.VerifyReport(node_id="b", check=check.id, digests=_commitment(0))
+    with pytest.raises(ReportRefused):
+        verification.report(report)
+    verification.issue([check])
+    assert verification.report(report) is None and verification.counts.checks == 1
 
 
 def test_a_stages_parameter_gradients_are_hashed_off_its_worker(monkeypatch) -> None:

@@ -1,4 +1,5 @@
-"""The volunteer's agent: a facade over its parts (link.py, worker.py, holder.py, stepflow.py) that runs them.
+"""The volunteer's agent: a facade over its parts (link.py, worker.py, holder.py, stepflow.py, incoming.py,
+evaluation.py, commit.py, verifier.py) that runs them.
 
 Threads: gRPC serves the Stage service; the orders thread reads the coordinator's order stream (and registers
 again when the coordinator has forgotten this node, e.g. after its restart); the heartbeat thread keeps the node
@@ -22,14 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geotrain.compression.policy import StageTimer
+from geotrain.node.commit import StepCommit
 from geotrain.node.dataplane import DataPlane, LinkEmulator
 from geotrain.node.device import device_pool, resolve_device
-from geotrain.node.handover import HeldStates, Snapshots
+from geotrain.node.evaluation import Evaluation
 from geotrain.node.holder import StageHolder
+from geotrain.node.incoming import IncomingChecks
 from geotrain.node.link import CoordinatorLink, NodeError
 from geotrain.node.profiler import NodeProfiler
 from geotrain.node.reverse import ReverseReceiver
-from geotrain.node.routing import ReplicaRouter
 from geotrain.node.servicer import StageServicer, add_stage_service
 from geotrain.node.stepflow import StepFlow
 from geotrain.node.verifier import VerifierPart
@@ -145,7 +147,7 @@ def _node_key(state_dir: str) -> NodeKey:
     return key
 
 
-class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
+class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, IncomingChecks, Evaluation, StepCommit, VerifierPart):
     """One node of a geotrain run: a facade that wires its parts together and runs their threads."""
 
     def __init__(self, options: NodeOptions) -> None:
@@ -157,25 +159,18 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
         self.device = resolve_device(options.device)
         self.precision = "fp32"
         self.stopped = threading.Event()
-        self.cfg = None
-        self.corpus = None
-        self.plan = None
-        self.stage_index = -1
-        self.runtime = None
-        self.state_epoch = 0
-        self.held = HeldStates()
-        self.snapshots = Snapshots(options.state_dir)
+        self._init_holder(options.state_dir)
         self._newest_epoch = 0
         self._reported_epoch = 0
         self._timed = (0, {})
         self._held_sends = None
         self.run_id = ""
-        self._state_lock = threading.Lock()
         self._tasks = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._head = None
         self._sender = device_pool(self.device, 8, "send")  # they wait for copies off the node's GPU, and encode them
-        self.router = ReplicaRouter()
+        self._init_stepflow()
+        self._init_commit()
+        self._init_verifier(self.device)
         self.dataplane = DataPlane(
             options.token, lambda: self.node_id, options.tls, LinkEmulator(self._link_shape), self._report_failure,
             self.key,
@@ -204,18 +199,8 @@ class Agent(CoordinatorLink, Worker, StageHolder, StepFlow, VerifierPart):
         self.heartbeat_interval_s = 1.0
         self.throughput = RateMeter()
         self.compute = StageTimer()
-        self._policies = {}
-        self._low_rank = None
         self._orders = None
-        self._peer_regions = {}
         self._must_register = threading.Event()
-        self._dht = None
-        self.averager = None
-        self._averaging_joined = False  # set on the coordinator's JoinAveraging; cleared when every attempt failed
-        self._averaging_ready = threading.Event()
-        self.evidence = None
-        self._verify_pool = device_pool(self.device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
-        self._verify_stages = {}
 
     def run(self) -> None:
         """Serve until the coordinator says the run is over, stop() is called, or the coordinator is gone."""

@@ -4,17 +4,8 @@ hivemind's DecentralizedAverager finds its group by matchmaking over the DHT, wh
 any group. geotrain's coordinator already knows the group (the stage's replicas for that step), so each node runs
 hivemind's AllReduceRunner directly with the group and order the coordinator fixed, and this servicer routes
 incoming parts to the runner of their group, waiting briefly for a peer that starts its runner a little later.
-
-With compression.replica_grads = "powersgd[:rank=R]", node.lowrank.LowRankAveraging runs on top of it and
-all-reduces PowerSGD's two thin factors per matrix instead of the gradients.
-
-With compression.replica_robust = "centered_clip", each part's reducer keeps every replica's part and aggregates them
-with CenteredClip (Gorbunov et al. 2021, "Secure Distributed Training at Scale", as BTARD does per part) instead of
-the mean: a replica that sends an outlying gradient moves the result by at most its share (one of the replicas) of
-the clip radius, and is flagged; one that claims a weight above its microbatch count moves it at most the radius.
-
-A stage whose plan says hierarchical_allreduce averages region by region instead (HierarchicalAllReduce): fast
-links inside a region carry most of the traffic, and each replica sends only its shard across the slow ones.
+How a part is reduced (exact sums, CenteredClip) is node/reducers.py; a stage's flat or region-by-region all-reduce
+over these groups is node/allreduce.py, and PowerSGD's factors node/lowrank.py.
 """
 
 from __future__ import annotations
@@ -24,7 +15,6 @@ import concurrent.futures
 import functools
 import hashlib
 import logging
-import math
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import AsyncIterator, NamedTuple  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
@@ -32,12 +22,11 @@ from typing import AsyncIterator, NamedTuple  # noqa: UP035 - hivemind detects s
 import torch
 from hivemind import DHT
 from hivemind.averaging.allreduce import AllReduceRunner, AllreduceException
-from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2PContext, PeerID, ServicerBase, StubBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter
 
-from geotrain.node.lowrank import AllReduce
+from geotrain.node.reducers import ClipRunner, PresummedRunner
 from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.transport import multiaddr_host
 
@@ -71,151 +60,11 @@ class Job(NamedTuple):
     tensors: Sequence[torch.Tensor]
     weight: float
     # "": hivemind's weighted mean. "mean" / "sum": float64 tensors holding weight x mean, added exactly
-    # (_PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum");
+    # (PresummedRunner), then divided by the total weight and rounded to float32 ("mean") or left as they are ("sum");
     # "sum" also adds integer tensors (one dtype for all of a job's tensors), exactly while the sums fit the dtype.
     presummed: str = ""
     # > 0: CenteredClip with this clip radius, as a root mean square per value, instead of the mean (presummed "mean").
     clip_rms: float = 0.0
-
-
-class _SumAccumulator:
-    """Takes the place of TensorPartReducer's float32 accumulator, which rounds every addition in the order parts
-    arrive. Parts here are replicas' float64 sums of float32 gradients (weight x mean), or integers: adding them in
-    float64 is exact wherever each replica's own sums were (node.stage), so the total does not depend on the order.
-    With `mean` it is divided by the total weight and rounded to float32 once, as train-local rounds its mean;
-    without, the exact sum is returned in the parts' dtype, and each member's own part plus its delta (the others'
-    exact sum) is that sum again."""
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, mean: bool) -> None:
-        self.total = torch.zeros(shape, dtype=torch.float64)
-        self.dtype = dtype
-        self.mean = mean
-
-    def add_(self, part: torch.Tensor, alpha: float) -> None:  # noqa: ARG002 - the weight is already in the part
-        if part.dtype != self.dtype:  # a wider part would be cut back to this dtype, differently from its sender
-            raise AllreduceException(f"a part of dtype {part.dtype} in an all-reduce of {self.dtype}")
-        self.total.add_(part)
-
-    def div_(self, denominator: float) -> torch.Tensor:
-        if not self.mean:
-            return self.total.to(self.dtype)
-        # On the float32 grid, so that each replica's x + (average - x) rounds back to these bits (_round_to_float32).
-        return self.total.div_(denominator).float().double()
-
-
-class _PresummedReducer(TensorPartReducer):
-    """hivemind's reducer (waiting, part order, failed senders) with _SumAccumulator for its arithmetic."""
-
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, dtype: torch.dtype, mean: bool) -> None:
-        self.dtype, self.mean = dtype, mean  # before hivemind's __init__, which makes the first accumulator
-        super().__init__(part_shapes, num_senders)
-
-    def reset_accumulators(self) -> None:  # noqa: D102
-        super().reset_accumulators()
-        if not self.finished.is_set():
-            self.accumulator = _SumAccumulator(self.part_shapes[self.current_part_index], self.dtype, self.mean)
-
-
-class _PresummedRunner(AllReduceRunner):
-    """AllReduceRunner whose reducer sums presummed parts exactly (_SumAccumulator)."""
-
-    def __init__(self, mean: bool, **kwargs) -> None:
-        super().__init__(**kwargs)
-        dtype = kwargs["tensors"][0].dtype  # a job's tensors share one dtype (Job)
-        unused, self.tensor_part_reducer = self.tensor_part_reducer, _PresummedReducer(
-            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, dtype, mean
-        )
-        unused.finished.set()  # it never takes a part: finalising it would warn that parts were missing
-
-
-# Iterations of CenteredClip: each moves the estimate by at most the clip radius; from the median these are plenty.
-CLIP_ITERATIONS = 20
-
-
-def centered_clip(values: Sequence[torch.Tensor], radius: float) -> tuple[torch.Tensor, list[int]]:
-    """CenteredClip of `values` (one tensor per replica, each counted once): from their coordinate-wise median,
-    repeat v <- v + mean_i clip(x_i - v, radius), where clip scales a difference longer than `radius` (an L2 norm)
-    down to it. Returns v and the indices of the values still farther than `radius` from it (the clipped)."""
-    stacked = torch.stack(list(values))
-    v = stacked.median(dim=0).values
-    for _ in range(CLIP_ITERATIONS):
-        diff = stacked - v
-        norms = diff.flatten(1).norm(dim=1)
-        scale = torch.clamp(radius / torch.clamp(norms, min=1e-300), max=1.0).view(-1, *([1] * (stacked.dim() - 1)))
-        v = v + (scale * diff).mean(dim=0)
-    norms = (stacked - v).flatten(1).norm(dim=1)
-    return v, [i for i, n in enumerate(norms.tolist()) if n > radius]
-
-
-class _ClipAccumulator:
-    """Takes the place of the reducer's accumulator under CenteredClip: keeps each sender's part (replicas' float64
-    sums, weight x mean) and, once all are in, returns a robust estimate of their mean on the float32 grid (as
-    _SumAccumulator's mean), noting which senders it clipped.
-
-    A sender's weight (its microbatch count) is its own claim, which nothing here can check: CenteredClip counts
-    every replica that computed a microbatch once, so that a replica claiming a huge weight pulls no harder than
-    the others. When it clips no one, every replica's mean lies within the radius of its estimate, and so does
-    their weighted mean, which is returned instead: the exact mean of an honest step (as the summing reducer's),
-    and one that a liar about its weight can move at most the radius from the robust estimate."""
-
-    def __init__(self, shape: torch.Size, clip_rms: float, clipped: set[int]) -> None:
-        self.shape = shape
-        self.radius = clip_rms * max(1, shape.numel()) ** 0.5
-        self.parts: list[tuple[int, torch.Tensor, float]] = []
-        self.clipped = clipped
-
-    def add_(self, sender_part: tuple[int, torch.Tensor], alpha: float) -> None:
-        sender, part = sender_part
-        self.parts.append((sender, part, alpha))
-
-    def div_(self, _denominator: float) -> torch.Tensor:
-        counted = [(sender, part, weight) for sender, part, weight in self.parts if weight > 0]
-        # A NaN or an infinity would make the median and every distance NaN: such a part or weight is left out, and
-        # flagged.
-        self.clipped.update(sender for sender, part, weight in counted
-                            if not (math.isfinite(weight) and bool(torch.isfinite(part).all())))
-        counted = [c for c in counted if c[0] not in self.clipped]
-        if not counted:  # no replica computed a microbatch: the mean of nothing, as the summing reducer gives
-            return torch.zeros(self.shape, dtype=torch.float64)
-        estimate, clipped = centered_clip([part / weight for _, part, weight in counted], self.radius)
-        if clipped:
-            self.clipped.update(counted[i][0] for i in clipped)
-            return estimate.float().double()
-        return (sum(part for _, part, _ in counted) / sum(weight for _, _, weight in counted)).float().double()
-
-
-class _ClipReducer(TensorPartReducer):
-    """hivemind's reducer with _ClipAccumulator: each part travels to the accumulator with its sender's index."""
-
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, clip_rms: float) -> None:
-        self.clip_rms = clip_rms
-        self.clipped: set[int] = set()  # sender indices clipped in any part
-        super().__init__(part_shapes, num_senders)
-
-    def reset_accumulators(self) -> None:  # noqa: D102
-        super().reset_accumulators()
-        if not self.finished.is_set():
-            self.accumulator = _ClipAccumulator(self.part_shapes[self.current_part_index], self.clip_rms, self.clipped)
-
-    async def accumulate_part(  # noqa: D102
-        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        return await super().accumulate_part(sender_index, part_index, (sender_index, tensor_part), weight)
-
-
-class _ClipRunner(AllReduceRunner):
-    """AllReduceRunner whose reducer aggregates presummed parts by CenteredClip (_ClipReducer)."""
-
-    def __init__(self, clip_rms: float, **kwargs) -> None:
-        super().__init__(**kwargs)
-        unused, self.tensor_part_reducer = self.tensor_part_reducer, _ClipReducer(
-            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders, clip_rms
-        )
-        unused.finished.set()
-
-    def clipped_peers(self) -> list[str]:
-        """The groupmates (base58) whose parts this peer's reducer clipped."""
-        return [self.ordered_peer_ids[i].to_base58() for i in sorted(self.tensor_part_reducer.clipped)]
 
 
 class ReplicaAverager(ServicerBase):
@@ -293,9 +142,9 @@ class ReplicaAverager(ServicerBase):
         future = self._runner_future(gid)
         try:
             if clip_rms > 0:
-                kind = functools.partial(_ClipRunner, clip_rms)
+                kind = functools.partial(ClipRunner, clip_rms)
             elif presummed:
-                kind = functools.partial(_PresummedRunner, presummed == "mean")
+                kind = functools.partial(PresummedRunner, presummed == "mean")
             else:
                 kind = AllReduceRunner
             reducers = [float(p.to_base58() not in self.clients) for p in peers]
@@ -317,7 +166,7 @@ class ReplicaAverager(ServicerBase):
             future.set_result(runner)
             async for index, delta in aenumerate(runner):
                 tensors[index].add_(delta)
-            if isinstance(runner, _ClipRunner):
+            if isinstance(runner, ClipRunner):
                 for peer in runner.clipped_peers():
                     log.warning("replica %s sent an outlying gradient: CenteredClip clipped it", peer)
                     with self._clipped_lock:
@@ -379,14 +228,10 @@ def _close_streams_after_last_part(
     runner: AllReduceRunner, count_sent: Callable[[averaging_pb2.AveragingData], None]
 ) -> None:
     """Make `runner` close its stream to each groupmate once it holds every averaged part it expects from it, and
-    count what it sends them.
-
-    hivemind's reducer closes the stream after sending its last part, and its p2p daemon can then reset the stream
-    while those last parts are still on their way: the sender counts fewer parts than it expects ("peer sent 11
-    parts, but we expected 13"), keeps its own values for the rest ("received 85% results"), and the replicas
-    disagree. That failed 6 steps in 200 of a clean 2x2 run (bench/replica_failures.py), and 4 of 300 back-to-back
-    all-reduces of a stage's gradients between two averagers; 0 of each since. With the sender closing first, once nothing is in flight, and the reducer
-    holding the stream open until then (ReplicaAverager.rpc_aggregate_part), no stream closes on data."""
+    count what it sends them. hivemind's reducer closes the stream after its last part, and the p2p daemon can reset
+    it while those parts are still on their way: the sender keeps its own values for the missing ones, and replicas
+    disagree. The sender closing first, with the reducer holding the stream open until then
+    (ReplicaAverager.rpc_aggregate_part), closes no stream on data."""
     stub_for = runner._get_peer_stub
 
     def closing_stub(peer: PeerID) -> _ClosingStub:
@@ -429,145 +274,3 @@ async def _take_then_close(
                 return
     finally:
         await replies.aclose()
-
-
-def sites_of(peers: Sequence[str], regions: Sequence[str]) -> list[list[str]]:
-    """Replicas grouped by region: sites in order of first appearance, members in the order given."""
-    sites: dict[str, list[str]] = {}
-    for peer, region in zip(peers, regions, strict=True):
-        sites.setdefault(region, []).append(peer)
-    return list(sites.values())
-
-
-def replica_all_reduce(
-    averager: ReplicaAverager,
-    peers: Sequence[str],
-    regions: Sequence[str],
-    weight: float,
-    gid: Callable[[int, str], bytes],
-    hierarchical: bool,
-    presummed: bool = False,
-    clip_rms: float = 0.0,
-) -> AllReduce:
-    """The stage's all_reduce(round, tensors) for this replica: region by region when asked and the sites make it
-    differ from one flat group (several sites, one of them with several replicas), else one flat group.
-    gid(round, part) names each all-reduce's group. With `presummed` the tensors hold weight x mean (this replica's
-    float64 sums), which either way are added exactly, in any order, and divided by the total weight once. With
-    `clip_rms` (presummed only) one flat group aggregates them by CenteredClip: a robust aggregate needs every
-    replica's values in one place, which the region-by-region phases never have."""
-    sites = sites_of(peers, regions)
-    if clip_rms > 0:
-        assert presummed, "CenteredClip aggregates gradients, not PowerSGD's factors"
-        hierarchical = False
-    if hierarchical and len(sites) > 1 and max(map(len, sites)) > 1:
-        return HierarchicalAllReduce(averager, sites, weight, gid, presummed)
-
-    def flat(round_: int, tensors: list[torch.Tensor]) -> None:
-        if presummed:
-            averager.average_all([Job(gid(round_, ""), peers, tensors, weight, presummed="mean", clip_rms=clip_rms)])
-        else:
-            averager.average(gid(round_, ""), peers, tensors, weight)
-        for t in tensors:
-            _round_to_float32(t)
-
-    return flat
-
-
-def _round_to_float32(t: torch.Tensor) -> None:
-    """Round an all-reduced float64 tensor to the float32 average the reducer computed, the same bits on every
-    replica. A replica holds its own value plus the reducer's delta (average - own value, rounded in float64), which
-    differs from the average in the last float64 bits wherever the two differ in sign or scale (a tenth of the values
-    of independent normal tensors), differently on each replica: harmless for gradients copied into float32, but
-    PowerSGD computes on from the float64 values."""
-    t.copy_(t.float())
-
-
-class HierarchicalAllReduce:
-    """Weighted all-reduce of a stage's replicas site by site (a site: the replicas in one region).
-
-    With k_r replicas in site r and L = max k_r, the tensors are flattened into one vector cut into L contiguous
-    shards, and member j of site r handles the shards p with p % k_r == j.
-    A: each site averages the whole vector inside itself, weighted by the members' weights, and the members'
-       weights unweighted, which gives the site's total weight W_r: k_r times their mean, to float32 precision
-       like every average here.
-    B: for each shard, its handlers (one per site) average it across sites, weighted by W_r: the weighted mean
-       over all replicas. Only this phase crosses regions, with 1/k_r of the vector per replica.
-    C: each site shares its handlers' shards: one all-reduce per member j in which j sends its shards with weight
-       1 and the others zeros with weight 0. hivemind's reducer sums weight x part into a float32 accumulator and
-       divides by the summed weight, 1.0, so every member gets the float32 rounding of j's values, j included:
-       B's float32 average.
-    Every replica then rounds the vector to float32 (_round_to_float32), which changes nothing after C and gives
-    a one-member site's replica B's float32 average too.
-    With `presummed` (replicas' float64 gradient sums, weight x mean) A adds the sums and the weights exactly
-    instead of averaging them, and B divides the exact total by the total weight once (_SumAccumulator): the mean
-    train-local computes. A member whose site sum rounded (node.stage says when) may hold other float64 bits than
-    its site mates, but B takes each shard from one member per site, so every replica still ends alike."""
-
-    def __init__(
-        self,
-        averager: ReplicaAverager,
-        sites: list[list[str]],
-        weight: float,
-        gid: Callable[[int, str], bytes],
-        presummed: bool = False,
-    ) -> None:
-        self.averager, self.sites, self.weight, self.gid, self.presummed = averager, sites, weight, gid, presummed
-        self.site = next(r for r, members in enumerate(sites) if averager.peer_id in members)
-        self.member = sites[self.site].index(averager.peer_id)
-        self.n_shards = max(map(len, sites))
-
-    def __call__(self, round_: int, tensors: list[torch.Tensor]) -> None:
-        """Replace float64 `tensors` in place by their weighted mean over every replica of the stage."""
-        if not any(t.numel() for t in tensors):
-            return  # e.g. PowerSGD's second round on a stage without matrices; every replica returns alike
-        members = self.sites[self.site]
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        shards = torch.tensor_split(flat, self.n_shards)  # views: all-reducing a shard writes into flat
-        # An empty shard (fewer values than shards) needs no all-reduce; every replica skips the same ones.
-        held_by = [[p for p in range(len(shards)) if p % len(members) == j and shards[p].numel()]
-                   for j in range(len(members))]
-        site_weight = self._average_in_site(round_, flat)
-        self.averager.average_all([
-            Job(self.gid(round_, f"B/{p}"), [site[p % len(site)] for site in self.sites], [shards[p]], site_weight,
-                "mean" if self.presummed else "")
-            for p in held_by[self.member]
-        ])
-        if len(members) > 1:
-            jobs = []
-            for j, held in enumerate(held_by):
-                if not held:
-                    continue
-                if j != self.member:
-                    for p in held:
-                        shards[p].zero_()
-                jobs.append(Job(self.gid(round_, f"C/{self.site}/{j}"), members, [shards[p] for p in held],
-                                1.0 if j == self.member else 0.0))
-            self.averager.average_all(jobs)
-        _round_to_float32(flat)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-
-    def _average_in_site(self, round_: int, flat: torch.Tensor) -> float:
-        """Phase A: replace `flat` by the site's weighted mean (presummed: its exact sum); returns the site's total
-        weight."""
-        members = self.sites[self.site]
-        if len(members) == 1:
-            return self.weight
-        weights = torch.tensor([self.weight], dtype=torch.float64)
-        if self.presummed:
-            self.averager.average_all([
-                Job(self.gid(round_, f"A/{self.site}"), members, [flat], self.weight, "sum"),
-                Job(self.gid(round_, f"A/{self.site}/weight"), members, [weights], 1.0, "sum"),
-            ])
-            return float(weights)
-        self.averager.average_all([
-            Job(self.gid(round_, f"A/{self.site}"), members, [flat], self.weight),
-            Job(self.gid(round_, f"A/{self.site}/weight"), members, [weights], 1.0),
-        ])
-        # The reducer's float32 mean, the same on every member (the float64 copy may differ in its last bits).
-        total = len(members) * float(weights.float())
-        if total == 0:
-            flat.zero_()  # no microbatch in this site: its mean is 0/0, and with weight 0 in B it counts for nothing
-        return total

@@ -63,6 +63,15 @@ class StageHolder:
     reverse_links: ReverseReceiver  # the streams this node opens to its senders when nobody can dial it
     _relay_line: str = ""  # what the owner was last told of this node's relays
 
+    def _init_holder(self, state_dir: str) -> None:
+        self.cfg = self.corpus = self.plan = self.runtime = None
+        self.stage_index = -1
+        self.state_epoch = 0
+        self.held = HeldStates()
+        self.snapshots = Snapshots(state_dir)
+        self._state_lock = threading.Lock()
+        self._peer_regions = {}
+
     def _apply_plan(self, plan: pb.Plan) -> None:
         assert self.cfg is not None
         index = next((s.index for s in plan.stages if self.node_id in s.node_ids), -1)

@@ -8,11 +8,45 @@ from typing import Any
 
 import torch
 
-from geotrain.config import RunConfig
-from geotrain.node.data import local_tokens
+from geotrain.config import LossScale, RunConfig
+from geotrain.node.data import Tokens, local_tokens
 from geotrain.node.device import make_exact, peak_memory_bytes
 from geotrain.node.model import loss_fn
 from geotrain.node.stage import StageRuntime
+
+
+def _batch(
+    cfg: RunConfig, corpus: Tokens, step: int, mb: int, validation: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return corpus.batch(
+        seed=cfg.run.seed, step=step, microbatch=mb, size=cfg.train.microbatch_size, seq_len=cfg.model.seq_len,
+        validation=validation,
+    )
+
+
+def _validation_loss(cfg: RunConfig, corpus: Tokens, runtime: StageRuntime, step: int) -> float:
+    losses = []
+    for mb in range(cfg.run.eval_microbatches):
+        x, y = _batch(cfg, corpus, step, mb, validation=True)
+        losses.append(loss_fn(runtime.evaluate(x), y.to(runtime.device)).item())
+    return sum(losses) / len(losses)
+
+
+def _train_step(
+    cfg: RunConfig, corpus: Tokens, runtime: StageRuntime, step: int, scale: LossScale
+) -> tuple[float, LossScale]:
+    """Every microbatch's forward and backward, the mean gradient, the pipeline's decision and the apply; returns
+    the step's mean loss and the next step's loss scale."""
+    t = cfg.train
+    step_losses = []
+    for mb in range(t.microbatches):
+        x, y = _batch(cfg, corpus, step, mb)
+        runtime.forward((step, mb), x)
+        step_losses.append(runtime.loss_backward((step, mb), y)[0])  # read once the step is queued
+    runtime.mean_gradients(step)
+    coef, skip, scale = t.decide(runtime.grad_sq_norm_parts(), scale)
+    runtime.apply(step, coef, t.lr_at(step, cfg.run.steps), skip, scale.scale)
+    return sum(loss.item() for loss in step_losses) / len(step_losses), scale
 
 
 def train_local(
@@ -24,39 +58,17 @@ def train_local(
     corpus = local_tokens(cfg)
     make_exact(device or torch.device("cpu"))
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers, device)
-    t = cfg.train
-    scale = t.initial_loss_scale()
-
-    def batch(step: int, mb: int, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return corpus.batch(
-            seed=cfg.run.seed, step=step, microbatch=mb, size=t.microbatch_size, seq_len=cfg.model.seq_len,
-            validation=validation,
-        )
-
-    def evaluate(step: int) -> float:
-        losses = []
-        for mb in range(cfg.run.eval_microbatches):
-            x, y = batch(step, mb, validation=True)
-            losses.append(loss_fn(runtime.evaluate(x), y.to(runtime.device)).item())
-        return sum(losses) / len(losses)
-
+    scale = cfg.train.initial_loss_scale()
     losses: list[float] = []
     val_loss = None
     train_started = time.monotonic()
     for step in range(cfg.run.steps):
         t0 = time.monotonic()
-        step_losses = []
-        for mb in range(t.microbatches):
-            x, y = batch(step, mb)
-            runtime.forward((step, mb), x)
-            step_losses.append(runtime.loss_backward((step, mb), y)[0])  # read once the step is queued
-        runtime.mean_gradients(step)
-        coef, skip, scale = t.decide(runtime.grad_sq_norm_parts(), scale)
-        runtime.apply(step, coef, t.lr_at(step, cfg.run.steps), skip, scale.scale)
-        losses.append(sum(loss.item() for loss in step_losses) / len(step_losses))
-        record: dict[str, Any] = {"step": step, "loss": losses[-1], "seconds": time.monotonic() - t0}
+        loss, scale = _train_step(cfg, corpus, runtime, step, scale)
+        losses.append(loss)
+        record: dict[str, Any] = {"step": step, "loss": loss, "seconds": time.monotonic() - t0}
         if step == cfg.run.steps - 1 or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
-            val_loss = record["val_loss"] = evaluate(step)
+            val_loss = record["val_loss"] = _validation_loss(cfg, corpus, runtime, step)
             record["val_bits_per_byte"] = corpus.bits_per_byte(val_loss)
         if on_step is not None:
             on_step(record)

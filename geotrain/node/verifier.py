@@ -1,6 +1,6 @@
 """Verified compute on the node: digests of the tensors a stage received and sent (its commitments), the evidence it
-keeps of its last few steps for a verifier (parameters before the step, each microbatch's received tensors), and a
-verifier's recompute of one microbatch of another node's stage from that evidence.
+keeps for a verifier of the microbatches drawn for checks in its last few steps (parameters before the step, the
+tensors received), and a verifier's recompute of one microbatch of another node's stage from that evidence.
 
 The pipeline is bit-identical to one process on one device class, so an honest stage's work, recomputed from the
 same parameters and inputs, gives the same bits: the coordinator (scheduler/verification.py) compares digests."""
@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -19,7 +19,7 @@ import blake3
 import grpc
 import torch
 
-from geotrain.node.device import COMPUTE_DTYPES
+from geotrain.node.device import COMPUTE_DTYPES, device_pool
 from geotrain.node.stage import MicrobatchKey, StageRuntime
 from geotrain.node.worker import VERIFY
 from geotrain.protocol import framing
@@ -35,16 +35,19 @@ PARAMS_PREFIX = "params."
 
 
 def digest(tensor: torch.Tensor) -> bytes:
-    """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit."""
-    return digest_all([tensor])
+    """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
+    stage sends or receives has one, so it takes as few calls as it can)."""
+    t = tensor.detach().cpu().contiguous()
+    hasher = blake3.blake3(f"{t.dtype}{tuple(t.shape)}".encode())
+    hasher.update(t.view(-1).view(torch.uint8).numpy())
+    return hasher.digest(_DIGEST_BYTES)
 
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     """One digest of tensors in order (None, a parameter without gradient, counts as itself): blake3 of their shapes,
-    then of each dtype's run of bytes. A stage hashes every microbatch's parameter gradients, dozens of small tensors,
-    on its worker: they are flattened together, up to _GROUP_BYTES at a time, and hashed in one call (a torch or
-    hashlib call per tensor costs more than the hash itself here); blake3 hashes about 7 times as fast as hashlib's
-    blake2b (4 GB/s against 0.55 on one core), as collision resistant."""
+    then of each dtype's run of bytes. Every microbatch's parameter gradients, dozens of small tensors, are hashed:
+    they are flattened together, up to _GROUP_BYTES at a time, and hashed in one call, as a call per tensor costs
+    more than the hash itself."""
     hasher = blake3.blake3()
     hasher.update(repr([None if t is None else t.shape for t in tensors]).encode())
     group: list[torch.Tensor] = []
@@ -69,16 +72,19 @@ def wire_form(runtime: StageRuntime, tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _StepEvidence:
     epoch: int
-    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies, before the step
-    checksum: str = ""
+    checksum: Callable[[], str] | None = None  # of the parameters the step is computed with (last_checksum)
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing
+    kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
 
 
 class Evidence:
-    """What a stage holder keeps of its last `keep_steps` steps, and its commitments for each (thread-safe: tensors
-    arrive on the servicer's threads, compute runs on the worker, verifiers read from theirs)."""
+    """A stage holder's commitments for each step, and what it keeps for verifiers of its last `keep_steps` steps
+    with checks drawn (thread-safe: tensors arrive on the servicer's threads, compute runs on the worker, verifiers
+    read from theirs). Commitments are made for every microbatch; which ones are checked is told with the step's
+    apply, after they were sent, so only then are the parameters copied and the other microbatches' inputs dropped."""
 
     def __init__(self, keep_steps: int) -> None:
         self.keep_steps = keep_steps
@@ -95,10 +101,15 @@ class Evidence:
         return entry
 
     def watch(self, epoch: int, step: int, runtime: StageRuntime, pool: futures.Executor) -> None:
-        """Keep the parameters the stage computes `step` with (begin), and commit to each microbatch's parameter
-        gradients as the stage counts them: their copies to the host start behind the backward that made them and a
-        thread of `pool` hashes them, so a GPU's worker neither waits for each backward nor hashes them itself."""
-        self.begin(epoch, step, runtime)
+        """Once per step, on the worker before its first microbatch: take the checksum of the parameters the stage
+        computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them: their
+        copies to the host start behind the backward that made them and a thread of `pool` hashes them, so a GPU's
+        worker neither waits for each backward nor hashes them itself."""
+        with self._lock:
+            entry = self._entry(epoch, step)
+            if entry.checksum is not None:
+                return
+            entry.checksum = runtime.last_checksum()
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
@@ -106,17 +117,6 @@ class Evidence:
             self.param_grads(epoch, key[0], key[1], hashed)
 
         runtime.on_param_grads = counted
-
-    def begin(self, epoch: int, step: int, runtime: StageRuntime) -> None:
-        """Keep the parameters the stage computes `step` with (on the worker, before its first microbatch)."""
-        with self._lock:
-            entry = self._entry(epoch, step)
-            if entry.checksum:
-                return
-        params = [(name, p.detach().to("cpu", copy=True)) for name, p in runtime.named_state()]
-        checksum = runtime.last_checksum()()
-        with self._lock:
-            entry.params, entry.checksum = params, checksum
 
     def _commitment(self, entry: _StepEvidence, microbatch: int) -> pb.MicrobatchCommitment:
         return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
@@ -159,23 +159,66 @@ class Evidence:
                 return "", []
             hashing = dict(entry.grad_digests)
         done = {microbatch: hashed.result() for microbatch, hashed in hashing.items()}
+        checksum = entry.checksum() if entry.checksum is not None else ""
         with self._lock:
             for microbatch, value in done.items():
                 entry.commitments[microbatch].param_grads = value
                 entry.grad_digests.pop(microbatch, None)
-            return entry.checksum, [entry.commitments[m] for m in sorted(entry.commitments)]
+            return checksum, [entry.commitments[m] for m in sorted(entry.commitments)]
+
+    def keep(self, epoch: int, step: int, runtime: StageRuntime, drawn: Collection[int]) -> None:
+        """At the step's apply (on the worker, before it writes the parameters): keep the parameters the step was
+        computed with and the tensors received of its `drawn` microbatches, for their verifiers; drop the rest."""
+        with self._lock:
+            entry = self._steps.get(step)
+            if entry is None or entry.epoch != epoch:
+                return
+            kept = frozenset(drawn) & entry.commitments.keys()
+            if not kept:
+                del self._steps[step]
+                return
+            entry.received = {key: t for key, t in entry.received.items() if key[0] in kept}
+        params = flat_params(runtime)
+        with self._lock:
+            entry.params, entry.kept = params, kept
 
     def serve(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
         """The evidence of one microbatch: parameters before the step and what was received; None if not kept."""
         with self._lock:
             entry = self._steps.get(step)
-            if entry is None or not entry.checksum or microbatch not in entry.commitments:
+            if entry is None or microbatch not in entry.kept:
                 return None
-            items = [(PARAMS_PREFIX + name, t) for name, t in entry.params]
+            items = list(entry.params)
             for (mb, direction), tensor in entry.received.items():
                 if mb == microbatch:
                     items.append(("received" if direction == "forward" else "received_grad", tensor))
             return items
+
+
+def flat_params(runtime: StageRuntime) -> list[tuple[str, torch.Tensor]]:
+    """Host copies of a stage's parameters, those of one dtype flattened into one tensor named after it: a check's
+    evidence goes in a few messages, not one per parameter (unflat_params reads it back)."""
+    params = [p.detach() for _, p in runtime.named_state()]
+    dtypes = dict.fromkeys(p.dtype for p in params)
+    flat = {dtype: torch.cat([p.reshape(-1) for p in params if p.dtype == dtype]) for dtype in dtypes}
+    return [(PARAMS_PREFIX + str(dtype), t.to("cpu", copy=True)) for dtype, t in flat.items()]
+
+
+def unflat_params(runtime: StageRuntime, evidence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters of `runtime`'s stage, by name, from the evidence's flat_params; ValueError unless they fill
+    them exactly."""
+    flats = {name: t for name, t in evidence.items() if name.startswith(PARAMS_PREFIX)}
+    taken = dict.fromkeys(flats, 0)
+    state = {}
+    for name, p in runtime.named_state():
+        key = PARAMS_PREFIX + str(p.dtype)
+        flat, at = flats.get(key), taken.get(key, 0)
+        if flat is None or flat.dtype != p.dtype or flat.dim() != 1 or at + p.numel() > flat.numel():
+            raise ValueError(f"the evidence's parameters do not hold {name}")
+        state[name], taken[key] = flat[at : at + p.numel()].view(p.shape), at + p.numel()
+    if any(taken[key] != flat.numel() for key, flat in flats.items()):
+        raise ValueError("the evidence holds more parameters than the stage has")
+    return state
 
 
 def recompute(
@@ -186,9 +229,7 @@ def recompute(
     backward from the served inputs; returns the served parameters' checksum and the digests of everything, as the
     target committed them. ValueError if the evidence lacks a tensor the stage needs."""
     step, microbatch = key
-    runtime.load_parameters(
-        {name.removeprefix(PARAMS_PREFIX): t for name, t in evidence.items() if name.startswith(PARAMS_PREFIX)}
-    )
+    runtime.load_parameters(unflat_params(runtime, evidence))
     checksum = runtime.checksum()
     runtime.reset_step()
     runtime.applied_step = step - 1
@@ -225,6 +266,10 @@ class VerifierPart:
 
     _verify_pool: futures.ThreadPoolExecutor
     _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
+
+    def _init_verifier(self, device: torch.device) -> None:
+        self._verify_pool = device_pool(device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
+        self._verify_stages = {}
 
     def _verify(self, order: pb.VerifyOrder) -> None:
         """Queue a spot check the coordinator ordered."""

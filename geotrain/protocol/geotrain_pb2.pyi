@@ -531,18 +531,28 @@ class CommitStep(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class ApplyStep(_message.Message):
-    __slots__ = ("step", "clip_coef", "lr", "skip", "loss_scale")
+    __slots__ = ("step", "clip_coef", "lr", "skip", "loss_scale", "checks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     clip_coef: float
     lr: float
     skip: bool
     loss_scale: float
-    def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    checks: _containers.RepeatedCompositeFieldContainer[CheckDraw]
+    def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[CheckDraw, _Mapping]]] = ...) -> None: ...
+
+class CheckDraw(_message.Message):
+    __slots__ = ("stage", "microbatch")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    microbatch: int
+    def __init__(self, stage: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "aborted")

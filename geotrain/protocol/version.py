@@ -4,7 +4,8 @@
 # the wire format breaks wholesale.
 PROTOCOL_VERSION = 15
 # 15: a stage's checksum is blake3, not sha256 (framing.parameters_checksum): an older node's would differ from
-#    its replicas' and from every checkpoint's
+#    its replicas' and from every checkpoint's; ApplyStep.checks: a node of 14 keeps no evidence of drawn
+#    microbatches, so every check of it would go unserved
 # 14: GradNormRequest.forward_s_per_microbatch (a node of 13 leaves it 0: its compute would read as all backward)
 # 13: a stage's checksum (StepApplied, LoadState.expected_checksum) is over its parameters in name order
 #    (framing.parameters_checksum): an older node's would differ from its replicas' and from every checkpoint's

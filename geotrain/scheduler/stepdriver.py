@@ -29,7 +29,7 @@ from geotrain.scheduler.errors import ReportRefused, RunAborted, StepFailed
 from geotrain.scheduler.membership import EventSink, Membership, Scope
 from geotrain.scheduler.orders import OrderQueues
 from geotrain.scheduler.state import RunStore, StepRecord
-from geotrain.scheduler.verification import Verification, cross_check, device_class
+from geotrain.scheduler.verification import Check, Verification, cross_check, device_class
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,12 @@ def current_loss_scale(cfg: RunConfig, store: RunStore) -> LossScale:
     return cfg.train.initial_loss_scale() if recorded is None else LossScale(**json.loads(recorded))
 
 
-def _apply_order(step: int, decided: dict) -> pb.ApplyStep:
-    """The ApplyStep of a decision as recorded in the store."""
+def _apply_order(step: int, decided: dict, checks: list[Check] | None = None) -> pb.ApplyStep:
+    """The ApplyStep of a decision as recorded in the store, with the step's spot checks."""
     return pb.ApplyStep(
         step=step, clip_coef=decided["clip"], lr=decided["lr"], skip=decided["skip"],
         loss_scale=decided["loss_scale"]["scale"],
+        checks=[pb.CheckDraw(stage=c.stage, microbatch=c.microbatch) for c in checks or []],
     )
 
 
@@ -298,17 +299,23 @@ class StepDriver:
                 self.membership.offence(n, f"step {progress.step}: {d.what}")
         raise StepFailed(f"commitments of step {progress.step} disagree ({found[0].what}, {len(found)} in all)")
 
-    def _order_checks(self, step: int, plan: pb.Plan) -> None:
-        """After a commit: draw the step's spot checks (now, when no node can change what it committed) and order
-        them from their verifiers."""
+    def _draw_checks(self, step: int, plan: pb.Plan) -> list[Check]:
+        """The step's spot checks, drawn once every commitment is in (no node can change what it committed); they
+        go to their targets with the apply, so that only the drawn microbatches' evidence is kept."""
         assert self.verification is not None
         with self.membership.cond:
             members = self.membership.members
             classes = {n: device_class(members[n]) for n in placement.plan_nodes(plan) if members[n].alive}
-            checks = self.verification.draw_checks(
+            return self.verification.draw_checks(
                 step, plan, {mb: path for mb, (_, path) in self.progress.done.items()}, self.progress.commitments,
                 self.progress.params_before, classes,
             )
+
+    def _order_checks(self, checks: list[Check]) -> None:
+        """After a commit (every target kept its evidence as it applied): order the checks from their verifiers."""
+        assert self.verification is not None
+        with self.membership.cond:
+            self.verification.issue(checks)
         for check in checks:
             self.orders.send([check.verifier], pb.Order(verify=check.order()))
 
@@ -353,11 +360,13 @@ class StepDriver:
         self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
         wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
         self._enter(StepPhase.NORMS_IN, step)
+        checks: list[Check] = []
         if self.verification is not None:
             self._cross_check(plan)
+            checks = self._draw_checks(step, plan)
         timings = self._timings(plan, dispatched, commit_started)
         record, decided = self._decide(step, plan, t0)
-        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided)))
+        self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided, checks)))
         # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
         # takes up the committed state with the next plan.
         wait(
@@ -377,7 +386,7 @@ class StepDriver:
         self._committed = (plan.epoch, step, checksums)
         self._enter(StepPhase.COMMITTED, step)
         if self.verification is not None:
-            self._order_checks(step, plan)
+            self._order_checks(checks)
         return record
 
     def _dispatch(self, step: int, plan: pb.Plan, nodes: list[str]) -> float:

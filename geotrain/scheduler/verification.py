@@ -1,5 +1,6 @@
 """Verified compute, the coordinator's side: commitments cross-checked between the two ends of every hop, spot checks
-drawn after a step's commitments are in, disputes settled by a second verifier, and the verdicts the run loop acts
+drawn once a step's commitments are in (and told to their targets with the step's apply, so that only they keep
+evidence), disputes settled by a second verifier, and the verdicts the run loop acts
 on (evict whoever was wrong, roll back to before its first planned step).
 
 A stage on one device class is bit-exact, so a recompute from the same parameters and inputs gives the same bits:
@@ -178,7 +179,8 @@ class Verification:
         params_before: dict[str, str],
         classes: dict[str, DeviceClass | None],
     ) -> list[Check]:
-        """The checks of a committed step: a fraction of its (stage, microbatch) pairs, each given to a node of the
+        """The checks of a step whose commitments are all in (issue() them once it is applied): a fraction of its
+        (stage, microbatch) pairs, each given to a node of the
         target's device class other than the target (pairs whose target has no such node go unchecked): a replica of
         the target's stage first, else a node of the stage after it (cyclically), and so on, so that a verifier keeps
         checking the same layers, whose runtime it keeps (building one, as for a stage with embeddings, can cost more
@@ -204,9 +206,12 @@ class Verification:
                 candidates=candidates,
             )
             self._load[verifier] += 1
-            self.pending[check.id] = check
             checks.append(check)
         return checks
+
+    def issue(self, checks: Iterable[Check]) -> None:
+        """Checks whose targets were told to keep their evidence (the step applied): their reports are awaited."""
+        self.pending.update((check.id, check) for check in checks)
 
     def report(self, report: pb.VerifyReport) -> Check | None:
         """A verifier's result; returns the dispute's second check when it accuses the target (None otherwise).
