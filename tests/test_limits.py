@@ -23,7 +23,7 @@ from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import Backoff, LimitValues, PeerLimits
-from geotrain.protocol.transport import NODE_STREAMS_PER_CONNECTION, make_channel, make_server
+from geotrain.protocol.transport import NODE_STREAMS_PER_CONNECTION, call_with_retry, make_channel, make_server
 from geotrain.protocol.version import PROTOCOL_VERSION
 from geotrain.scheduler import http as http_module
 from geotrain.scheduler.http import REQUEST_BURST, StatusHttpServer, StatusPageProcess
@@ -361,6 +361,30 @@ def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_
         assert fetch(member) == grpc.StatusCode.UNIMPLEMENTED
     finally:
         attacker.close()
+        server.stop(None)
+
+
+@pytest.mark.timeout(30)
+def test_a_member_that_outpaces_its_call_budget_is_let_in_again_by_retrying():
+    # A data head of a small fast model makes hundreds of calls a second to the coordinator: a call over its budget is
+    # refused (RESOURCE_EXHAUSTED), and the caller's retry lands once the budget has refilled instead of failing.
+    limits = PeerLimits(LimitValues(calls_per_s=4.0, call_burst=1))
+    server, port = make_server("limits-token", "127.0.0.1:0", limits)
+    rpc.add_StageServicer_to_server(rpc.StageServicer(), server)  # every method answers UNIMPLEMENTED once admitted
+    server.start()
+    caller = Attacker(f"127.0.0.1:{port}", "limits-token")
+    member = NodeKey.generate()
+    try:
+        stub = caller.stage(caller.address, member, "node-1")
+
+        def fetch() -> list:
+            return list(stub.FetchState(pb.FetchStateRequest(), timeout=10))
+
+        assert answer(fetch) == grpc.StatusCode.UNIMPLEMENTED  # the burst
+        assert answer(fetch) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert answer(lambda: call_with_retry(fetch, first_backoff_s=0.1)) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        caller.close()
         server.stop(None)
 
 

@@ -178,15 +178,17 @@ def call_with_retry(
     first_backoff_s: float = 0.2,
     on_unavailable: Callable[[grpc.RpcError], None] | None = None,
 ) -> T:
-    """Call fn, retrying with exponential backoff only while it fails with UNAVAILABLE (on_unavailable hears each)."""
+    """Call fn, retrying with exponential backoff while it fails with UNAVAILABLE (on_unavailable hears each) or
+    RESOURCE_EXHAUSTED: a peer's call budget (protocol.limits) refills, so an honest caller that outpaced it, as a
+    data head of a small fast model does, is let in again after a short wait instead of failing its step."""
     for attempt in range(attempts - 1):
         try:
             return fn()
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise
-            log.debug("unavailable (%s), retrying", e.details())
-            if on_unavailable is not None:
+            log.debug("%s (%s), retrying", e.code().name.lower(), e.details())
+            if on_unavailable is not None and e.code() == grpc.StatusCode.UNAVAILABLE:
                 on_unavailable(e)
             time.sleep(first_backoff_s * 2**attempt)
     return fn()
