@@ -16,8 +16,9 @@ In namespaces (root) every system crosses the same links: tbf shapes each region
 packet between regions (a TUN device; there is no netem), so gloo's and libp2p's own ports see the latency too.
 Without root torch pipelining and hivemind run on loopback, unshaped, and their lines say so.
 
-One JSON line per system: system, links, tokens_per_s (tokens trained per second of the steps measured),
-seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against time_to_target's
+One JSON line per system: system, links, tensor_transport (for geotrain measured by its nodes, as in
+time_to_target.py's lines; torch pipelining's and hivemind's have one each), tokens_per_s (tokens trained per second
+of the steps measured), seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against time_to_target's
 target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the steps geotrain
 (none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch pipelining
 trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare), hivemind nearly
@@ -285,7 +286,11 @@ def geotrain_line(system: str, config: str, steps: int, links: str, target: floa
     fig = ttt.figures(config, ttt.CONFIGS[config], summary, links, target)
     return {"system": system, "config": config, "links": fig["links"], "tokens_per_s": fig["tokens_per_s"],
             "seconds_to_target": fig["seconds_to_target"], "steps_to_target": fig["steps_to_target"],
-            "target_val_loss": target}, fig
+            "target_val_loss": target, "tensor_transport": fig["tensor_transport"]}, fig
+
+
+# What carries each other system's tensors: its only transport, fixed by how the workers are built.
+TRANSPORTS = {"torch_pipelining": "gloo TCP (torch.distributed)", "hivemind": "hivemind all-reduce over libp2p"}
 
 
 def projected_line(system: str, step_seconds: list[float], losses: list[float], links_label: str,
@@ -294,7 +299,8 @@ def projected_line(system: str, step_seconds: list[float], losses: list[float], 
     mean_s = sum(step_seconds) / len(step_seconds)
     tokens_per_step = ttt.tokens_per_step()
     return {
-        "system": system, "links": links_label, "tokens_per_s": round(tokens_per_step / mean_s, 1),
+        "system": system, "links": links_label, "tensor_transport": TRANSPORTS[system],
+        "tokens_per_s": round(tokens_per_step / mean_s, 1),
         "seconds_to_target": None if reference_steps is None else round(reference_steps * mean_s, 1),
         "seconds_to_target_from": f"{reference}'s steps_to_target ({reference_steps}) x this system's mean step "
                                   f"seconds ({mean_s:.3f}) over {len(step_seconds)} steps",

@@ -158,6 +158,9 @@ def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would():
         assert node.streams.open_connections() == 1 and node.receiver.ticket_asks == 1
         assert len(node.receiver.taken) == 2 and torch.equal(taken, tensor)
         assert torch.equal(node.receiver.taken[1][2], tensor + 1)
+        # What the heartbeat reports: the two tensors taken went over the stream, every byte of them.
+        (counter,) = plane.link_counters()
+        assert counter.wire_bytes == counter.stream_bytes == 2 * tensor.numel() * 4
 
 
 def test_a_call_s_uncompressed_chunks_are_read_into_the_tensor_the_node_takes():
@@ -280,6 +283,8 @@ def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_
             _send(plane, node, torch.full(SHAPE, float(i)))
         assert [t[0, 0, 0].item() for _, _, t in node.receiver.taken] == [0.0, 1.0, 2.0]
         assert node.receiver.ticket_asks == 1  # the first tensor found the port closed; the others did not try
+        (counter,) = plane.link_counters()
+        assert counter.wire_bytes == 3 * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4 and counter.stream_bytes == 0
         said = [r.getMessage() for r in caplog.records if "go by gRPC calls" in r.getMessage()]
         assert len(said) == 1 and "cannot be reached" in said[0], said
 
