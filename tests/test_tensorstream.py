@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import LimitValues, PeerLimits
 from geotrain.protocol.tensorstream import (
-    NoStream, TensorStreamClient, TensorStreamServer, read_message, write_message,
+    NoStream, TensorStreamClient, TensorStreamServer, _Connection, read_message, write_message,
 )
 from geotrain.protocol.tls import TlsFiles, init_run_tls
 from geotrain.protocol.transport import StatusError, make_channel, make_server
@@ -72,11 +73,13 @@ class _Node:
 
 
 @contextmanager
-def receiving_node(tls: TlsFiles | None = None, streams_per_peer: int = 16) -> Iterator[_Node]:
+def receiving_node(
+    tls: TlsFiles | None = None, streams_per_peer: int = 16, idle_stream_s: float = 30.0
+) -> Iterator[_Node]:
     """A receiving node's Stage server and tensor stream port on loopback, always stopped."""
     token, key = new_token(), NodeKey.generate()
     receiver = _Receiver(key.public)
-    limits = PeerLimits(LimitValues(streams_per_peer=streams_per_peer))
+    limits = PeerLimits(LimitValues(streams_per_peer=streams_per_peer, idle_stream_s=idle_stream_s))
     server, port = make_server(token, "127.0.0.1:0", limits, tls=tls)
     streams = TensorStreamServer("127.0.0.1", 0, tls, limits, 1 << 20)
     servicer = StageServicer(receiver, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "r"),
@@ -213,6 +216,34 @@ def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing():
         assert code == grpc.StatusCode.DATA_LOSS and "truncated" in detail
         assert sock.recv(1) == b""  # and the receiver closed the connection
         assert not node.receiver.taken
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_stream_silent_mid_tensor_is_ended_after_idle_stream_s_but_may_idle_between_tensors():
+    with receiving_node(idle_stream_s=0.3) as node, bare_stream(node) as sock:
+        time.sleep(0.6)  # between tensors a kept connection waits as long as it likes
+        sock.sendall(_frame(sock, torch.ones(SHAPE)))
+        assert _status(sock)[0] == grpc.StatusCode.OK
+        payload = _frame(sock, torch.randn(SHAPE))
+        sock.sendall(payload[: len(payload) // 2])
+        began = time.monotonic()
+        assert sock.recv(1) == b""  # the receiver's kernel timeout ran out mid-payload: it closed the connection
+        assert 0.2 < time.monotonic() - began < 5
+        assert len(node.receiver.taken) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_answers():
+    frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
+    for payload, what in ((bytes(64 << 20), "a payload it never reads"), (b"x", "a reply it never sends")):
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            sender = socket.create_connection(listener.getsockname())
+            receiver, _ = listener.accept()
+            with sender, receiver:
+                began = time.monotonic()
+                with pytest.raises(socket.timeout):
+                    _Connection(sender).send(frame, payload, began + 0.3)
+                assert 0.25 < time.monotonic() - began < 3, what
 
 
 @pytest.mark.timeout(30)

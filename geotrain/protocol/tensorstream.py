@@ -22,7 +22,8 @@ that breaks the limits, a malformed frame, a stream cut mid-tensor or one silent
 end the connection. An uncompressed payload is read straight into the tensor the node is handed (the sink's
 `destination`: pinned memory for a CUDA node), which is its decode; any other into a buffer the connection reuses, to
 be decoded by the sink into a tensor of its own (codecs copy out of what they decode). Either is checked against the
-header's crc32 before the sink takes it.
+header's crc32 before the sink takes it, unless the stream is TLS, which authenticates every byte already (the
+sender writes the crc32 all the same: a tensor whose stream fails goes by a call, and a relay, which needs it).
 
 The sender keeps one connection per receiver and opens another only while the ones it has are busy (sends to one
 peer from several threads at once, as concurrent calls would be), each used by one send at a time: no connection is
@@ -86,16 +87,59 @@ def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> 
     """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
     out (a kept connection between tensors); any other raises socket.timeout."""
     filled, n = 0, len(view)
+    # A plain socket in blocking mode (_bound) fills a whole payload in one call; ssl takes no flags.
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while filled < n:
         try:
-            got = sock.recv_into(view[filled:])
-        except socket.timeout:
+            got = sock.recv_into(view[filled:], 0, flags)
+        except (socket.timeout, BlockingIOError):  # the latter: SO_RCVTIMEO ran out on a blocking socket
             if idle_ok and filled == 0:
                 continue
-            raise
+            raise socket.timeout("timed out") from None
         if not got:
             raise Closed(f"the stream ended {n - filled} bytes short" if filled else "the stream ended")
         filled += got
+
+
+def _send_all(sock: socket.socket, parts: list[Buffer], deadline: float) -> None:
+    """Write `parts` one after the other by `deadline` (time.monotonic); socket.timeout past it. A plain socket
+    gathers them into one sendmsg (a frame and its payload leave together: one wake-up of the reader, not two)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        for part in parts:
+            sock.sendall(part)  # its timeout bounds the whole call
+        return
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        # Each sendmsg waits at most what is left, so a receiver that reads a trickle cannot stretch the deadline.
+        _bound(sock, deadline - time.monotonic())
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:
+            raise socket.timeout("timed out") from None
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views:
+            views[0] = views[0][sent:]
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _bound(sock: socket.socket, seconds: float) -> None:
+    """Bound each of sock's next reads and writes to `seconds`. A plain socket blocks in the kernel with SO_RCVTIMEO
+    and SO_SNDTIMEO, so that a tensor's payload is one recv (MSG_WAITALL) and one send, where python's own timeout
+    polls before each piece the kernel hands over (bench/tensor_path.py); python's ssl keeps python's timeout."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(max(1e-3, seconds))
+        return
+    if sock.gettimeout() is not None:
+        sock.settimeout(None)
+    whole = int(max(0.0, seconds))
+    micros = max(int((seconds - whole) * 1e6), 0 if whole else 1000)  # a zero timeval waits forever
+    timeval = _TIMEVAL.pack(whole, micros)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -298,9 +342,11 @@ class TensorStreamServer:
     def _tensors(self, sock: socket.socket, peer: str, key: bytes) -> None:
         """Read, check and hand over tensors until the connection ends (Closed) or breaks a limit."""
         assert self._sink is not None
-        sink, buffer = self._sink, bytearray()
+        sink, buffer, bound = self._sink, bytearray(), None
         while True:
-            sock.settimeout(self._limits.values.idle_stream_s)
+            if bound != self._limits.values.idle_stream_s:  # set again only when the limits change
+                bound = self._limits.values.idle_stream_s
+                _bound(sock, bound)
             frame = read_message(sock, pb.TensorFrame, idle_ok=True)
             header, direction = frame.header, framing.DIRECTION_NAMES.get(frame.direction, "")
             try:
@@ -335,7 +381,10 @@ class TensorStreamServer:
                 _reply(sock, grpc.StatusCode.DATA_LOSS, why)
                 return
             try:
-                framing.check_checksum(header, payload)
+                if self._context is None:
+                    # Under TLS every byte is authenticated on the way (its records' MACs): the crc32 would check again
+                    # what TLS checked, against a value the same sender wrote.
+                    framing.check_checksum(header, payload)
                 sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload, tensor=tensor))
             except FrameError as e:
                 sink.refused(peer, direction, str(e))
@@ -390,10 +439,8 @@ class _Connection:
         """Write one tensor and read its reply by `deadline` (time.monotonic); socket.timeout past it, OSError or
         Closed when the connection broke."""
         sock = self.sock
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        sock.sendall(_LENGTH.pack(len(frame)) + frame)
-        sock.sendall(payload)
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        _send_all(sock, [_LENGTH.pack(len(frame)) + frame, payload], deadline)
+        _bound(sock, deadline - time.monotonic())
         return read_message(sock, pb.TensorStreamReply)
 
     def close(self) -> None:
