@@ -290,6 +290,11 @@ def test_a_tls_run_s_tensor_streams_are_tls_with_its_files(run_files):
             tensor = torch.randn(SHAPE)
             _send(plane, node, tensor)
             assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
+            # TLS authenticated every byte: the header's crc32 is not checked again (a plaintext stream refuses this).
+            encoded = plane.encode("receiver", node.address, "forward", get_codec("none"), tensor)
+            encoded.header.crc32 ^= 1
+            plane.send("receiver", node.address, "forward", REF, encoded)
+            assert len(node.receiver.taken) == 2
         # A plaintext hello never gets an answer; another run's files fail the handshake.
         port = node.streams.port
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

@@ -87,59 +87,16 @@ def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> 
     """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
     out (a kept connection between tensors); any other raises socket.timeout."""
     filled, n = 0, len(view)
-    # A plain socket in blocking mode (_bound) fills a whole payload in one call; ssl takes no flags.
-    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while filled < n:
         try:
-            got = sock.recv_into(view[filled:], 0, flags)
-        except (socket.timeout, BlockingIOError):  # the latter: SO_RCVTIMEO ran out on a blocking socket
+            got = sock.recv_into(view[filled:])
+        except socket.timeout:
             if idle_ok and filled == 0:
                 continue
-            raise socket.timeout("timed out") from None
+            raise
         if not got:
             raise Closed(f"the stream ended {n - filled} bytes short" if filled else "the stream ended")
         filled += got
-
-
-def _send_all(sock: socket.socket, parts: list[Buffer], deadline: float) -> None:
-    """Write `parts` one after the other by `deadline` (time.monotonic); socket.timeout past it. A plain socket
-    gathers them into one sendmsg (a frame and its payload leave together: one wake-up of the reader, not two)."""
-    if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        for part in parts:
-            sock.sendall(part)  # its timeout bounds the whole call
-        return
-    views = [memoryview(part).cast("B") for part in parts]
-    while views:
-        # Each sendmsg waits at most what is left, so a receiver that reads a trickle cannot stretch the deadline.
-        _bound(sock, deadline - time.monotonic())
-        try:
-            sent = sock.sendmsg(views)
-        except BlockingIOError:
-            raise socket.timeout("timed out") from None
-        while views and sent >= len(views[0]):
-            sent -= len(views.pop(0))
-        if views:
-            views[0] = views[0][sent:]
-
-
-_TIMEVAL = struct.Struct("@ll")
-
-
-def _bound(sock: socket.socket, seconds: float) -> None:
-    """Bound each of sock's next reads and writes to `seconds`. A plain socket blocks in the kernel with SO_RCVTIMEO
-    and SO_SNDTIMEO, so that a tensor's payload is one recv (MSG_WAITALL) and one send, where python's own timeout
-    polls before each piece the kernel hands over (bench/tensor_path.py); python's ssl keeps python's timeout."""
-    if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(max(1e-3, seconds))
-        return
-    if sock.gettimeout() is not None:
-        sock.settimeout(None)
-    whole = int(max(0.0, seconds))
-    micros = max(int((seconds - whole) * 1e6), 0 if whole else 1000)  # a zero timeval waits forever
-    timeval = _TIMEVAL.pack(whole, micros)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -342,11 +299,9 @@ class TensorStreamServer:
     def _tensors(self, sock: socket.socket, peer: str, key: bytes) -> None:
         """Read, check and hand over tensors until the connection ends (Closed) or breaks a limit."""
         assert self._sink is not None
-        sink, buffer, bound = self._sink, bytearray(), None
+        sink, buffer = self._sink, bytearray()
         while True:
-            if bound != self._limits.values.idle_stream_s:  # set again only when the limits change
-                bound = self._limits.values.idle_stream_s
-                _bound(sock, bound)
+            sock.settimeout(self._limits.values.idle_stream_s)
             frame = read_message(sock, pb.TensorFrame, idle_ok=True)
             header, direction = frame.header, framing.DIRECTION_NAMES.get(frame.direction, "")
             try:
@@ -439,8 +394,10 @@ class _Connection:
         """Write one tensor and read its reply by `deadline` (time.monotonic); socket.timeout past it, OSError or
         Closed when the connection broke."""
         sock = self.sock
-        _send_all(sock, [_LENGTH.pack(len(frame)) + frame, payload], deadline)
-        _bound(sock, deadline - time.monotonic())
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        sock.sendall(_LENGTH.pack(len(frame)) + frame)
+        sock.sendall(payload)
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
         return read_message(sock, pb.TensorStreamReply)
 
     def close(self) -> None:
