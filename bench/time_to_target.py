@@ -18,8 +18,9 @@ boundary_bytes_per_token (activation and gradient bytes on the wire across every
 from the nodes' own link counters; they also count the validation passes' activations, forward only, 12,288 tokens
 a pass, so codec none shows 3,679 where training alone sends 3,072 and headers), averaging_bytes_per_step (replica averaging's bytes per step as the run reports
 them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_tokens (the last validation pass: every
-configuration trains the same tokens), tokens_per_s, tensor_transport (what carried the activations and gradients, measured: the share of their bytes the
-nodes counted as sent over raw tensor streams, the rest by gRPC calls).
+configuration trains the same tokens), tokens_per_s, tensor_transport (what carried the activations and
+gradients, measured: the share of their bytes the nodes counted as sent over raw tensor streams, the rest by gRPC
+calls).
 
 Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
 averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The WAN places a
