@@ -19,10 +19,10 @@ Without root torch pipelining and hivemind run on loopback, unshaped, and their 
 One JSON line per system: system, links, tensor_transport (for geotrain measured by its nodes, as in
 time_to_target.py's lines; torch pipelining's and hivemind's have one each), tokens_per_s (tokens trained per second
 of the steps measured), seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against
-time_to_target's target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the steps geotrain
-(none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch pipelining
-trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare), hivemind nearly
-(no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
+time_to_target's target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the
+steps geotrain (none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch
+pipelining trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare),
+hivemind nearly (no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
 
 Measured in one run of this script (`--best rank8`, namespaces, 2 cores, the CPU lock held; torch and hivemind 20
 steps each, projected at geotrain none's 100 steps): geotrain none 1,784.9 tokens/s, 168.4 s to target (100 steps);
