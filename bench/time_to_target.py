@@ -19,7 +19,9 @@ boundary_bytes_per_token (activation and gradient bytes on the wire across every
 from the nodes' own link counters; they also count the validation passes' activations, forward only, 12,288 tokens
 a pass, so codec none shows 3,679 where training alone sends 3,072 and headers), averaging_bytes_per_step (replica averaging's bytes per step as the run reports
 them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_tokens (the last validation pass: every
-configuration trains the same tokens), tokens_per_s.
+configuration trains the same tokens), tokens_per_s, tensor_transport (what carried the activations and
+gradients, measured: the share of their bytes the nodes counted as sent over raw tensor streams, the rest by gRPC
+calls).
 
 Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
 averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The WAN places a
@@ -203,7 +205,21 @@ def figures(name: str, config: Config, summary: dict, links: str, target: float)
         "val_loss_at_equal_tokens": round(summary["val_loss"], 4),
         "tokens": tokens,
         "tokens_per_s": round(summary["tokens_per_s"], 1),
+        "tensor_transport": tensor_transport(summary),
     }
+
+
+def tensor_transport(summary: dict) -> str:
+    """What carried the run's activations and gradients, from the nodes' own counters (the summary's stream_bytes
+    of wire_bytes), not from the run's settings: a stream port no relay forwards sends them by gRPC calls."""
+    wire, streamed = summary["wire_bytes"], summary["stream_bytes"]
+    if not wire:
+        return "none sent"
+    if streamed == wire:
+        return "raw tensor stream"
+    if not streamed:
+        return "gRPC calls"
+    return f"raw tensor stream {streamed / wire:.1%} of bytes, gRPC calls the rest"
 
 
 def names_in(table: Iterable[str], what: str) -> Callable[[str], list[str]]:

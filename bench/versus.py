@@ -16,12 +16,13 @@ In namespaces (root) every system crosses the same links: tbf shapes each region
 packet between regions (a TUN device; there is no netem), so gloo's and libp2p's own ports see the latency too.
 Without root torch pipelining and hivemind run on loopback, unshaped, and their lines say so.
 
-One JSON line per system: system, links, tokens_per_s (tokens trained per second of the steps measured),
-seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against time_to_target's
-target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the steps geotrain
-(none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch pipelining
-trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare), hivemind nearly
-(no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
+One JSON line per system: system, links, tensor_transport (for geotrain measured by its nodes, as in
+time_to_target.py's lines; torch pipelining's and hivemind's have one each), tokens_per_s (tokens trained per second
+of the steps measured), seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against
+time_to_target's target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the
+steps geotrain (none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch
+pipelining trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare),
+hivemind nearly (no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
 
 Measured in one run of this script (`--best rank8`, namespaces, 2 cores, the CPU lock held; torch and hivemind 20
 steps each, projected at geotrain none's 100 steps): geotrain none 1,784.9 tokens/s, 168.4 s to target (100 steps);
@@ -31,6 +32,9 @@ step), but its loss after 20 steps was 3.5329 against torch pipelining's 3.2036 
 step uneven), so its real time to target is longer. geotrain's best reaches the target 10.8x sooner than torch
 pipelining, geotrain none 2.06x. (rank8 is a boundary-rank model: its capacity cost is in time_to_target.py's
 val_loss_at_equal_tokens; an earlier run with int8, the same model as torch's, took 140.4 s, 2.7x sooner.)
+Those figures predate tensor_transport; a short check since (--systems geotrain,torch_pipelining --steps 10
+--other-steps 3, namespaces, lock held): geotrain none 1,501.7 tokens/s with "tensor_transport": "raw tensor
+stream" (every byte its nodes sent, as they counted), torch pipelining 889.3 tokens/s over gloo.
 """
 
 from __future__ import annotations
@@ -285,7 +289,11 @@ def geotrain_line(system: str, config: str, steps: int, links: str, target: floa
     fig = ttt.figures(config, ttt.CONFIGS[config], summary, links, target)
     return {"system": system, "config": config, "links": fig["links"], "tokens_per_s": fig["tokens_per_s"],
             "seconds_to_target": fig["seconds_to_target"], "steps_to_target": fig["steps_to_target"],
-            "target_val_loss": target}, fig
+            "target_val_loss": target, "tensor_transport": fig["tensor_transport"]}, fig
+
+
+# What carries each other system's tensors: its only transport, fixed by how the workers are built.
+TRANSPORTS = {"torch_pipelining": "gloo TCP (torch.distributed)", "hivemind": "hivemind all-reduce over libp2p"}
 
 
 def projected_line(system: str, step_seconds: list[float], losses: list[float], links_label: str,
@@ -294,7 +302,8 @@ def projected_line(system: str, step_seconds: list[float], losses: list[float], 
     mean_s = sum(step_seconds) / len(step_seconds)
     tokens_per_step = ttt.tokens_per_step()
     return {
-        "system": system, "links": links_label, "tokens_per_s": round(tokens_per_step / mean_s, 1),
+        "system": system, "links": links_label, "tensor_transport": TRANSPORTS[system],
+        "tokens_per_s": round(tokens_per_step / mean_s, 1),
         "seconds_to_target": None if reference_steps is None else round(reference_steps * mean_s, 1),
         "seconds_to_target_from": f"{reference}'s steps_to_target ({reference_steps}) x this system's mean step "
                                   f"seconds ({mean_s:.3f}) over {len(step_seconds)} steps",

@@ -72,7 +72,7 @@ def test_versus_systems_parse(capsys):
 
 def test_figures_come_from_the_summary():
     summary = {"steps": 30, "validation": [(10, 3.0, 5.0), (20, 2.4, 11.0), (30, 2.1, 16.5)], "val_loss": 2.1,
-               "wire_bytes": 6_000_000, "averaging_bytes": 0, "tokens_per_s": 500.0}
+               "wire_bytes": 6_000_000, "stream_bytes": 6_000_000, "averaging_bytes": 0, "tokens_per_s": 500.0}
     assert ttt.to_target(summary, 2.5) == (20, 11.0)
     assert ttt.to_target(summary, 1.0) == (None, None)
     fig = ttt.figures("none", ttt.CONFIGS["none"], summary, "namespaces", 2.5)
@@ -80,6 +80,11 @@ def test_figures_come_from_the_summary():
     tokens = 30 * ttt.tokens_per_step()
     assert fig["tokens"] == tokens and fig["boundary_bytes_per_token"] == round(6_000_000 / tokens, 1)
     assert fig["averaging_bytes_per_step"] == 0 and "namespaces" in fig["links"]
+    # The transport is the nodes' count, not the run's setting: a stream port no relay forwarded shows as calls.
+    assert fig["tensor_transport"] == "raw tensor stream"
+    assert ttt.tensor_transport({**summary, "stream_bytes": 0}) == "gRPC calls"
+    assert ttt.tensor_transport({**summary, "stream_bytes": 1_500_000}) == (
+        "raw tensor stream 25.0% of bytes, gRPC calls the rest")
     # Two replicas per stage: the averaging bytes the run reports, per step.
     replicas = ttt.CONFIGS["replicas_diloco"]
     assert ttt.figures("d", replicas, {**summary, "averaging_bytes": 900}, "emulator", 2.5)[
@@ -88,19 +93,21 @@ def test_figures_come_from_the_summary():
 
 def test_geotrain_line_is_its_run_judged_against_the_target(monkeypatch):
     summary = {"steps": 20, "validation": [(10, 2.6, 4.0), (20, 2.4, 8.5)], "val_loss": 2.4, "wire_bytes": 10,
-               "averaging_bytes": 0, "tokens_per_s": 800.0}
+               "stream_bytes": 0, "averaging_bytes": 0, "tokens_per_s": 800.0}
     runs = []
     monkeypatch.setattr(ttt, "train", lambda config, steps, links: runs.append((config, steps, links)) or summary)
     line, fig = versus.geotrain_line("geotrain_best", "int8", 20, "emulator", 2.5)
     assert runs == [(ttt.CONFIGS["int8"], 20, "emulator")]
     assert line == {"system": "geotrain_best", "config": "int8", "links": fig["links"], "tokens_per_s": 800.0,
-                    "seconds_to_target": 8.5, "steps_to_target": 20, "target_val_loss": 2.5}
+                    "seconds_to_target": 8.5, "steps_to_target": 20, "target_val_loss": 2.5,
+                    "tensor_transport": "gRPC calls"}
 
 
 def test_projection_is_the_reference_steps_at_the_measured_pace():
     line = versus.projected_line("torch_pipelining", [0.5, 1.5], [5.0, 4.0], "loopback", 40, "geotrain none")
     assert line["seconds_to_target"] == 40.0 and line["tokens_per_s"] == round(ttt.tokens_per_step() / 1.0, 1)
     assert (line["loss_first"], line["loss_last"]) == (5.0, 4.0) and "geotrain none" in line["seconds_to_target_from"]
+    assert "gloo" in line["tensor_transport"]
     assert versus.projected_line("hivemind", [1.0], [], "x", None, "none")["seconds_to_target"] is None
 
 
@@ -118,6 +125,7 @@ def test_tiny_geotrain_run_through_the_emulator(monkeypatch):
     assert fig["steps_to_target"] in (1, 2) and fig["seconds_to_target"] > 0
     # Two boundaries each way, 6 microbatches of 2 x 8 x 16 float32 a step, over 2 x 6 x 2 x 8 tokens a step.
     assert fig["boundary_bytes_per_token"] > 0 and "emulator" in fig["links"]
+    assert fig["tensor_transport"] == "raw tensor stream"  # the default on direct links, counted by the nodes
 
 
 @pytest.mark.cluster

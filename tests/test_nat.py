@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from geotrain.config import load_config
 from geotrain.node.reverse import ReverseError, ReverseReceiver, ReverseSender, relay_chunks
-from geotrain.node.servicer import StageServicer
+from geotrain.node.servicer import StageServicer, add_stage_service
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -219,7 +219,7 @@ def reverse_pair(token: str, proven_key: bytes | None = None) -> Iterator[tuple[
     reverse = ReverseSender(sender_key, lambda: "sender")
     server, port = make_server(token, "127.0.0.1:0")
     servicer = StageServicer(_Sender("receiver", receiver_key.public), 1 << 20, True, RefusalLog(), reverse)
-    rpc.add_StageServicer_to_server(servicer, server)
+    add_stage_service(servicer, server)  # as a node serves it
     server.start()
     taken: list = []
     refuse: dict = {}
@@ -342,7 +342,7 @@ def relayed_pair(token: str, relay_class: type[ReverseSender] = ReverseSender) -
     server, port = make_server(token, "127.0.0.1:0")
     ends = {"sender": sender_key.public, "receiver": receiver_key.public}
     servicer = StageServicer(_Relay(ends), 4 << 20, True, RefusalLog(), relay_class(relay_key, lambda: "relay"))
-    rpc.add_StageServicer_to_server(servicer, server)
+    add_stage_service(servicer, server)  # as a node serves it
     server.start()
     taken: list = []
 

@@ -74,7 +74,7 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {
         "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages",
-        "validation", "wire_bytes", "raw_bytes", "estimated_step_s", "relayed_bytes", "averaging_bytes",
+        "validation", "wire_bytes", "raw_bytes", "stream_bytes", "estimated_step_s", "relayed_bytes", "averaging_bytes",
         "peak_memory_bytes", "inflight",
     }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
@@ -102,6 +102,7 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     seconds = [s for _, _, s in summary["validation"]]
     assert seconds == sorted(seconds) and 0 < seconds[-1] <= summary["wall_s"]
     assert summary["wire_bytes"] == summary["raw_bytes"] > 0  # codec none
+    assert summary["stream_bytes"] == summary["wire_bytes"]  # every tensor over the raw streams, the default
 
 
 @pytest.mark.timeout(90)

@@ -31,11 +31,16 @@ def test_round_trip_over_many_chunks(dtype):
     assert torch.equal(framing.raw_tensor(received.header, received.payload), tensor)
 
 
-def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_place():
+def _tensor_w() -> tuple[torch.Tensor, bytes, pb.TensorHeader, pb.MicrobatchRef]:
+    """A tensor "w" of several 1000-byte chunks: itself, its payload, header and ref."""
     tensor = torch.randn(7, 33, 5)
     payload = framing.raw_payload(tensor)
     header = framing.make_header("w", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
-    ref = pb.MicrobatchRef(step=3, microbatch=1, path=["node-1"])
+    return tensor, payload, header, pb.MicrobatchRef(step=3, microbatch=1, path=["node-1"])
+
+
+def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_place():
+    tensor, payload, header, ref = _tensor_w()
     wire = list(framing.wire_chunks(header, payload, ref, 1000))
     assert [pb.TensorChunk.FromString(w) for w in wire] == list(framing.chunk_tensor(header, payload, ref, 1000))
     parsed = [framing.parse_chunk(w) for w in wire]
@@ -43,6 +48,18 @@ def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_p
     assert parsed[0].HasField("header") and not parsed[1].HasField("header") and parsed[0].ref == ref
     (received,) = list(framing.read_tensors(parsed))
     assert torch.equal(framing.raw_tensor(received.header, received.payload), tensor)
+
+
+def test_a_chunk_nested_by_its_parts_is_the_message_that_carries_it():
+    _, payload, header, ref = _tensor_w()
+    chunks = list(framing.chunk_tensor(header, payload, ref, 1000))
+    for (head, data), chunk in zip(framing.wire_chunk_parts(header, payload, ref, 1000), chunks, strict=True):
+        fields = pb.ReverseDown(seq=9, direction=pb.DIRECTION_BACKWARD, last=True, origin="node-2", signature=b"s")
+        nested = framing.nested_chunk(fields.SerializeToString(), 4, head, data)
+        expected = pb.ReverseDown()
+        expected.CopyFrom(fields)
+        expected.chunk.CopyFrom(chunk)
+        assert pb.ReverseDown.FromString(nested) == expected
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import LimitValues, PeerLimits
 from geotrain.protocol.tensorstream import (
-    NoStream, TensorStreamClient, TensorStreamServer, read_message, write_message,
+    NoStream, TensorStreamClient, TensorStreamServer, _Connection, read_message, write_message,
 )
 from geotrain.protocol.tls import TlsFiles, init_run_tls
 from geotrain.protocol.transport import StatusError, make_channel, make_server
@@ -72,11 +73,13 @@ class _Node:
 
 
 @contextmanager
-def receiving_node(tls: TlsFiles | None = None, streams_per_peer: int = 16) -> Iterator[_Node]:
+def receiving_node(
+    tls: TlsFiles | None = None, streams_per_peer: int = 16, idle_stream_s: float = 30.0
+) -> Iterator[_Node]:
     """A receiving node's Stage server and tensor stream port on loopback, always stopped."""
     token, key = new_token(), NodeKey.generate()
     receiver = _Receiver(key.public)
-    limits = PeerLimits(LimitValues(streams_per_peer=streams_per_peer))
+    limits = PeerLimits(LimitValues(streams_per_peer=streams_per_peer, idle_stream_s=idle_stream_s))
     server, port = make_server(token, "127.0.0.1:0", limits, tls=tls)
     streams = TensorStreamServer("127.0.0.1", 0, tls, limits, 1 << 20)
     servicer = StageServicer(receiver, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "r"),
@@ -158,6 +161,9 @@ def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would():
         assert node.streams.open_connections() == 1 and node.receiver.ticket_asks == 1
         assert len(node.receiver.taken) == 2 and torch.equal(taken, tensor)
         assert torch.equal(node.receiver.taken[1][2], tensor + 1)
+        # What the heartbeat reports: the two tensors taken went over the stream, every byte of them.
+        (counter,) = plane.link_counters()
+        assert counter.wire_bytes == counter.stream_bytes == 2 * tensor.numel() * 4
 
 
 def test_a_call_s_uncompressed_chunks_are_read_into_the_tensor_the_node_takes():
@@ -213,6 +219,34 @@ def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing():
 
 
 @pytest.mark.timeout(30)
+def test_a_tensor_stream_silent_mid_tensor_is_ended_after_idle_stream_s_but_may_idle_between_tensors():
+    with receiving_node(idle_stream_s=0.3) as node, bare_stream(node) as sock:
+        time.sleep(0.6)  # between tensors a kept connection waits as long as it likes
+        sock.sendall(_frame(sock, torch.ones(SHAPE)))
+        assert _status(sock)[0] == grpc.StatusCode.OK
+        payload = _frame(sock, torch.randn(SHAPE))
+        sock.sendall(payload[: len(payload) // 2])
+        began = time.monotonic()
+        assert sock.recv(1) == b""  # the receiver's kernel timeout ran out mid-payload: it closed the connection
+        assert 0.2 < time.monotonic() - began < 5
+        assert len(node.receiver.taken) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_answers():
+    frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
+    for payload, what in ((bytes(64 << 20), "a payload it never reads"), (b"x", "a reply it never sends")):
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            sender = socket.create_connection(listener.getsockname())
+            receiver, _ = listener.accept()
+            with sender, receiver:
+                began = time.monotonic()
+                with pytest.raises(socket.timeout):
+                    _Connection(sender).send(frame, payload, began + 0.3)
+                assert 0.25 < time.monotonic() - began < 3, what
+
+
+@pytest.mark.timeout(30)
 def test_a_tensor_stream_opens_only_with_a_fresh_ticket_given_to_a_neighbour_s_key():
     with receiving_node(streams_per_peer=2) as node:
         ticket = _ticket(node)
@@ -256,6 +290,11 @@ def test_a_tls_run_s_tensor_streams_are_tls_with_its_files(run_files):
             tensor = torch.randn(SHAPE)
             _send(plane, node, tensor)
             assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
+            # TLS authenticated every byte: the header's crc32 is not checked again (a plaintext stream refuses this).
+            encoded = plane.encode("receiver", node.address, "forward", get_codec("none"), tensor)
+            encoded.header.crc32 ^= 1
+            plane.send("receiver", node.address, "forward", REF, encoded)
+            assert len(node.receiver.taken) == 2
         # A plaintext hello never gets an answer; another run's files fail the handshake.
         port = node.streams.port
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -280,6 +319,8 @@ def test_tensors_go_by_calls_when_the_stream_port_is_closed_and_the_log_says_so_
             _send(plane, node, torch.full(SHAPE, float(i)))
         assert [t[0, 0, 0].item() for _, _, t in node.receiver.taken] == [0.0, 1.0, 2.0]
         assert node.receiver.ticket_asks == 1  # the first tensor found the port closed; the others did not try
+        (counter,) = plane.link_counters()
+        assert counter.wire_bytes == 3 * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4 and counter.stream_bytes == 0
         said = [r.getMessage() for r in caplog.records if "go by gRPC calls" in r.getMessage()]
         assert len(said) == 1 and "cannot be reached" in said[0], said
 

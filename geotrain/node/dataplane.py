@@ -54,6 +54,7 @@ class LinkStats:
     wire_bytes: int = 0
     messages: int = 0
     codec: str = ""
+    stream_bytes: int = 0  # of wire_bytes, those a raw tensor stream carried (sent only): the rest went by calls
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ class DataPlane:
         if self._use_streams and (reversed_link or route is not None):
             how = "over the stream it opened" if reversed_link else f"through relay {route.relay_id}"
             self._say(peer, False, f"tensors to {peer} go by gRPC calls, not a raw tensor stream: {how}")
-        call_with_retry(call, on_unavailable=suspect)
+        # Only a direct link's call answers True: its raw tensor stream carried the tensor (the others, None or an Ack).
+        streamed = call_with_retry(call, on_unavailable=suspect) is True
         done = time.monotonic()
         self.deadlines.observe(peer, done - started)
         with self._lock:
@@ -281,13 +283,14 @@ class DataPlane:
             stats.wire_bytes += len(payload)
             stats.messages += 1
             stats.codec = encoded.codec
+            stats.stream_bytes += len(payload) if streamed else 0
 
     def _send_direct(
         self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
         payload: Buffer, deadline: float,
-    ) -> None:
-        """Send to a peer that can be dialled: over its raw tensor stream when the run uses them and there is one,
-        else by calling its Forward or Backward."""
+    ) -> bool:
+        """Send to a peer that can be dialled: over its raw tensor stream when the run uses them and there is one
+        (True), else by calling its Forward or Backward (False)."""
         stub = self.stub(address)
         if self._use_streams and address not in self._no_stream:
             ticket = lambda: stub.OpenTensorStream(pb.TensorStreamRequest(), timeout=deadline)  # noqa: E731
@@ -295,7 +298,7 @@ class DataPlane:
                 self._streams.send(address, ticket, framing.DIRECTIONS[direction], ref, header, payload, deadline)
                 tls = " (TLS)" if self._tls_streams else ""
                 self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
-                return
+                return True
             except NoStream as e:
                 if e.lasting:
                     with self._lock:
@@ -305,6 +308,7 @@ class DataPlane:
                 else:
                     log.debug("a tensor to %s goes by a call: %s", peer, e)
         self._tensor_calls[address][direction](framing.wire_chunks(header, payload, ref), timeout=deadline)
+        return False
 
     def _say(self, peer: str, streamed: bool, line: str, level: int = logging.INFO) -> None:
         """Log `line` when what the log last said of tensors to `peer` (over a stream, or by calls: `streamed`)
@@ -371,7 +375,8 @@ class DataPlane:
         """Per-peer counters of what this node sent, for the heartbeat."""
         with self._lock:
             return [
-                pb.LinkCounter(peer=peer, raw_bytes=s.raw_bytes, wire_bytes=s.wire_bytes, codec=s.codec)
+                pb.LinkCounter(peer=peer, raw_bytes=s.raw_bytes, wire_bytes=s.wire_bytes, codec=s.codec,
+                               stream_bytes=s.stream_bytes)
                 for peer, s in sorted(self.sent.items())
             ]
 

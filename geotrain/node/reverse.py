@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 
 _NONCE_BYTES = 32
 _RECONNECT_MAX_S = 2.0
+_CHUNK_FIELD = pb.ReverseDown.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+def serialize_down(down: pb.ReverseDown | bytes) -> bytes:
+    """Stage.Reverse's response serializer: a delivery's messages come serialized already (ReverseSender.send builds
+    them with one copy of the tensor's bytes), the opening proof as a message."""
+    return down if isinstance(down, bytes) else down.SerializeToString()
 
 Deliver = Callable[[str, Iterator[pb.TensorChunk], bytes, str, Callable[[ReceivedTensor], None] | None], None]
 """(direction, one tensor's chunks, the sender's key, its address, a check of the whole tensor before it is decoded
@@ -113,10 +120,7 @@ class ReverseError(StatusError):
 @dataclass
 class _Delivery:
     seq: int
-    direction: int
-    chunks: list[pb.TensorChunk]
-    origin: str = ""  # the node a relayed tensor comes from, and its signature of the tensor
-    signature: bytes = b""
+    downs: list[bytes]  # its ReverseDown messages, serialized (serialize_down sends them as they are)
     done: futures.Future = field(default_factory=futures.Future)  # (status code, detail) from the receiver's ack
 
 
@@ -193,12 +197,7 @@ class ReverseSender:
         log.info("reverse link to %s open: it cannot be dialled, so it receives over the stream it opened", peer)
         try:
             while (delivery := stream.outbox.get()) is not None:
-                last = len(delivery.chunks) - 1
-                for i, chunk in enumerate(delivery.chunks):
-                    down = pb.ReverseDown(seq=delivery.seq, direction=delivery.direction, chunk=chunk, last=i == last)
-                    if i == 0 and delivery.origin:
-                        down.origin, down.signature = delivery.origin, delivery.signature
-                    yield down
+                yield from delivery.downs
         finally:
             with self._cond:
                 if self._streams.get(peer) is stream:
@@ -230,8 +229,15 @@ class ReverseSender:
             if not self._cond.wait_for(lambda: peer in self._streams, timeout_s):
                 raise ReverseError(grpc.StatusCode.UNAVAILABLE, f"{peer} has no reverse stream open to this node")
             stream = self._streams[peer]
-        chunks = list(framing.chunk_tensor(header, payload, ref))
-        delivery = _Delivery(next(self._seq), DIRECTIONS[direction], chunks, origin, signature)
+        seq, wire = next(self._seq), DIRECTIONS[direction]
+        parts = list(framing.wire_chunk_parts(header, payload, ref))
+        downs = []
+        for i, (head, data) in enumerate(parts):
+            fields = pb.ReverseDown(seq=seq, direction=wire, last=i == len(parts) - 1)
+            if i == 0 and origin:
+                fields.origin, fields.signature = origin, signature
+            downs.append(framing.nested_chunk(fields.SerializeToString(), _CHUNK_FIELD, head, data))
+        delivery = _Delivery(seq, downs)
         if not stream.put(delivery):
             raise ReverseError(grpc.StatusCode.UNAVAILABLE, f"the reverse stream from {peer} ended")
         try:

@@ -19,7 +19,7 @@ import torch
 
 from geotrain.compression import CodecError, codec_from_payload, new_tensor
 from geotrain.node.handover import StateSnapshot
-from geotrain.node.reverse import ReverseError, ReverseSender
+from geotrain.node.reverse import ReverseError, ReverseSender, serialize_down
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
@@ -279,7 +279,8 @@ class _Handlers:
 
 def add_stage_service(servicer: StageServicer, server: grpc.Server) -> None:
     """Serve `servicer` on `server`: Forward and Backward read their chunks with framing.parse_chunk (a chunk's data
-    left where it arrived), the other methods as generated."""
+    left where it arrived), Reverse sends deliveries serialized already (reverse.serialize_down), the other methods
+    as generated."""
     handlers = _Handlers()
     rpc.add_StageServicer_to_server(servicer, handlers)
     for name in ("Forward", "Backward"):
@@ -287,6 +288,9 @@ def add_stage_service(servicer: StageServicer, server: grpc.Server) -> None:
             getattr(servicer, name), request_deserializer=framing.parse_chunk,
             response_serializer=pb.Ack.SerializeToString,
         )
+    handlers.methods["Reverse"] = grpc.stream_stream_rpc_method_handler(
+        servicer.Reverse, request_deserializer=pb.ReverseUp.FromString, response_serializer=serialize_down
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, handlers.methods),))
     server.add_registered_method_handlers(handlers.service, handlers.methods)
 

@@ -134,8 +134,24 @@ def wire_chunks(
 ) -> Iterator[bytes]:
     """chunk_tensor's chunks as the serialized TensorChunk messages, each data copied once (a request_serializer of
     None sends them as they are)."""
+    for head, data in wire_chunk_parts(header, payload, ref, chunk_bytes):
+        yield b"".join((head, data))
+
+
+def wire_chunk_parts(
+    header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[bytes, memoryview]]:
+    """chunk_tensor's chunks, each as its serialized TensorChunk up to its data, and its data's view: the two joined
+    are the chunk's wire form (wire_chunks); nested_chunk puts them in an enclosing message."""
     for chunk, data in _split(header, payload, ref, chunk_bytes):
-        yield b"".join((chunk.SerializeToString(), bytes([_DATA_TAG]), _varint(len(data)), data))
+        yield b"".join((chunk.SerializeToString(), bytes([_DATA_TAG]), _varint(len(data)))), data
+
+
+def nested_chunk(fields: bytes, number: int, head: bytes, data: Buffer) -> bytes:
+    """A serialized message of `fields` (its other fields, serialized) and a chunk of wire_chunk_parts as its field
+    `number`, the chunk's data copied once, where building the message copies it twice and serializing once more
+    (a message's fields may come in any order)."""
+    return b"".join((fields, bytes([(number << 3) | _LENGTH_DELIMITED]), _varint(len(head) + len(data)), head, data))
 
 
 @dataclass(frozen=True)

@@ -342,16 +342,18 @@ class RegisterReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., run_id: _Optional[str] = ..., reachability: _Optional[_Union[Reachability, str]] = ..., reachable_at: _Optional[str] = ...) -> None: ...
 
 class LinkCounter(_message.Message):
-    __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec")
+    __slots__ = ("peer", "raw_bytes", "wire_bytes", "codec", "stream_bytes")
     PEER_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     peer: str
     raw_bytes: int
     wire_bytes: int
     codec: str
-    def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+    stream_bytes: int
+    def __init__(self, peer: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ..., stream_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "plan_epoch", "bytes_sent", "bytes_received", "links", "microbatches_per_s", "applied_step", "dht_peer_id", "state_epoch", "peak_memory_bytes", "relayed_bytes", "averaging_bytes_sent")

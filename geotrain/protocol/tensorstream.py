@@ -22,7 +22,8 @@ that breaks the limits, a malformed frame, a stream cut mid-tensor or one silent
 end the connection. An uncompressed payload is read straight into the tensor the node is handed (the sink's
 `destination`: pinned memory for a CUDA node), which is its decode; any other into a buffer the connection reuses, to
 be decoded by the sink into a tensor of its own (codecs copy out of what they decode). Either is checked against the
-header's crc32 before the sink takes it.
+header's crc32 before the sink takes it, unless the stream is TLS, which authenticates every byte already (the
+sender writes the crc32 all the same: a tensor whose stream fails goes by a call, and a relay, which needs it).
 
 The sender keeps one connection per receiver and opens another only while the ones it has are busy (sends to one
 peer from several threads at once, as concurrent calls would be), each used by one send at a time: no connection is
@@ -335,7 +336,10 @@ class TensorStreamServer:
                 _reply(sock, grpc.StatusCode.DATA_LOSS, why)
                 return
             try:
-                framing.check_checksum(header, payload)
+                if self._context is None:
+                    # Under TLS every byte is authenticated on the way (its records' MACs): the crc32 would check again
+                    # what TLS checked, against a value the same sender wrote.
+                    framing.check_checksum(header, payload)
                 sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload, tensor=tensor))
             except FrameError as e:
                 sink.refused(peer, direction, str(e))

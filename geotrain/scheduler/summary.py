@@ -31,6 +31,8 @@ class RunSummary:
     """Activation and gradient bytes the nodes sent their neighbours on the wire (their last heartbeats' counters)."""
     raw_bytes: int
     """The same tensors' bytes before compression."""
+    stream_bytes: int
+    """Of wire_bytes, those raw tensor streams carried, as the senders counted them; the rest went by gRPC calls."""
     estimated_step_s: float | None  # the cost model's step time for the last plan (None: no profiles to price it)
     relayed_bytes: int  # payload bytes the nodes forwarded as relays for links whose two ends nobody can dial
     averaging_bytes: int  # replica-averaging bytes the nodes sent (their last heartbeats' counters)
@@ -67,6 +69,7 @@ def summarize(
         validation=[(r.step + 1, r.val_loss, s) for r, s in zip(history, trained_s) if r.val_loss is not None],
         wire_bytes=sum(link.wire_bytes for link in links),
         raw_bytes=sum(link.raw_bytes for link in links),
+        stream_bytes=sum(min(link.stream_bytes, link.wire_bytes) for link in links),  # a node's word, bounded
         estimated_step_s=estimated_step_s,
         relayed_bytes=sum(m.relayed_bytes for m in members),
         averaging_bytes=sum(m.averaging_bytes_sent for m in members),
