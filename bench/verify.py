@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -175,18 +176,29 @@ def adversarial(kind: str, steps: int, fraction: float, log_dir: Path) -> dict:
     }
 
 
-def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION) -> dict:
-    """The honest line: false alarms at the default fraction, and tokens/s with and without verification."""
-    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={fraction}"])
-    run = live(default, 3, None, log_dir)
-    off = live(load_config(None, [*TINY, f"run.steps={steps}", "verify.fraction=0"]), 3, None, log_dir)
-    v = run["verify"]
+def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: int = 3) -> dict:
+    """The honest line: false alarms at `fraction`, and tokens/s with and without verification, in `pairs` pairs of
+    runs whose order alternates (on, off; off, on; ...), so that what drifts over the bench's minutes (other load on
+    the machine) falls on both; the cost is the median of the pairs' costs."""
+
+    def config(f: float) -> RunConfig:  # a fresh one per run: live() fills in its nodes and corpus
+        return load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={f}"])
+
+    reference = local_reference(config(fraction))
+    tokens_per_s, costs, checks, false_alarms, evicted, diff = [], [], 0, 0, [], 0.0
+    for i in range(pairs):
+        runs = {f: live(config(f), 3, None, log_dir) for f in ((fraction, 0.0) if i % 2 == 0 else (0.0, fraction))}
+        on, off = runs[fraction], runs[0.0]
+        checks += on["verify"].checks
+        false_alarms += on["verify"].mismatches + on["verify"].commitments_refused
+        evicted += on["evicted"] + off["evicted"]
+        diff = max(diff, _max_diff(on["state"], reference))
+        tokens_per_s.append([round(on["tokens_per_s"], 1), round(off["tokens_per_s"], 1)])
+        costs.append(round(1 - on["tokens_per_s"] / off["tokens_per_s"], 4))
     return {
-        "case": "honest", "fraction": default.verify.fraction, "steps": steps, "checks": v.checks,
-        "false_alarms": v.mismatches + v.commitments_refused, "evicted": run["evicted"],
-        "max_abs_diff": _max_diff(run["state"], local_reference(default)),
-        "tokens_per_s": round(run["tokens_per_s"], 1), "tokens_per_s_off": round(off["tokens_per_s"], 1),
-        "cost": round(1 - run["tokens_per_s"] / off["tokens_per_s"], 4), "verifier_s": round(v.seconds, 2),
+        "case": "honest", "fraction": fraction, "steps": steps, "pairs": pairs, "checks": checks,
+        "false_alarms": false_alarms, "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
+        "costs": costs, "cost": statistics.median(costs),
     }
 
 
@@ -198,6 +210,7 @@ def main() -> None:
     parser.add_argument("--honest-steps", type=int, default=300)
     parser.add_argument("--honest-fraction", type=float, default=HONEST_FRACTION,
                         help="the honest run's verify.fraction (1e-6: commitments with next to no check drawn)")
+    parser.add_argument("--pairs", type=int, default=3, help="honest: pairs of runs with and without verification")
     parser.add_argument("--fraction", type=float, default=0.25, help="verify.fraction of the adversarial cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if os.environ.get("VERIFY_BENCH_LOG") else logging.ERROR)
@@ -206,7 +219,7 @@ def main() -> None:
             log_dir = Path(tmp) / case
             log_dir.mkdir()
             if case == "honest":
-                line = honest(args.honest_steps, log_dir, args.honest_fraction)
+                line = honest(args.honest_steps, log_dir, args.honest_fraction, args.pairs)
             else:
                 steps = args.steps * 3 if case == "shift_1_in_20" else args.steps
                 line = adversarial(case, steps, args.fraction, log_dir)
