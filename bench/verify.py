@@ -8,25 +8,29 @@ Cases (--cases, default all):
 - lazy: the middle stage returns zero parameter gradients (skips its parameters' backward);
 - poison: a replica of the first of two stages adds a fixed direction to its parameter gradients, the gradient it
   takes to averaging, with compression.replica_robust = centered_clip;
-- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's), then the same run with
-  verify.fraction = 0: false alarms, and the cost in tokens/s.
+- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's) and the same run at
+  verify.fraction = 0, --pairs times in alternating order: false alarms, and the cost in tokens/s (each pair's, and
+  their median: one pair's cost moves by several points with the machine's other load).
 
 One JSON line per case: the step whose work was caught and the step the run was at when the verdict came, steps rolled
 back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
 work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
 detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
 
-This version (checks drawn once every commitment is in and told to their targets with the step's apply, evidence
-kept only for drawn microbatches and sent as one flat tensor of parameters), under the CPU lock: --steps 40
-(shift_1_in_20: 120) at 0.25: every adversary caught (the work of steps 0, 6, 0, 0; shift, shift_1_in_20, lazy,
-poison), evicted, nobody else evicted, max |diff| 0.0. Honest at 0.05: 0 false alarms and max |diff| 0.0 in each run;
-costs 20.1% and 12.2% (300 steps; e.g. 4,535.2 tokens/s against 5,162.4 off), 19.2% and 22.3% (--honest-steps 1000),
-above the 10% goal; --honest-fraction 1e-6 (commitments, next to no check): 8.0%. The version before: 17-25% over
-five runs of 300 steps, commitments 7.8%. So the commitments cost what they did (the parameter copy the draw now
-spares is small on a 16-wide model) and the checks about 12 points: each recomputes a stage's microbatch on the
-verifier's worker (about 1.4 ms here, f of the pipeline's compute: 5% by itself) and costs two calls (the evidence,
-the report); 3 nodes and the coordinator share 2 cores, so all of it slows the pipeline. The honest runs need
-limits.calls_per_s above the default 200 (TINY): at about 40 steps/s the data head makes some 240 calls/s.
+This version (each microbatch's parameter gradients hashed on the CPU worker at once, no longer handed to a sender
+thread; the honest line in alternating pairs), under the CPU lock, --pairs 3 at 0.05: 0 false alarms, nobody evicted,
+max |diff| 0.0; costs 10.7%, 13.0% and 23.0% (e.g. 4,357.0 tokens/s against 4,877.9 off), median 13.0%: still above
+the 10% goal. Running a check's recompute on the verifier's own thread instead of the worker (a CPU interleaves it
+with the worker's tasks) measured no better: --pairs 5, costs 17.8, 11.3, 18.2, 15.1, 13.1%, median 15.1%; not kept.
+The version before (hashing on a sender thread), one run at a time: costs 20.1% and 12.2% (300 steps), 19.2% and
+22.3% (1,000 steps), commitments alone (--honest-fraction 1e-6) 8.0%; adversaries at --steps 40 (shift_1_in_20: 120)
+and 0.25: every one caught (the work of steps 0, 6, 0, 0; shift, shift_1_in_20, lazy, poison), evicted, nobody else
+evicted, max |diff| 0.0. Where the rest goes (py-spy over a --pairs 3 run of this version): verification's own code
+is about 2% of the nodes' samples; the rest is per check: two calls (the evidence, the report) and the coordinator's
+order, each a gRPC call in Python whose signature is checked (a seventh of the coordinator's server thread goes to
+checking signatures), and the recompute (a stage's microbatch again, after loading the parameters served), with 3
+nodes and the coordinator on 2 shared cores. The honest runs need limits.calls_per_s above the default 200 (TINY): at
+about 40 steps/s the data head makes some 240 calls/s.
 """
 
 from __future__ import annotations
