@@ -20,20 +20,21 @@ detection each fraction buys is in the README. Run under the CPU lock: python be
 This version (each microbatch's parameter gradients hashed on the CPU worker at once, no longer handed to a sender
 thread; the honest line in alternating pairs), under the CPU lock at 0.05: 0 false alarms, nobody evicted, max |diff|
 0.0 in each run; --pairs 3: costs 10.7, 13.0, 23.0% (e.g. 4,357.0 tokens/s against 4,877.9 off), median 13.0%; --pairs
-5: 11.2, 13.7, 11.3, 18.1, 15.7%, median 13.7%: still above the 10% goal. Adversaries at --steps 40 (shift_1_in_20: 120)
-and 0.25: every one caught (the work of steps 0, 6, 1, 0; shift, shift_1_in_20, lazy, poison; verdicts at steps 2, 8, 3,
-2, as many rolled back), evicted, nobody else evicted, max |diff| 0.0. Running a check's recompute on the verifier's own
-thread instead of the worker (a CPU interleaves it with the worker's tasks) measured no better: --pairs 5, costs 17.8,
-11.3, 18.2, 15.1, 13.1%, median 15.1%; not kept. The version before (hashing on a sender thread), one run at a time:
-costs 20.1% and 12.2% (300 steps), 19.2% and 22.3% (1,000 steps), commitments alone (--honest-fraction 1e-6) 8.0%. Where
-the rest goes (py-spy over a --pairs 3 run of this version): verification's own code is about 2% of the nodes' samples;
-the rest is per check: two calls (the evidence, the report) and the coordinator's order, each a gRPC call in Python
-whose signature is checked (a seventh of the coordinator's server thread goes to checking signatures), and the recompute
-(a stage's microbatch again, after loading the parameters served), with 3 nodes and the coordinator on 2 shared cores.
-Yet about a third of those cores sat idle over the --pairs 5 run (vmstat): the pipeline waits more than it computes, so
-what costs is work on a step's critical path (a recompute holding a worker, a call ahead of the step's own on the
-coordinator), more than the CPU it takes. The honest runs need limits.calls_per_s above the default 200 (TINY): at about
-40 steps/s the data head makes some 240 calls/s.
+5: 11.2, 13.7, 11.3, 18.1, 15.7%, median 13.7%: still above the 10% goal. --honest-fraction 1e-6 (commitments, no check
+drawn) --pairs 3: 7.8, 4.4, 4.9%, median 4.9% (8.0% before), so the checks cost some 9 points. Adversaries at --steps 40
+(shift_1_in_20: 120) and 0.25: every one caught (the work of steps 0, 6, 1, 0; shift, shift_1_in_20, lazy, poison;
+verdicts at steps 2, 8, 3, 2, as many rolled back), evicted, nobody else evicted, max |diff| 0.0. Running a check's
+recompute on the verifier's own thread instead of the worker (a CPU interleaves it with the worker's tasks) measured no
+better: --pairs 5, costs 17.8, 11.3, 18.2, 15.1, 13.1%, median 15.1%; not kept. The version before (hashing on a sender
+thread), one run at a time: costs 20.1% and 12.2% (300 steps), 19.2% and 22.3% (1,000 steps), commitments alone
+(--honest-fraction 1e-6) 8.0%. Where the rest goes (py-spy over a --pairs 3 run of this version): verification's own
+code is about 2% of the nodes' samples; the rest is per check: two calls (the evidence, the report) and the
+coordinator's order, each a gRPC call in Python whose signature is checked (a seventh of the coordinator's server thread
+goes to checking signatures), and the recompute (a stage's microbatch again, after loading the parameters served), with
+3 nodes and the coordinator on 2 shared cores. Yet about a third of those cores sat idle over the --pairs 5 run
+(vmstat): the pipeline waits more than it computes, so what costs is work on a step's critical path (a recompute holding
+a worker, a call ahead of the step's own on the coordinator), more than the CPU it takes. The honest runs need
+limits.calls_per_s above the default 200 (TINY): at about 40 steps/s the data head makes some 240 calls/s.
 """
 
 from __future__ import annotations
