@@ -8,24 +8,32 @@ Cases (--cases, default all):
 - lazy: the middle stage returns zero parameter gradients (skips its parameters' backward);
 - poison: a replica of the first of two stages adds a fixed direction to its parameter gradients, the gradient it
   takes to averaging, with compression.replica_robust = centered_clip;
-- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's), then the same run with
-  verify.fraction = 0: false alarms, and the cost in tokens/s.
+- honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's) and the same run at
+  verify.fraction = 0, --pairs times in alternating order: false alarms, and the cost in tokens/s (each pair's, and
+  their median: one pair's cost moves by several points with the machine's other load).
 
 One JSON line per case: the step whose work was caught and the step the run was at when the verdict came, steps rolled
 back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
 work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
 detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
 
-This version (checks drawn once every commitment is in and told to their targets with the step's apply, evidence
-kept only for drawn microbatches and sent as one flat tensor of parameters), under the CPU lock: --steps 40
-(shift_1_in_20: 120) at 0.25: every adversary caught (the work of steps 0, 6, 0, 0; shift, shift_1_in_20, lazy,
-poison), evicted, nobody else evicted, max |diff| 0.0. Honest at 0.05: 0 false alarms and max |diff| 0.0 in each run;
-costs 20.1% and 12.2% (300 steps; e.g. 4,535.2 tokens/s against 5,162.4 off), 19.2% and 22.3% (--honest-steps 1000),
-above the 10% goal; --honest-fraction 1e-6 (commitments, next to no check): 8.0%. The version before: 17-25% over
-five runs of 300 steps, commitments 7.8%. So the commitments cost what they did (the parameter copy the draw now
-spares is small on a 16-wide model) and the checks about 12 points: each recomputes a stage's microbatch on the
-verifier's worker (about 1.4 ms here, f of the pipeline's compute: 5% by itself) and costs two calls (the evidence,
-the report); 3 nodes and the coordinator share 2 cores, so all of it slows the pipeline. The honest runs need
+This version (each microbatch's parameter gradients hashed on the CPU worker at once, no longer handed to a sender
+thread; the honest line in alternating pairs), under the CPU lock at 0.05: 0 false alarms, nobody evicted, max |diff|
+0.0 in each run; --pairs 3: costs 10.7, 13.0, 23.0% (e.g. 4,357.0 tokens/s against 4,877.9 off), median 13.0%; --pairs
+5: 11.2, 13.7, 11.3, 18.1, 15.7%, median 13.7%: still above the 10% goal. --honest-fraction 1e-6 (commitments, no check
+drawn) --pairs 3: 7.8, 4.4, 4.9%, median 4.9% (8.0% before), so the checks cost some 9 points. Adversaries at --steps 40
+(shift_1_in_20: 120) and 0.25: every one caught (the work of steps 0, 6, 1, 0; shift, shift_1_in_20, lazy, poison;
+verdicts at steps 2, 8, 3, 2, as many rolled back), evicted, nobody else evicted, max |diff| 0.0. Running a check's
+recompute on the verifier's own thread instead of the worker (a CPU interleaves it with the worker's tasks) measured no
+better: --pairs 5, costs 17.8, 11.3, 18.2, 15.1, 13.1%, median 15.1%; not kept. The version before (hashing on a sender
+thread), one run at a time: costs 20.1% and 12.2% (300 steps), 19.2% and 22.3% (1,000 steps), commitments alone
+(--honest-fraction 1e-6) 8.0%. Where the rest goes (py-spy over a --pairs 3 run of this version): verification's own
+code is about 2% of the nodes' samples; the rest is per check: two calls (the evidence, the report) and the
+coordinator's order, each a gRPC call in Python whose signature is checked (a seventh of the coordinator's server thread
+goes to checking signatures), and the recompute (a stage's microbatch again, after loading the parameters served), with
+3 nodes and the coordinator on 2 shared cores. Yet about a third of those cores sat idle over the --pairs 5 run
+(vmstat): the pipeline waits more than it computes, so what costs is work on a step's critical path (a recompute holding
+a worker, a call ahead of the step's own on the coordinator), more than the CPU it takes. The honest runs need
 limits.calls_per_s above the default 200 (TINY): at about 40 steps/s the data head makes some 240 calls/s.
 """
 
@@ -35,6 +43,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -175,18 +184,29 @@ def adversarial(kind: str, steps: int, fraction: float, log_dir: Path) -> dict:
     }
 
 
-def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION) -> dict:
-    """The honest line: false alarms at the default fraction, and tokens/s with and without verification."""
-    default = load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={fraction}"])
-    run = live(default, 3, None, log_dir)
-    off = live(load_config(None, [*TINY, f"run.steps={steps}", "verify.fraction=0"]), 3, None, log_dir)
-    v = run["verify"]
+def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: int = 3) -> dict:
+    """The honest line: false alarms at `fraction`, and tokens/s with and without verification, in `pairs` pairs of
+    runs whose order alternates (on, off; off, on; ...), so that what drifts over the bench's minutes (other load on
+    the machine) falls on both; the cost is the median of the pairs' costs."""
+
+    def config(f: float) -> RunConfig:  # a fresh one per run: live() fills in its nodes and corpus
+        return load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={f}"])
+
+    reference = local_reference(config(fraction))
+    tokens_per_s, costs, checks, false_alarms, evicted, diff = [], [], 0, 0, [], 0.0
+    for i in range(pairs):
+        runs = {f: live(config(f), 3, None, log_dir) for f in ((fraction, 0.0) if i % 2 == 0 else (0.0, fraction))}
+        on, off = runs[fraction], runs[0.0]
+        checks += on["verify"].checks
+        false_alarms += on["verify"].mismatches + on["verify"].commitments_refused
+        evicted += on["evicted"] + off["evicted"]
+        diff = max(diff, _max_diff(on["state"], reference))
+        tokens_per_s.append([round(on["tokens_per_s"], 1), round(off["tokens_per_s"], 1)])
+        costs.append(round(1 - on["tokens_per_s"] / off["tokens_per_s"], 4))
     return {
-        "case": "honest", "fraction": default.verify.fraction, "steps": steps, "checks": v.checks,
-        "false_alarms": v.mismatches + v.commitments_refused, "evicted": run["evicted"],
-        "max_abs_diff": _max_diff(run["state"], local_reference(default)),
-        "tokens_per_s": round(run["tokens_per_s"], 1), "tokens_per_s_off": round(off["tokens_per_s"], 1),
-        "cost": round(1 - run["tokens_per_s"] / off["tokens_per_s"], 4), "verifier_s": round(v.seconds, 2),
+        "case": "honest", "fraction": fraction, "steps": steps, "pairs": pairs, "checks": checks,
+        "false_alarms": false_alarms, "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
+        "costs": costs, "cost": statistics.median(costs),
     }
 
 
@@ -198,6 +218,7 @@ def main() -> None:
     parser.add_argument("--honest-steps", type=int, default=300)
     parser.add_argument("--honest-fraction", type=float, default=HONEST_FRACTION,
                         help="the honest run's verify.fraction (1e-6: commitments with next to no check drawn)")
+    parser.add_argument("--pairs", type=int, default=3, help="honest: pairs of runs with and without verification")
     parser.add_argument("--fraction", type=float, default=0.25, help="verify.fraction of the adversarial cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if os.environ.get("VERIFY_BENCH_LOG") else logging.ERROR)
@@ -206,7 +227,7 @@ def main() -> None:
             log_dir = Path(tmp) / case
             log_dir.mkdir()
             if case == "honest":
-                line = honest(args.honest_steps, log_dir, args.honest_fraction)
+                line = honest(args.honest_steps, log_dir, args.honest_fraction, args.pairs)
             else:
                 steps = args.steps * 3 if case == "shift_1_in_20" else args.steps
                 line = adversarial(case, steps, args.fraction, log_dir)

@@ -67,10 +67,10 @@ def test_cross_check_names_the_hop_whose_ends_disagree() -> None:
     assert [d.nodes for d in found] == [("b",)]
 
 
-def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,)):
+def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,), off_worker: bool = False):
     """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it, then told
     at the apply that `drawn` microbatches are checked; returns the evidence it kept and the microbatch's tokens and
-    targets."""
+    targets. `off_worker`: its parameter gradients are hashed as on an accelerator (verifier.hashes_off_worker)."""
     corpus = Corpus.load(cfg.data)
     batch = corpus.batch(seed=cfg.run.seed, step=STEP, microbatch=MICROBATCH, size=cfg.train.microbatch_size,
                          seq_len=cfg.model.seq_len)
@@ -80,7 +80,7 @@ def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,))
     key = (STEP, MICROBATCH)
     x = first.forward(key, batch[0])
     with futures.ThreadPoolExecutor(1, thread_name_prefix="hash") as pool:  # the node's sender threads
-        evidence.watch(1, STEP, target, pool)
+        evidence.watch(1, STEP, target, pool if off_worker else None)
         evidence.received(1, STEP, MICROBATCH, "forward", x)
         out = wire_form(target, target.forward(key, x)) + shift
         evidence.sent(1, STEP, MICROBATCH, "forward", out)
@@ -152,10 +152,12 @@ def test_a_check_is_awaited_only_once_issued() -> None:
     assert verification.report(report) is None and verification.counts.checks == 1
 
 
-def test_a_stages_parameter_gradients_are_hashed_off_its_worker(monkeypatch) -> None:
+@pytest.mark.parametrize("off_worker", [True, False])
+def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerator(monkeypatch, off_worker) -> None:
     """On a GPU, hashing each microbatch's parameter gradients on the worker would make it wait for every backward
     and hash on the compute thread: the worker only starts their copies to the host, a sender thread hashes them,
-    and the step's commitments wait for that digest."""
+    and the step's commitments wait for that digest. On the CPU the worker hashes them itself: handing them to
+    another thread costs more there than the hash."""
     threads: list[str] = []
     digest_all = verifier.digest_all
 
@@ -167,9 +169,11 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker(monkeypatch) -> 
     monkeypatch.setattr(verifier, "digest_all", recorded)
     cfg = _config()
     with one_compute_thread():
-        evidence, _ = _run_target(cfg)
+        evidence, _ = _run_target(cfg, off_worker=off_worker)
     _, [committed] = evidence.commitments(1, STEP)
-    assert len(threads) == 1 and threads[0].startswith("hash") and committed.param_grads
+    assert len(threads) == 1 and committed.param_grads
+    assert threads[0].startswith("hash") if off_worker else threads[0] == threading.current_thread().name
+    assert verifier.hashes_off_worker(torch.device("cuda")) and not verifier.hashes_off_worker(torch.device("cpu"))
 
 
 def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:

@@ -16,7 +16,7 @@ from geotrain.config import MAX_INFLIGHT
 from geotrain.node.device import COMPUTE_DTYPES, HostTensor
 from geotrain.node.incoming import sender_of
 from geotrain.node.routing import ReplicaRouter
-from geotrain.node.verifier import Evidence
+from geotrain.node.verifier import Evidence, hashes_off_worker
 from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 
@@ -143,7 +143,7 @@ class StepFlow:
         runtime, plan = self.runtime, self.plan
         if self.evidence is None or runtime is None or plan is None:
             return
-        self.evidence.watch(plan.epoch, step, runtime, self._sender)
+        self.evidence.watch(plan.epoch, step, runtime, self._sender if hashes_off_worker(runtime.device) else None)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None

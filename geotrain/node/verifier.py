@@ -64,6 +64,13 @@ def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     return hasher.digest(_DIGEST_BYTES)
 
 
+def hashes_off_worker(device: torch.device) -> bool:
+    """Whether a stage on `device` hands its parameter gradients' hashing to another thread (Evidence.watch): on an
+    accelerator the worker would wait for each backward to finish; on the CPU they are finished, and the hand-off
+    (a task, a future, a thread woken on a few shared cores) costs more than the hash."""
+    return device.type != "cpu"
+
+
 def wire_form(runtime: StageRuntime, tensor: torch.Tensor) -> torch.Tensor:
     """A stage's output as it goes to the codec (node/stepflow._send_tensor): on the host, in the run's compute dtype."""
     return runtime.copies.to_host(tensor).to(COMPUTE_DTYPES[runtime.cfg.train.precision])
@@ -75,7 +82,7 @@ class _StepEvidence:
     checksum: Callable[[], str] | None = None  # of the parameters the step is computed with (last_checksum)
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
-    grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing
+    grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
 
@@ -100,11 +107,12 @@ class Evidence:
                 self._steps.popitem(last=False)
         return entry
 
-    def watch(self, epoch: int, step: int, runtime: StageRuntime, pool: futures.Executor) -> None:
+    def watch(self, epoch: int, step: int, runtime: StageRuntime, pool: futures.Executor | None) -> None:
         """Once per step, on the worker before its first microbatch: take the checksum of the parameters the stage
-        computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them: their
-        copies to the host start behind the backward that made them and a thread of `pool` hashes them, so a GPU's
-        worker neither waits for each backward nor hashes them itself."""
+        computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them. With a
+        `pool` (hashes_off_worker: an accelerator) their copies to the host start behind the backward that made them
+        and a thread of `pool` hashes them, so the worker neither waits for each backward nor hashes; without, the
+        worker hashes them at once, as a hand-off to another thread costs a CPU more than the hash."""
         with self._lock:
             entry = self._entry(epoch, step)
             if entry.checksum is not None:
@@ -112,6 +120,9 @@ class Evidence:
             entry.checksum = runtime.last_checksum()
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
+            if pool is None:
+                self.param_grads(epoch, key[0], key[1], digest_all(grads))
+                return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
             self.param_grads(epoch, key[0], key[1], hashed)
@@ -143,12 +154,16 @@ class Evidence:
             else:
                 commitment.sent_grad = value
 
-    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: futures.Future) -> None:
-        """The digest (digest_all), on its way, of the parameter gradients of a microbatch this stage counted."""
+    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: bytes | futures.Future) -> None:
+        """The digest (digest_all), or its hashing under way, of the parameter gradients of a microbatch this stage
+        counted."""
         with self._lock:
             entry = self._entry(epoch, step)
-            self._commitment(entry, microbatch)
-            entry.grad_digests[microbatch] = hashed
+            commitment = self._commitment(entry, microbatch)
+            if isinstance(hashed, bytes):
+                commitment.param_grads = hashed
+            else:
+                entry.grad_digests[microbatch] = hashed
 
     def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
         """The parameter checksum the step was computed with and each microbatch's digests, for the commit report
