@@ -43,6 +43,15 @@ that never serves would be planned too). The learning rate is constant after war
 train-local's parameters after step s are those of the long run after step s.
 Run: PYTHONPATH=. flock /tmp/geotrain-cpu.lock python bench/attack.py [--window 5] [--rounds 3] [--attacks NAME,...]
 
+This version, every attack, on the shared 2-core machine with other tests running beside it (--window 5 --rounds 3,
+then the stalling holders at --window 60 --rounds 2), ratio of the medians, each with 0 honest nodes dead, 0 honest
+registrations refused, 0 bytes of state to the attacker, 0 connections to the host it named and final_max_diff 0.0:
+id takeover 0.97, order-stream theft 1.01, forged microbatch-done 0.99, forged gradient norm 1.03, forged
+step-applied 1.01, forged tensors 0.99, extreme profiles 1.07, 200 idle streams 0.89, 3,000 status-page requests
+0.88, forged failure reports 1.04, raw-port hold 0.95, checkpoint fetch 0.83, dial-back to a third host 0.99,
+dial-back to a tarpit 1.0, fake-id fill 0.93, 1,000 registrations 0.93, stall_holder 0.83 and silent_holder 0.83
+(3 stalls each, benched 20, 40 and 80 s, no step timeout, no honest node benched or given an offence).
+Earlier versions:
 Measured on the shared 2-core machine (3 nodes, the coordinator and the attacker on it, ~10 steps/s; --window 5 --rounds
 3), ratio of the medians, every run ending where train-local does (final_max_diff 0.0): id takeover 1.08, order-stream
 theft 1.0, forged microbatch-done 0.98, forged gradient norm 0.93, forged step-applied 0.94, forged tensors 1.02,
