@@ -544,12 +544,12 @@ def read_state(
 # call_deadline_s (the first call to a peer not measured yet has that). The coordinator judges failure reports by
 # them: a step shorter than the shortest let no honest call time out.
 CALL_DEADLINE_FLOOR_S = 5.0
-_OLD_PLAN_CALL_DEADLINE_S = 60.0  # under a plan that names none (an older coordinator's)
+_UNNAMED_CALL_DEADLINE_S = 60.0  # under a plan that names none (a plan built by hand, as tests do)
 
 
 def call_deadline_cap_s(plan: pb.Plan) -> float:
     """The longest a tensor call waits under `plan`."""
-    return plan.call_deadline_s or _OLD_PLAN_CALL_DEADLINE_S
+    return plan.call_deadline_s or _UNNAMED_CALL_DEADLINE_S
 
 
 def state_deadline_s(nbytes: int, bytes_per_s: float, floor_s: float) -> float:
