@@ -93,6 +93,7 @@ Before the backoff and the page's process (10 s windows, one each): 0.30x for th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -711,8 +712,7 @@ def main() -> None:
     # train-local to each held step (the learning rate does not depend on run.steps, see above).
     reference: dict[int, dict[str, torch.Tensor]] = {}
     for steps in sorted({row["steps"] for row in rows}):
-        cfg.run.steps = steps
-        reference[steps] = train_local_state(cfg)
+        reference[steps] = train_local_state(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=steps)))
     for row in rows:
         during, baseline = statistics.median(row["during"]), statistics.median(row["baselines"])
         print(json.dumps({

@@ -25,9 +25,9 @@ Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/s
 This version, the defaults (374M parameters, three nodes capped at 5 GiB, 12 steps, a checkpoint every 3, the node
 of stage 1 SIGKILLed after step 7, while step 6's checkpoint was being written, so the run rolled back to step 6),
 on a machine shared with other engineers' tests:
-    {"node": "node-1", "peak_rss_bytes": 2953506816, "planned_bytes": 3008303104, "error": -0.018, "peak_in_step": 6, ...}
-    {"node": "node-2", "peak_rss_bytes": 4118089728, "planned_bytes": 4456849408, "error": -0.076, "peak_in_step": 3, ...}
-    {"node": "node-3", "peak_rss_bytes": 4682072064, "planned_bytes": 4798881792, "error": -0.024, "peak_in_step": 7, ...}
+    {"node": "node-1", "peak_rss_bytes": 2953506816, "planned_bytes": 3008303104, "error": -0.018, "peak_in_step": 6}
+    {"node": "node-2", "peak_rss_bytes": 4118089728, "planned_bytes": 4456849408, "error": -0.076, "peak_in_step": 3}
+    {"node": "node-3", "peak_rss_bytes": 4682072064, "planned_bytes": 4798881792, "error": -0.024, "peak_in_step": 7}
     {"node": "node-2 rejoined", "peak_rss_bytes": 4211351552, "planned_bytes": 4456849408, "error": -0.055, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
      "coordinator_peak_rss_bytes": 458481664, "checkpoint_bytes": 4489557497, "step_s": 7.2,
@@ -238,7 +238,8 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=7, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
     parser.add_argument("--set", action="append", default=[], help="extra config settings (SECTION.KEY=VALUE)")
-    parser.add_argument("--keep", action="store_true", help="keep the run's state dirs and checkpoints (GBs), not just its logs")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the run's state dirs and checkpoints (GBs), not just its logs")
     args = parser.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.mlp, args.vocab, args.cap_gib = 8, 256, 4, 704, 32000, 1.0
