@@ -1,13 +1,13 @@
 """A coordinator's state dir written by an older geotrain, brought up to date when its run resumes (`--resume`).
 
 Version 2 checkpoints recorded each stage's checksum by sha256 over its parameters in name order; version 3's is
-blake3 over the same bytes (framing.parameters_checksum). Checkpoints before version 2 (scheduler.checkpoint)
-recorded it over its parameters in the stage's own order: layer by layer, each layer's parameters as its module lists
-them. A stage's checksum is now over them in name order, so a node loading such a stage found another checksum than
-the recorded one, refused the state, and the run re-planned without end. The old order needs the model's code, which the coordinator
-does not have; the command that resumes has it. Each stage file is first checked against the checksum recorded when
-it was written, in the old order, and only a file that passes gets its checksum in the new order: a checksum computed
-from a file alone would vouch for whatever the file now holds.
+blake3 over the same bytes (framing.parameters_checksum). Checkpoints before version 2 (scheduler.checkpoint) recorded
+it over its parameters in the stage's own order: layer by layer, each layer's parameters as its module lists them. A
+stage's checksum is now over them in name order, so a node loading such a stage found another checksum than the
+recorded one, refused the state, and the run re-planned without end. The old order needs the model's code, which the
+coordinator does not have; the command that resumes has it. Each stage file is first checked against the checksum
+recorded when it was written, in the old order, and only a file that passes gets its checksum in the new order: a
+checksum computed from a file alone would vouch for whatever the file now holds.
 
 It sits at the top of the package: it reads the coordinator's checkpoints with the node's model families.
 """
