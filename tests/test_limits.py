@@ -341,17 +341,26 @@ def test_a_clipped_replica_is_an_event_once_per_step_when_a_majority_or_itself_s
     assert [e.kind for e in coordinator.status().events].count("clipped") == 2
 
 
+@contextmanager
+def _rate_limited_stage(limits: PeerLimits) -> Iterator[Attacker]:
+    """A Stage server under `limits` whose every method answers UNIMPLEMENTED once admitted, and a caller of it."""
+    server, port = make_server("limits-token", "127.0.0.1:0", limits)
+    rpc.add_StageServicer_to_server(rpc.StageServicer(), server)
+    server.start()
+    caller = Attacker(f"127.0.0.1:{port}", "limits-token")
+    try:
+        yield caller
+    finally:
+        caller.close()
+        server.stop(None)
+
+
 @pytest.mark.timeout(30)
 def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_its_own():
     # From one host (as every node of a local run, or volunteers behind one NAT): an impostor that claims node-1's id,
     # signed by a key of its own or by none, uses up its own budget; node-1's signed calls still get through.
-    limits = PeerLimits(LimitValues(calls_per_s=1.0, call_burst=3))
-    server, port = make_server("limits-token", "127.0.0.1:0", limits)
-    rpc.add_StageServicer_to_server(rpc.StageServicer(), server)  # every method answers UNIMPLEMENTED once admitted
-    server.start()
-    attacker = Attacker(f"127.0.0.1:{port}", "limits-token")
     member = NodeKey.generate()
-    try:
+    with _rate_limited_stage(PeerLimits(LimitValues(calls_per_s=1.0, call_burst=3))) as attacker:
         def fetch(key: NodeKey | None) -> grpc.StatusCode:
             stub = attacker.stage(attacker.address, key, "node-1")
             return answer(lambda: list(stub.FetchState(pb.FetchStateRequest(), timeout=10)))
@@ -359,23 +368,14 @@ def test_a_peers_call_rate_is_its_keys_so_a_token_holder_claiming_its_id_spends_
         for key in (attacker.outsider, None):
             assert [fetch(key) for _ in range(5)][-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert fetch(member) == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        attacker.close()
-        server.stop(None)
 
 
 @pytest.mark.timeout(30)
 def test_a_member_that_outpaces_its_call_budget_is_let_in_again_by_retrying():
     # A data head of a small fast model makes hundreds of calls a second to the coordinator: a call over its budget is
     # refused (RESOURCE_EXHAUSTED), and the caller's retry lands once the budget has refilled instead of failing.
-    limits = PeerLimits(LimitValues(calls_per_s=4.0, call_burst=1))
-    server, port = make_server("limits-token", "127.0.0.1:0", limits)
-    rpc.add_StageServicer_to_server(rpc.StageServicer(), server)  # every method answers UNIMPLEMENTED once admitted
-    server.start()
-    caller = Attacker(f"127.0.0.1:{port}", "limits-token")
-    member = NodeKey.generate()
-    try:
-        stub = caller.stage(caller.address, member, "node-1")
+    with _rate_limited_stage(PeerLimits(LimitValues(calls_per_s=4.0, call_burst=1))) as caller:
+        stub = caller.stage(caller.address, NodeKey.generate(), "node-1")
 
         def fetch() -> list:
             return list(stub.FetchState(pb.FetchStateRequest(), timeout=10))
@@ -383,9 +383,6 @@ def test_a_member_that_outpaces_its_call_budget_is_let_in_again_by_retrying():
         assert answer(fetch) == grpc.StatusCode.UNIMPLEMENTED  # the burst
         assert answer(fetch) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert answer(lambda: call_with_retry(fetch, first_backoff_s=0.1)) == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        caller.close()
-        server.stop(None)
 
 
 def test_a_backoff_doubles_with_each_refusal_in_a_row_up_to_its_cap_and_forgets():
