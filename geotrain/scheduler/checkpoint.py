@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import torch
 
-from geotrain.durable import fsync
+from geotrain.durable import SequentialFile, fsync
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import FrameError
@@ -209,9 +209,10 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.int8: "I8",
 }
 DTYPES_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-HEADER_RESERVE = 1 << 20
-"""Bytes reserved for a stage file's safetensors header ahead of its data (about 7,000 tensors' entries); a header
-that does not fit moves the data once, in the kernel where it can (StageFileWriter.finish)."""
+HEADER_RESERVE = (1 << 20) - 8
+"""Bytes reserved for a stage file's safetensors header ahead of its data (about 7,000 tensors' entries), so that the
+data starts at 1 MiB, aligned as the writes past the page cache need (durable.SequentialFile); a header that does not
+fit moves the data once (StageFileWriter.finish)."""
 _CRC_KEY = "geotrain.crc32"  # the header's metadata: each tensor's crc32, which a transfer's header carries
 _MAX_HEADER = 1 << 28
 
@@ -239,8 +240,7 @@ class StageFileWriter(framing.StateSink):
         self._layers = layers
         self._bound = bound
         self._prefix = "sync.anchor." if diloco else ""
-        self._file = open(path, "w+b")
-        self._file.seek(8 + HEADER_RESERVE)
+        self._file = SequentialFile(path, 8 + HEADER_RESERVE)
         self._entries: dict[str, dict] = {}
         self._crcs: dict[str, int] = {}
         self._offset = 0
@@ -292,16 +292,20 @@ class StageFileWriter(framing.StateSink):
         """Write the header, fsync the file and close it; returns the stage's checksum (stage_checksum)."""
         meta = {"__metadata__": {**self._metadata, _CRC_KEY: json.dumps(self._crcs, separators=(",", ":"))}}
         header = json.dumps({**meta, **self._entries}, separators=(",", ":")).encode()
-        if len(header) <= HEADER_RESERVE:
-            header += b" " * (HEADER_RESERVE - len(header))
-        else:
-            header += b" " * (-len(header) % 8)
-            self._move_data(8 + HEADER_RESERVE, 8 + len(header))
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", len(header)) + header)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._file.finish()
+        fd = self._file.fd
+        try:
+            if len(header) <= HEADER_RESERVE:
+                header += b" " * (HEADER_RESERVE - len(header))
+            else:
+                header += b" " * (-len(header) % 8)
+                fd = self._move_data(8 + HEADER_RESERVE, 8 + len(header))
+            os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
+            os.fsync(fd)
+        finally:
+            if fd != self._file.fd:
+                os.close(fd)
+            self._file.close()
         if not self._checksummed:
             return ""
         if self._in_order:
@@ -314,18 +318,17 @@ class StageFileWriter(framing.StateSink):
                     digest.update(data)
             return digest.hexdigest()
 
-    def _move_data(self, start: int, to: int) -> None:
-        """Move the data from offset `start` to `to` (> start): into a new file, then renamed over this one."""
+    def _move_data(self, start: int, to: int) -> int:
+        """Move the data from offset `start` to `to` (> start): into a new file, renamed over this one; returns the
+        new file, open."""
         moved = self.path.with_suffix(".moving")
-        self._file.flush()
-        with open(moved, "wb") as out:
+        with open(self.path, "rb") as old, open(moved, "wb") as out:
             out.truncate(to)
             out.seek(to)
-            self._file.seek(start)
-            shutil.copyfileobj(self._file, out, framing.CHUNK_BYTES)
-        self._file.close()
+            old.seek(start)
+            shutil.copyfileobj(old, out, framing.CHUNK_BYTES)
         os.replace(moved, self.path)
-        self._file = open(self.path, "r+b")
+        return os.open(self.path, os.O_RDWR)
 
     def close(self) -> None:
         """Close the file without finishing it (the checkpoint is abandoned)."""
