@@ -106,6 +106,21 @@ def test_a_stage_file_written_as_it_streams_reads_back_and_serves_only_the_asked
     assert store.checksum(manifest, 1, 2, diloco=False) == stage_checksum(sent, diloco=False)
 
 
+@pytest.mark.timeout(60)
+def test_a_header_larger_than_its_reserve_moves_the_data_and_the_file_reads_back_whole(tmp_path, monkeypatch):
+    reserve = 4096 - 8  # the smallest that keeps the data aligned
+    monkeypatch.setattr(checkpoint_module, "HEADER_RESERVE", reserve)
+    cfg = load_config(None, ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    state = dict(StageRuntime(cfg, 0, cfg.model.total_layers).full_state())
+    store = CheckpointStore(tmp_path, keep=2)
+    manifest = store.write(1, 1, [checkpoint_module.StageState(0, cfg.model.total_layers, "", state)])
+    with open(manifest.path / manifest.stages[0]["file"], "rb") as f:
+        assert int.from_bytes(f.read(8), "little") > reserve
+    back = store.load_layers(manifest, 0, cfg.model.total_layers)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert store.checksum(manifest, 0, cfg.model.total_layers, diloco=False) == stage_checksum(state, diloco=False)
+
+
 def test_the_final_model_is_written_from_stage_streams_with_its_parameters_only(tmp_path):
     from safetensors import safe_open
 
