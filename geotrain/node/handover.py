@@ -18,10 +18,10 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
-from typing import BinaryIO
 
 import torch
 
+from geotrain.durable import SequentialFile
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 
@@ -59,9 +59,11 @@ class HeldStates:
         self._held = {k: r for k, r in self._held.items() if r.applied_step + 1 == steps_done}
 
 
-TRANSFER_BUFFER_BYTES = 4 * framing.CHUNK_BYTES
-"""Host memory one state transfer in flight holds beyond the stage's own tensors: the chunk being read and those
-gRPC holds behind it."""
+SPILL_BUFFER_BYTES = 4 * framing.CHUNK_BYTES
+"""The buffer a snapshot's spill file is written through (durable.SequentialFile)."""
+TRANSFER_BUFFER_BYTES = 4 * framing.CHUNK_BYTES + SPILL_BUFFER_BYTES
+"""Host memory one state transfer in flight holds beyond the stage's own tensors: the chunk being read, those gRPC
+holds behind it, and the spill's buffer."""
 
 
 def transfer_memory_bytes(transfers: int = 1) -> int:
@@ -87,7 +89,7 @@ class StateSnapshot:
         self._sent = 0  # tensors before this index were sent: no one needs them again
         self._copies: dict[int, tuple[int, int]] = {}  # index -> (offset in the spill file, crc32)
         self._spill_dir = spill_dir
-        self._spill: BinaryIO | None = None
+        self._spill: SequentialFile | None = None
         self._closed = False
 
     @property
@@ -118,30 +120,35 @@ class StateSnapshot:
         with self._lock:
             if i in self._copies:
                 assert self._spill is not None
-                return os.pread(self._spill.fileno(), n, self._copies[i][0] + at)
+                return os.pread(self._spill.fd, n, self._copies[i][0] + at)
             flat = self._live(i)[at : at + n]
             return flat.numpy().tobytes() if flat.device.type == "cpu" else flat.cpu().numpy().tobytes()
 
     def preserve(self) -> None:
         """Copy the tensors not yet sent to the spill file: the stage is about to change them (call under the state
-        lock, which every change of the stage's tensors holds)."""
+        lock, which every change of the stage's tensors holds). The file is written past the page cache, which would
+        count against the node's memory and cost far more CPU in the step it delays (durable.SequentialFile)."""
         with self._lock:
-            if self._closed:
+            unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies]
+            if self._closed or not unsent:
                 return
-            for i in range(self._sent, len(self._items)):
-                if i in self._copies:
-                    continue
-                if self._spill is None:
-                    self._spill = tempfile.TemporaryFile(dir=self._spill_dir or None)
-                flat, offset, crc = self._live(i), self._spill.tell(), 0
+            assert self._spill is None  # the first call copies every tensor not sent: none is left for another
+            fd, path = tempfile.mkstemp(dir=self._spill_dir or None)
+            os.close(fd)
+            self._spill = SequentialFile(path, 0, SPILL_BUFFER_BYTES)
+            os.unlink(path)  # the file lives as long as the snapshot holds it open
+            offset = 0
+            for i in unsent:
+                flat, crc = self._live(i), 0
                 for at in range(0, flat.numel(), framing.CHUNK_BYTES):
                     part = flat[at : at + framing.CHUNK_BYTES]
                     data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
                     self._spill.write(data)
                     crc = framing.crc32(data, crc)
-                self._spill.flush()
                 self._copies[i] = (offset, crc)
                 self._items[i] = (self._items[i][0], None)
+                offset += flat.numel()
+            self._spill.finish()
 
     def close(self) -> None:
         """The transfer ended: let go of the tensors and the file."""

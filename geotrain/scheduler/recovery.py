@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import StateReceiver, StateSource
 from geotrain.scheduler import placement
-from geotrain.scheduler.checkpoint import CheckpointStore, CheckpointWrite, Manifest, StateBound, state_bound
+from geotrain.scheduler.checkpoint import (
+    CheckpointStore, CheckpointWrite, Manifest, StageFileWriter, StateBound, state_bound,
+)
 from geotrain.scheduler.membership import EventSink, Member
 from geotrain.scheduler.state import RunStore
 
@@ -107,29 +110,39 @@ class Recovery:
         self, pending: CheckpointWrite, streams: list[tuple[pb.StageAssignment, Member, Any, Iterator[pb.TensorChunk]]],
         checksums: dict[int, str],
     ) -> None:
-        """Stream every stage into its file, then commit the checkpoint (the checkpoint thread)."""
+        """Stream every stage into its file, all at once (each holder sends over its own link, and a snapshot whose
+        transfer ends before its stage's next step costs its holder no copy), then commit the checkpoint (the
+        checkpoint thread)."""
         steps_done = pending.steps_done
+        writers: list[StageFileWriter] = []
+        handed = 0  # the streams handed to a stage's thread, which closes them
         try:
-            for s, member, first, chunks in streams:
+            for s, member, *_ in streams:
                 layers = (s.layer_start, s.layer_end)
+                bound = stage_bound(member, layers, self._diloco)
+                writers.append(pending.stage(*layers, checksums.get(s.index, ""), self._diloco, bound))
+            lost = threading.Event()  # set when one stage failed: the others need not be read on
+            with ThreadPoolExecutor(len(streams), thread_name_prefix=f"checkpoint-{steps_done}") as pool:
+                handed = len(streams)
+                stages = [
+                    pool.submit(_write_stage, writer, first, chunks, lost)
+                    for writer, (_, _, first, chunks) in zip(writers, streams)
+                ]
+                done, _ = wait(stages, return_when=FIRST_EXCEPTION)
+                if any(f.exception() for f in done):
+                    lost.set()
+                written = [f.result() for f in stages]
+            for (s, member, *_), checksum in zip(streams, written):
                 recorded = checksums.get(s.index, "")
-                writer = pending.stage(*layers, recorded, self._diloco, stage_bound(member, layers, self._diloco))
-                try:
-                    receiver = StateReceiver(writer)
-                    receiver.feed(first)
-                    for chunk in chunks:
-                        receiver.feed(chunk)
-                    receiver.close()
-                    checksum = writer.finish()
-                finally:
-                    writer.close()
                 if recorded and checksum != recorded:
                     raise ValueError(f"{member.node_id} sent stage {s.index} with another checksum than its replicas'")
             manifest = pending.commit()
         except Exception as e:  # a node lost mid-download: the next checkpoint will do
             log.warning("checkpoint of step %d skipped: %s", steps_done, e)
+            for writer in writers:
+                writer.close()
             pending.abandon()
-            for *_, chunks in streams:
+            for *_, chunks in streams[handed:]:
                 _close(chunks)
             return
         self.store.put("checkpoint", str(manifest.path))
@@ -195,6 +208,25 @@ class Recovery:
             for m in groups[i]:
                 sources[m.node_id] = ("", checksum)
         return sources, steps_done
+
+
+def _write_stage(
+    writer: StageFileWriter, first: pb.TensorChunk, chunks: Iterator[pb.TensorChunk], lost: threading.Event
+) -> str:
+    """One stage's stream into its file, until the checkpoint is `lost`; returns the stage's checksum. The stream is
+    closed here, by the thread that reads it (a generator cannot be closed while another thread runs it)."""
+    try:
+        receiver = StateReceiver(writer)
+        receiver.feed(first)
+        for chunk in chunks:
+            if lost.is_set():
+                raise LookupError("another stage of the checkpoint failed")
+            receiver.feed(chunk)
+        receiver.close()
+        return writer.finish()
+    finally:
+        writer.close()
+        _close(chunks)
 
 
 def _close(chunks: Iterator[Any]) -> None:
