@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import tracemalloc
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import grpc
@@ -15,15 +17,24 @@ import torch
 
 from geotrain.config import load_config
 from geotrain.node.handover import Snapshots, StateSnapshot, transfer_memory_bytes
+from geotrain.node.reverse import ReverseSender
+from geotrain.node.servicer import StageServicer, add_stage_service
 from geotrain.node.holder import StateExpectation
 from geotrain.node.stage import StageRuntime
 from geotrain.node.dataplane import AdaptiveDeadline
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import statestream
+from geotrain.protocol.auth import RefusalLog, new_token
 from geotrain.protocol.framing import FrameError
+from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.limits import LimitValues, PeerLimits
+from geotrain.protocol.tensorstream import TensorStreamServer
+from geotrain.protocol.transport import make_server
 from geotrain.scheduler import checkpoint as checkpoint_module
 from geotrain.scheduler.checkpoint import CheckpointStore, state_bound, stage_checksum
 from geotrain.scheduler.recovery import Recovery
+from geotrain.scheduler.service import stage_state_stream
 from geotrain.scheduler.state import RunStore, StepRecord
 from geotrain.scheduler.stepdriver import StepDriver, call_deadline_s
 
@@ -273,3 +284,66 @@ def test_a_call_s_deadline_is_capped_by_the_plan_the_first_to_a_peer_included():
     assert deadlines.for_peer("c") == 15.0
     deadlines.follow(pb.Plan(call_deadline_s=2.0))
     assert deadlines.for_peer("b") == deadlines.for_peer("new") == 2.0
+
+
+class _StateHolder:
+    """The state-serving part of a node (servicer.StageHandler): `runtime`'s state after `steps_done` steps, to the
+    key `reader` only."""
+
+    def __init__(self, runtime: StageRuntime, steps_done: int, reader: bytes, spill_dir: str) -> None:
+        self.runtime, self.steps_done, self.reader = runtime, steps_done, reader
+        self.snapshots = Snapshots(spill_dir)
+        self.open = 0  # snapshots open
+
+    def may_read_state(self, signer: bytes | None) -> bool:  # noqa: D102
+        return signer == self.reader
+
+    def state_snapshot(self, steps_done: int, layers=None):  # noqa: ANN001, D102
+        if steps_done != self.steps_done:
+            return None
+        self.open += 1
+        return self.snapshots.open(self.runtime)
+
+    def close_snapshot(self, snapshot: StateSnapshot) -> None:  # noqa: D102
+        self.open -= 1
+        self.snapshots.close(snapshot)
+
+
+@contextmanager
+def _state_server(holder: _StateHolder, token: str, raw_streams: bool) -> Iterator[str]:
+    """A node's Stage server on loopback serving `holder`'s state, with a raw stream port or without; its address."""
+    limits = PeerLimits(LimitValues())
+    server, port = make_server(token, "127.0.0.1:0", limits)
+    streams = TensorStreamServer("127.0.0.1", 0, None, limits, 1 << 20) if raw_streams else None
+    servicer = StageServicer(holder, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "n"), streams)
+    add_stage_service(servicer, server)
+    server.start()
+    if streams is not None:
+        streams.start(servicer)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        if streams is not None:
+            streams.close()
+        server.stop(grace=0.5).wait(2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw_streams", [True, False], ids=["raw-stream", "fetch-state"])
+def test_the_coordinator_fetches_a_stage_s_state_over_its_raw_stream_or_by_fetch_state(tmp_path, monkeypatch, raw_streams):
+    cfg, token, coordinator = _cfg(), new_token(), NodeKey.generate()
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    holder = _StateHolder(runtime, 3, coordinator.public, str(tmp_path))
+    sent = []
+    real_send = statestream.send_state
+    monkeypatch.setattr(statestream, "send_state", lambda sock, *a: sent.append(1) or real_send(sock, *a))
+    with _state_server(holder, token, raw_streams) as address:
+        state = framing.read_state(stage_state_stream(address, token, 3, coordinator))
+        expected = dict(runtime.full_state())
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
+        assert len(sent) == raw_streams
+        with pytest.raises(LookupError, match="holds no state after 4 steps"):
+            framing.read_state(stage_state_stream(address, token, 4, coordinator))
+        with pytest.raises(LookupError, match="PERMISSION_DENIED"):  # a key outside the node's plan
+            framing.read_state(stage_state_stream(address, token, 3, NodeKey.generate()))
+    assert holder.open == 0  # every snapshot closed, whatever became of its stream

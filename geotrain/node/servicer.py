@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import socket
 from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from geotrain.node.reverse import ReverseError, ReverseSender, serialize_down
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol import statestream
 from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.auth import signer
 from geotrain.protocol.framing import FrameError
@@ -177,24 +179,47 @@ class StageServicer(rpc.StageServicer):
         return self._receive("backward", request_iterator, context)
 
     def FetchState(self, request, context):  # noqa: D102, N802
+        layers = self._state_asked(request, context, "FetchState")
+        snapshot = self.handler.state_snapshot(request.steps_done, layers)
+        if snapshot is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, _no_state(request))
+        try:
+            yield from framing.state_stream(snapshot.sources())
+        finally:
+            self.handler.close_snapshot(snapshot)
+
+    def OpenStateStream(self, request, context):  # noqa: D102, N802
+        if self.tensor_streams is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node serves its state by FetchState only")
+        layers = self._state_asked(request, context, "OpenStateStream")
+
+        def serve(sock: socket.socket) -> None:
+            statestream.background_priority()  # this connection's own thread
+            snapshot = self.handler.state_snapshot(request.steps_done, layers)
+            try:
+                statestream.send_state(sock, snapshot.sources() if snapshot else None, _no_state(request))
+            finally:
+                if snapshot is not None:
+                    self.handler.close_snapshot(snapshot)
+
+        try:
+            ticket = self.tensor_streams.ticket(signer(context), serve)
+        except FrameError as e:
+            self.refusals.refused(context.peer(), "OpenStateStream", "", str(e))
+            context.abort(e.code, str(e))
+        return pb.TensorStreamTicket(port=self.tensor_streams.port, ticket=ticket)
+
+    def _state_asked(self, request: pb.FetchStateRequest, context, call: str) -> tuple[int, int] | None:
+        """The layers a state request asks for (None: the node's current stage), once its signer may read them."""
         if not self.handler.may_read_state(signer(context)):
             why = "state goes only to the nodes of this node's plan and its coordinator, signed by their keys"
-            self.refusals.refused(context.peer(), "FetchState", "", why)
+            self.refusals.refused(context.peer(), call, "", why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         layers = (request.layer_start, request.layer_end) if request.layer_end else None
         if layers is not None and request.layer_start >= request.layer_end:
             empty = f"empty layer range [{request.layer_start}, {request.layer_end})"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, empty)
-        snapshot = self.handler.state_snapshot(request.steps_done, layers)
-        if snapshot is None:
-            which = f"layers [{request.layer_start}, {request.layer_end})" if layers else "state"
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this node holds no {which} after {request.steps_done} steps"
-            )
-        try:
-            yield from framing.state_stream(snapshot.sources())
-        finally:
-            self.handler.close_snapshot(snapshot)
+        return layers
 
     def FetchEvidence(self, request, context):  # noqa: D102, N802
         if not self.handler.may_read_state(signer(context)):
@@ -327,3 +352,9 @@ def check_activation_header(
         )
     if header.payload_bytes > min(max_bytes, 2 * math.prod(shape) * 4 + 4096):
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"payload of {header.payload_bytes} bytes is too large")
+
+
+def _no_state(request: pb.FetchStateRequest) -> str:
+    """Why a state request finds nothing to serve."""
+    which = f"layers [{request.layer_start}, {request.layer_end})" if request.layer_end else "state"
+    return f"this node holds no {which} after {request.steps_done} steps"

@@ -371,13 +371,18 @@ def tensor_source(name: str, tensor: torch.Tensor) -> StateSource:
     )
 
 
+def state_header(source: StateSource) -> pb.TensorHeader:
+    """The header a state tensor travels under: uncompressed."""
+    return pb.TensorHeader(
+        name=source.name, dtype=TORCH_TO_WIRE[source.dtype], shape=list(source.shape), codec=pb.CODEC_NONE,
+        payload_bytes=source.nbytes, crc32=source.crc32,
+    )
+
+
 def state_stream(sources: Iterable[StateSource], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
     """The chunks of a state transfer, uncompressed, tensor after tensor; each chunk's data is read when it is made."""
     for source in sources:
-        header = pb.TensorHeader(
-            name=source.name, dtype=TORCH_TO_WIRE[source.dtype], shape=list(source.shape), codec=pb.CODEC_NONE,
-            payload_bytes=source.nbytes, crc32=source.crc32,
-        )
+        header = state_header(source)
         yield pb.TensorChunk(header=header, data=bytes(source.read(0, min(chunk_bytes, source.nbytes))))
         for offset in range(chunk_bytes, source.nbytes, chunk_bytes):
             yield pb.TensorChunk(data=bytes(source.read(offset, min(chunk_bytes, source.nbytes - offset))))

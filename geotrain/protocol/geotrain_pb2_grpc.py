@@ -798,6 +798,11 @@ class StageStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
                 _registered_method=True)
+        self.OpenStateStream = channel.unary_unary(
+                '/geotrain.v1.Stage/OpenStateStream',
+                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -861,6 +866,15 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenStateStream(self, request, context):
+        """A ticket for the state FetchState serves, sent over a raw tensor stream instead (protocol/statestream.py): the
+        connection gets a TensorStreamReply (the snapshot's status), then per tensor a TensorFrame with its header and
+        its payload, then a TensorFrame without a header.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -902,6 +916,11 @@ def add_StageServicer_to_server(servicer, server):
             'OpenTensorStream': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenTensorStream,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.FromString,
+                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.SerializeToString,
+            ),
+            'OpenStateStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenStateStream,
+                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.SerializeToString,
             ),
     }
@@ -1120,6 +1139,33 @@ class Stage:
             target,
             '/geotrain.v1.Stage/OpenTensorStream',
             geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamRequest.SerializeToString,
+            geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenStateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geotrain.v1.Stage/OpenStateStream',
+            geotrain_dot_protocol_dot_geotrain__pb2.FetchStateRequest.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.TensorStreamTicket.FromString,
             options,
             channel_credentials,

@@ -83,7 +83,7 @@ class Closed(Exception):
     """The other end closed the connection, or cut it short."""
 
 
-def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
+def recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
     """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
     out (a kept connection between tensors); any other raises socket.timeout."""
     filled, n = 0, len(view)
@@ -126,19 +126,20 @@ _OK_REPLY = _framed(pb.TensorStreamReply(code=_OK))
 def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M:
     """Read one length-prefixed message of `kind`; FrameError when it is too long or malformed."""
     prefix = bytearray(_LENGTH.size)
-    _recv_into(sock, memoryview(prefix), idle_ok)
+    recv_into(sock, memoryview(prefix), idle_ok)
     (length,) = _LENGTH.unpack(prefix)
     if length > MAX_FRAME_BYTES:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {length} bytes on a tensor stream")
     data = bytearray(length)
-    _recv_into(sock, memoryview(data))
+    recv_into(sock, memoryview(data))
     try:
         return kind.FromString(bytes(data))
     except DecodeError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {kind.__name__}: {e}") from None
 
 
-def _reply(sock: socket.socket, code: grpc.StatusCode, detail: str = "") -> None:
+def reply(sock: socket.socket, code: grpc.StatusCode, detail: str = "") -> None:
+    """Send a TensorStreamReply: the status of a hello, a tensor, or a state stream."""
     if code == grpc.StatusCode.OK and not detail:
         sock.sendall(_OK_REPLY)  # every tensor taken: made once
         return
@@ -179,7 +180,7 @@ class TensorStreamServer:
         self._max_bytes = max_tensor_bytes
         self._sink: TensorSink | None = None
         self._lock = threading.Lock()
-        self._tickets: dict[bytes, tuple[bytes, float]] = {}  # ticket -> (key, expiry)
+        self._tickets: dict[bytes, tuple[bytes, float, Serve | None]] = {}  # ticket -> (key, expiry, serve)
         self._open: dict[bytes, int] = defaultdict(int)  # key -> its connections
         self._connections: set[socket.socket] = set()
         self._opening: dict[str, list[socket.socket]] = defaultdict(list)  # host -> its pre-hello, oldest first
@@ -191,19 +192,20 @@ class TensorStreamServer:
         self._sink = sink
         threading.Thread(target=self._accept_loop, name="tensor-streams", daemon=True).start()
 
-    def ticket(self, key: bytes) -> bytes:
-        """A ticket for one connection of `key` (the caller checked that key); FrameError (RESOURCE_EXHAUSTED) when
-        it holds as many connections and tickets as limits.streams_per_peer."""
+    def ticket(self, key: bytes, serve: Serve | None = None) -> bytes:
+        """A ticket for one connection of `key` (the caller checked that key), whose tensors come in, or which
+        `serve` is handed once past its hello (a state stream); FrameError (RESOURCE_EXHAUSTED) when the key holds as
+        many connections and tickets as limits.streams_per_peer."""
         now = time.monotonic()
         with self._lock:
-            self._tickets = {t: (k, expiry) for t, (k, expiry) in self._tickets.items() if expiry > now}
-            held = self._open[key] + sum(k == key for k, _ in self._tickets.values())
+            self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
+            held = self._open[key] + sum(k == key for k, *_ in self._tickets.values())
             if held >= self._limits.values.streams_per_peer:
                 raise FrameError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"{held} tensor streams already open or opening for this key"
                 )
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = (key, now + TICKET_TTL_S)
+            self._tickets[ticket] = (key, now + TICKET_TTL_S, serve)
         return ticket
 
     def open_connections(self) -> int:
@@ -211,15 +213,15 @@ class TensorStreamServer:
         with self._lock:
             return sum(self._open.values())
 
-    def _redeem(self, ticket: bytes) -> bytes | None:
-        """The key a ticket was given to, counted as one of its connections; None for a ticket unknown, used or
-        expired."""
+    def _redeem(self, ticket: bytes) -> tuple[bytes, Serve | None] | None:
+        """The key a ticket was given to, counted as one of its connections, and what serves it; None for a ticket
+        unknown, used or expired."""
         with self._lock:
-            key, expiry = self._tickets.pop(ticket, (None, 0.0))
+            key, expiry, serve = self._tickets.pop(ticket, (None, 0.0, None))
             if key is None or expiry <= time.monotonic():
                 return None
             self._open[key] += 1
-            return key
+            return key, serve
 
     def _accept_loop(self) -> None:
         while True:
@@ -277,13 +279,17 @@ class TensorStreamServer:
                 ticket = read_message(sock, pb.TensorStreamHello).ticket
             finally:
                 self._said_hello(host, raw)
-            key = self._redeem(ticket)
-            if key is None:
+            redeemed = self._redeem(ticket)
+            if redeemed is None:
                 self._limits.refusals.refused(peer, "tensor stream", "", "an unknown, used or expired ticket")
-                _reply(sock, grpc.StatusCode.UNAUTHENTICATED, "an unknown, used or expired ticket")
+                reply(sock, grpc.StatusCode.UNAUTHENTICATED, "an unknown, used or expired ticket")
                 return
-            _reply(sock, grpc.StatusCode.OK)
-            self._tensors(sock, peer, key)
+            key, serve = redeemed
+            reply(sock, grpc.StatusCode.OK)
+            if serve is not None:
+                serve(sock)
+            else:
+                self._tensors(sock, peer, key)
         except (OSError, Closed, FrameError) as e:  # ssl.SSLError and socket.timeout are OSErrors
             log.debug("tensor stream from %s ended: %s", peer, e)
         finally:
@@ -309,7 +315,7 @@ class TensorStreamServer:
             except FrameError as e:
                 # A payload over the limits is not read, even to skip it: the connection ends.
                 sink.refused(peer, direction or "tensor stream", str(e))
-                _reply(sock, e.code, str(e))
+                reply(sock, e.code, str(e))
                 return
             size = header.payload_bytes
             try:
@@ -318,7 +324,7 @@ class TensorStreamServer:
                 sink.admit(direction, frame.ref, header, key)
             except FrameError as e:
                 sink.refused(peer, direction or "tensor stream", str(e))
-                _reply(sock, e.code, str(e))
+                reply(sock, e.code, str(e))
                 _skip(sock, size)
                 continue
             tensor = sink.destination(header)
@@ -329,11 +335,11 @@ class TensorStreamServer:
                     buffer = bytearray(size)
                 payload = memoryview(buffer)[:size]
             try:
-                _recv_into(sock, payload)
+                recv_into(sock, payload)
             except Closed as e:
                 why = f"truncated tensor stream: {e}"
                 sink.refused(peer, direction, why)
-                _reply(sock, grpc.StatusCode.DATA_LOSS, why)
+                reply(sock, grpc.StatusCode.DATA_LOSS, why)
                 return
             try:
                 if self._context is None:
@@ -343,9 +349,9 @@ class TensorStreamServer:
                 sink.take(direction, ReceivedTensor(ref=frame.ref, header=header, payload=payload, tensor=tensor))
             except FrameError as e:
                 sink.refused(peer, direction, str(e))
-                _reply(sock, e.code, str(e))
+                reply(sock, e.code, str(e))
                 continue
-            _reply(sock, grpc.StatusCode.OK)
+            reply(sock, grpc.StatusCode.OK)
 
     def close(self) -> None:
         """Stop listening and end every connection."""
@@ -371,7 +377,7 @@ def _skip(sock: socket.socket, size: int) -> None:
     scratch = memoryview(bytearray(min(size, _DISCARD_BYTES)))
     while size:
         piece = scratch[: min(size, len(scratch))]
-        _recv_into(sock, piece)
+        recv_into(sock, piece)
         size -= len(piece)
 
 
@@ -405,7 +411,11 @@ class _Connection:
 
 
 TicketCall = Callable[[], pb.TensorStreamTicket]
-"""Stage.OpenTensorStream on the receiver, signed by the sender's key; raises grpc.RpcError."""
+"""Stage.OpenTensorStream (or OpenStateStream) on the node that serves the stream, signed by the caller's key; raises
+grpc.RpcError."""
+
+Serve = Callable[[socket.socket], None]
+"""What serves a connection past its hello in place of reading tensors from it (a state stream's sender)."""
 
 
 class TensorStreamClient:
@@ -457,43 +467,7 @@ class TensorStreamClient:
 
     def _open(self, address: str, open_ticket: TicketCall, deadline: float) -> _Connection:
         """A new connection to the receiver at `address`, past its hello; NoStream when there can be none."""
-        try:
-            ticket = open_ticket()
-        except grpc.RpcError as e:
-            # A receiver that serves no tensor streams says so for good; anything else may pass (a plan it has not
-            # taken yet, its connections all busy): this tensor goes by a call, the next one tries again.
-            serves_none = e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
-            raise NoStream(f"it gives no tensor stream ticket ({e.code().name}: {e.details()})", serves_none) from None
-        if not 0 < ticket.port < 65536 or len(ticket.ticket) != TICKET_BYTES:
-            raise NoStream(f"it answered a malformed ticket (port {ticket.port})", lasting=True)
-        host = address.rpartition(":")[0].strip("[]")
-        try:
-            sock = socket.create_connection(
-                (host, ticket.port), timeout=min(CONNECT_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
-            )
-        except OSError as e:
-            raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
-        try:
-            _tune(sock)
-            if self._context is not None:
-                sock = self._context.wrap_socket(sock, server_hostname=RUN_TLS_NAME)
-            write_message(sock, pb.TensorStreamHello(ticket=ticket.ticket))
-            answer = read_message(sock, pb.TensorStreamReply)
-        except ssl.SSLError as e:
-            sock.close()
-            if isinstance(e, ssl.SSLEOFError):  # cut during the handshake: as below
-                raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})",
-                               lasting=False) from None
-            raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
-        except (OSError, Closed, FrameError) as e:
-            # Connected, then cut before the receiver's answer (it made room for newer connections, or restarted):
-            # this tensor goes by a call, the next one tries a stream again.
-            sock.close()
-            raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})", lasting=False) from None
-        if answer.code != _OK:
-            sock.close()
-            raise NoStream(f"it refused the tensor stream: {answer.detail[:200]}", lasting=False)
-        return _Connection(sock)
+        return _Connection(dial(address, open_ticket, self._context, deadline))
 
     def close(self) -> None:
         """Close every kept connection; those in use close when their send ends."""
@@ -502,3 +476,45 @@ class TensorStreamClient:
             idle, self._idle = [c for conns in self._idle.values() for c in conns], defaultdict(list)
         for conn in idle:
             conn.close()
+
+
+def dial(address: str, open_ticket: TicketCall, context: ssl.SSLContext | None, deadline: float) -> socket.socket:
+    """A new raw stream to the node whose Stage service is at `address`, past its hello (TLS with `context`, when the
+    run has it); NoStream when there can be none."""
+    try:
+        ticket = open_ticket()
+    except grpc.RpcError as e:
+        # A receiver that serves no tensor streams says so for good; anything else may pass (a plan it has not
+        # taken yet, its connections all busy): this tensor goes by a call, the next one tries again.
+        serves_none = e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
+        raise NoStream(f"it gives no tensor stream ticket ({e.code().name}: {e.details()})", serves_none) from None
+    if not 0 < ticket.port < 65536 or len(ticket.ticket) != TICKET_BYTES:
+        raise NoStream(f"it answered a malformed ticket (port {ticket.port})", lasting=True)
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        sock = socket.create_connection(
+            (host, ticket.port), timeout=min(CONNECT_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
+        )
+    except OSError as e:
+        raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
+    try:
+        _tune(sock)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_hostname=RUN_TLS_NAME)
+        write_message(sock, pb.TensorStreamHello(ticket=ticket.ticket))
+        answer = read_message(sock, pb.TensorStreamReply)
+    except ssl.SSLError as e:
+        sock.close()
+        if isinstance(e, ssl.SSLEOFError):  # cut during the handshake: as below
+            raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})",
+                           lasting=False) from None
+        raise NoStream(f"its tensor stream port {host}:{ticket.port} cannot be reached ({e})", lasting=True) from None
+    except (OSError, Closed, FrameError) as e:
+        # Connected, then cut before the receiver's answer (it made room for newer connections, or restarted):
+        # this tensor goes by a call, the next one tries a stream again.
+        sock.close()
+        raise NoStream(f"its tensor stream {host}:{ticket.port} closed before answering ({e})", lasting=False) from None
+    if answer.code != _OK:
+        sock.close()
+        raise NoStream(f"it refused the tensor stream: {answer.detail[:200]}", lasting=False)
+    return sock

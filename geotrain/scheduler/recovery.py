@@ -23,6 +23,7 @@ from typing import Any
 
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.framing import StateReceiver, StateSource
+from geotrain.protocol.statestream import background_priority
 from geotrain.scheduler import placement
 from geotrain.scheduler.checkpoint import (
     CheckpointStore, CheckpointWrite, Manifest, StageFileWriter, StateBound, state_bound,
@@ -214,7 +215,9 @@ def _write_stage(
     writer: StageFileWriter, first: pb.TensorChunk, chunks: Iterator[pb.TensorChunk], lost: threading.Event
 ) -> str:
     """One stage's stream into its file, until the checkpoint is `lost`; returns the stage's checksum. The stream is
-    closed here, by the thread that reads it (a generator cannot be closed while another thread runs it)."""
+    closed here, by the thread that reads it (a generator cannot be closed while another thread runs it). The thread
+    is a checkpoint's own, and runs only on cores the run leaves idle (statestream.background_priority)."""
+    background_priority()
     try:
         receiver = StateReceiver(writer)
         receiver.feed(first)

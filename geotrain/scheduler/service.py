@@ -8,6 +8,7 @@ import multiprocessing
 import secrets
 import signal
 import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -28,7 +29,9 @@ from geotrain.protocol.auth import peer_host, signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
+from geotrain.protocol import statestream, tensorstream
 from geotrain.protocol.probe import ProbeCount
+from geotrain.protocol.tls import ssl_context
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel, multiaddr_host
 from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
@@ -402,13 +405,28 @@ def stop_run(address: str, token: str, key: NodeKey, reason: str, tls: TlsFiles 
 
 def stage_state_stream(
     address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None, deadline_s: float = 300.0
-) -> Iterator[pb.TensorChunk]:
+) -> Iterator[pb.TensorChunk | framing.WireChunk]:
     """The chunks of a stage's parameters and optimizer state after `steps_done` steps as they arrive from a node
-    serving it (the call starts at the first read; the channel closes with the stream); the call is signed by the
+    serving it, over its raw tensor stream where it serves one (protocol/statestream.py), else by FetchState (the
+    transfer starts at the first read; the channel closes with the stream); the calls are signed by the
     coordinator's `key` (a node serves its state to no other caller outside its plan)."""
     channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
+    stub, request = rpc.StageStub(channel), pb.FetchStateRequest(steps_done=steps_done)
+    deadline = time.monotonic() + deadline_s
     try:
-        yield from rpc.StageStub(channel).FetchState(pb.FetchStateRequest(steps_done=steps_done), timeout=deadline_s)
+        try:
+            sock = tensorstream.dial(
+                address, lambda: stub.OpenStateStream(request, timeout=deadline_s),
+                ssl_context(tls, server=False) if tls is not None else None, deadline,
+            )
+        except tensorstream.NoStream as e:
+            log.debug("the state of %s comes by FetchState: %s", address, e)
+            yield from stub.FetchState(request, timeout=max(1e-3, deadline - time.monotonic()))
+            return
+        try:
+            yield from statestream.receive_state(sock, deadline)
+        finally:
+            sock.close()
     except grpc.RpcError as e:
         raise LookupError(f"the state download from {address} failed: {e.code().name} {e.details()}") from None
     finally:
