@@ -9,8 +9,10 @@ checked against the checksum their replicas agreed on.
 
 And it does not stop the run (torchtitan's async checkpointing): `start_checkpoint` returns once every holder has
 begun sending, which pins the snapshot it sends from (node.handover.StateSnapshot: it keeps serving the committed
-step after the next one is applied), and the files are written by a thread of their own while the run goes on. One
-checkpoint is written at a time; whatever reads checkpoints to decide (sources, rollback) waits for it first.
+step after the next one is applied), and the files are written while the run goes on, every stage at once, each by
+a thread of its own at the lowest CPU priority, over the holder's raw tensor stream where it has one
+(protocol/statestream.py) and past the page cache (durable.SequentialFile). One checkpoint is written at a time;
+whatever reads checkpoints to decide (sources, rollback) waits for it first.
 """
 
 from __future__ import annotations
