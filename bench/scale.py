@@ -16,6 +16,7 @@ peak was first seen; 0: before the first commit, profiling included), failcnt an
 line for the run: params, state_bytes (training state of the whole model), cap_bytes, coordinator_peak_rss_bytes,
 checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of steps with no checkpoint
 before them), checkpoint_step_s (the same for steps that follow a checkpoint), checkpoint_cost (their ratio - 1),
+steps_s and checkpoint_steps_s (every such step's seconds: the spread the medians come from),
 rejoin_s (the restarted node's process start to serving, its state load included) and rejoin_profile_s (start to its
 profile on the coordinator: what the cached profile saves), run_exit (the coordinator's exit code: 0 when the run
 finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
@@ -233,7 +234,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--checkpoint-every", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=7, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
@@ -354,6 +355,7 @@ def bench(args: argparse.Namespace, work: Path) -> None:
         "step_s": round(step_s, 2) if step_s else None,
         "checkpoint_step_s": round(checkpoint_step_s, 2) if checkpoint_step_s else None,
         "checkpoint_cost": round(checkpoint_step_s / step_s - 1, 3) if step_s and checkpoint_step_s else None,
+        "steps_s": [round(s, 2) for s in plain], "checkpoint_steps_s": [round(s, 2) for s in after],
         "rejoin_s": round(rejoin_s, 2) if rejoin_s else None,
         "rejoin_profile_s": round(rejoin_profile_s, 2) if rejoin_profile_s else None,
         "run_exit": coordinator.returncode, "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),
