@@ -22,9 +22,8 @@ from geotrain.node.routing import ReplicaRouter
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol import statestream
 from geotrain.protocol.framing import FrameError
-from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ class StageHolder:
             with self._state_lock:
                 runtime.load_full_state(state, order.steps_done)
                 checksum = runtime.checksum()
-        except (grpc.RpcError, FrameError, ValueError) as e:
+        except (grpc.RpcError, FrameError, ValueError, LookupError) as e:
             with self._state_lock:
                 # The state arrived into the runtime's own tensors: what came of it before the failure is no step's.
                 if self.runtime is runtime:
@@ -257,15 +256,12 @@ class StageHolder:
         deadline = framing.state_deadline_s(expected.nbytes, sched.state_link_mbps * 1e6 / 8, sched.state_deadline_floor_s)
         sink = framing.TensorSink(expected)
         if order.source_address:
-            channel = make_channel(
-                order.source_address, self.options.token, lambda: self.node_id, self.options.tls, self.key
+            request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=runtime.start, layer_end=runtime.end)
+            chunks = statestream.fetch_state(
+                order.source_address, self.options.token, self.node_id, self.key, self.options.tls, request, deadline
             )
-            try:
-                request = pb.FetchStateRequest(steps_done=order.steps_done, layer_start=runtime.start, layer_end=runtime.end)
-                framing.receive_state(rpc.StageStub(channel).FetchState(request, timeout=deadline), sink)
-                return sink.tensors
-            finally:
-                channel.close()
+            framing.receive_state(chunks, sink)
+            return sink.tensors
         request = pb.FetchCheckpointRequest(layer_start=runtime.start, layer_end=runtime.end, steps_done=order.steps_done)
         framing.receive_state(self.coordinator.FetchCheckpoint(request, timeout=deadline), sink)
         return sink.tensors

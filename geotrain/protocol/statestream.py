@@ -17,6 +17,7 @@ for a thread that the scheduler holds back.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -27,8 +28,14 @@ import grpc
 
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol.framing import CHUNK_BYTES, FrameError, StateSource, WireChunk
-from geotrain.protocol.tensorstream import Closed, read_message, recv_into, reply, write_message
+from geotrain.protocol.identity import NodeKey
+from geotrain.protocol.tensorstream import Closed, NoStream, dial, read_message, recv_into, reply, write_message
+from geotrain.protocol.tls import TlsFiles, ssl_context
+from geotrain.protocol.transport import make_channel
+
+log = logging.getLogger(__name__)
 
 _END = pb.TensorFrame()
 _NO_HEADER = pb.TensorChunk()
@@ -83,3 +90,33 @@ def receive_state(sock: socket.socket, deadline: float) -> Iterator[WireChunk]:
                 first = None
     except (OSError, Closed, FrameError) as e:  # socket.timeout is an OSError
         raise LookupError(f"the state stream broke: {e}") from None
+
+
+def fetch_state(
+    address: str, token: str, caller_id: str, key: NodeKey, tls: TlsFiles | None, request: pb.FetchStateRequest,
+    deadline_s: float,
+) -> Iterator[pb.TensorChunk | WireChunk]:
+    """The chunks of the state `request` asks of the node whose Stage service is at `address`, as they arrive: over
+    its raw tensor stream where it serves one, else by FetchState (the transfer starts at the first read; the
+    channel closes with the stream), the calls signed by `key`; LookupError when it cannot be had by the deadline."""
+    channel = make_channel(address, token, lambda: caller_id, tls, key)
+    stub = rpc.StageStub(channel)
+    deadline = time.monotonic() + deadline_s
+    try:
+        try:
+            sock = dial(
+                address, lambda: stub.OpenStateStream(request, timeout=deadline_s),
+                ssl_context(tls, server=False) if tls is not None else None, deadline,
+            )
+        except NoStream as e:
+            log.debug("the state from %s comes by FetchState: %s", address, e)
+            yield from stub.FetchState(request, timeout=max(1e-3, deadline - time.monotonic()))
+            return
+        try:
+            yield from receive_state(sock, deadline)
+        finally:
+            sock.close()
+    except grpc.RpcError as e:
+        raise LookupError(f"the state download from {address} failed: {e.code().name} {e.details()}") from None
+    finally:
+        channel.close()

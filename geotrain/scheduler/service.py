@@ -29,9 +29,8 @@ from geotrain.protocol.auth import peer_host, signer
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import PeerLimits, TokenBuckets
-from geotrain.protocol import statestream, tensorstream
+from geotrain.protocol import statestream
 from geotrain.protocol.probe import ProbeCount
-from geotrain.protocol.tls import ssl_context
 from geotrain.protocol.transport import TlsFiles, make_aio_server, make_channel, multiaddr_host
 from geotrain.scheduler.checkpoint import CHECKPOINT_VERSION, CHECKPOINTS_DIR, CheckpointStore
 from geotrain.scheduler.coordinator import Coordinator, EventSink
@@ -407,30 +406,10 @@ def stage_state_stream(
     address: str, token: str, steps_done: int, key: NodeKey, tls: TlsFiles | None = None, deadline_s: float = 300.0
 ) -> Iterator[pb.TensorChunk | framing.WireChunk]:
     """The chunks of a stage's parameters and optimizer state after `steps_done` steps as they arrive from a node
-    serving it, over its raw tensor stream where it serves one (protocol/statestream.py), else by FetchState (the
-    transfer starts at the first read; the channel closes with the stream); the calls are signed by the
-    coordinator's `key` (a node serves its state to no other caller outside its plan)."""
-    channel = make_channel(address, token, lambda: COORDINATOR_ID, tls, key)
-    stub, request = rpc.StageStub(channel), pb.FetchStateRequest(steps_done=steps_done)
-    deadline = time.monotonic() + deadline_s
-    try:
-        try:
-            sock = tensorstream.dial(
-                address, lambda: stub.OpenStateStream(request, timeout=deadline_s),
-                ssl_context(tls, server=False) if tls is not None else None, deadline,
-            )
-        except tensorstream.NoStream as e:
-            log.debug("the state of %s comes by FetchState: %s", address, e)
-            yield from stub.FetchState(request, timeout=max(1e-3, deadline - time.monotonic()))
-            return
-        try:
-            yield from statestream.receive_state(sock, deadline)
-        finally:
-            sock.close()
-    except grpc.RpcError as e:
-        raise LookupError(f"the state download from {address} failed: {e.code().name} {e.details()}") from None
-    finally:
-        channel.close()
+    serving it (statestream.fetch_state), asked with the coordinator's `key` (a node serves its state to no other
+    caller outside its plan)."""
+    request = pb.FetchStateRequest(steps_done=steps_done)
+    return statestream.fetch_state(address, token, COORDINATOR_ID, key, tls, request, deadline_s)
 
 
 def fetch_stage_state(
