@@ -12,6 +12,8 @@ import mmap
 import os
 from pathlib import Path
 
+import numpy as np
+
 
 def fsync(path: str | Path) -> None:
     """Flush a file's contents, or a directory's entries (a rename in it), to disk."""
@@ -31,7 +33,8 @@ class SequentialFile:
     where the file system allows it (O_DIRECT): through the cache, a GB written and then fsynced cost 2.8 s of CPU
     on a 2-core VM (0.09 s direct), taken from the training beside it, and filled memory the nodes beside it need.
     The bytes gather in an aligned buffer, written out whenever it is full; the tail that is not a whole block goes
-    through the cache at `finish`. `fd` is the file opened the ordinary way, for what goes elsewhere (a header)."""
+    through the cache at `finish`. No step holds the GIL for long: a writer at the lowest CPU priority (a checkpoint)
+    that the scheduler holds back must not hold back the threads the run needs. `fd` is the file opened the ordinary way, for what goes elsewhere (a header)."""
 
     def __init__(self, path: str | Path, start: int, buffer_bytes: int = 8 << 20) -> None:
         assert start % DIRECT_ALIGN == 0 and buffer_bytes % DIRECT_ALIGN == 0
@@ -42,15 +45,16 @@ class SequentialFile:
             self._direct = None
         self._buffer = mmap.mmap(-1, buffer_bytes)  # page-aligned, as O_DIRECT needs
         self._view = memoryview(self._buffer)
+        self._array = np.frombuffer(self._buffer, np.uint8)  # numpy copies into it without holding the GIL
         self._filled = 0
         self._at = start  # the file offset of the buffer's first byte
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append `data`."""
-        data = memoryview(data).cast("B")
+        data = np.frombuffer(data, np.uint8)
         while len(data):
             n = min(len(data), len(self._buffer) - self._filled)
-            self._view[self._filled : self._filled + n] = data[:n]
+            np.copyto(self._array[self._filled : self._filled + n], data[:n])
             self._filled += n
             data = data[n:]
             if self._filled == len(self._buffer):
@@ -73,6 +77,7 @@ class SequentialFile:
         """Close the file, if still open (what was not finished is lost)."""
         if self._buffer.closed:
             return
+        del self._array
         self._view.release()
         self._buffer.close()
         for fd in (self.fd, self._direct):

@@ -19,6 +19,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from geotrain.durable import SequentialFile
@@ -90,6 +91,7 @@ class StateSnapshot:
         self._copies: dict[int, tuple[int, int]] = {}  # index -> (offset in the spill file, crc32)
         self._spill_dir = spill_dir
         self._spill: SequentialFile | None = None
+        self._chunk = np.empty(framing.CHUNK_BYTES, np.uint8)  # what _read hands out
         self._closed = False
 
     @property
@@ -116,13 +118,18 @@ class StateSnapshot:
         assert tensor is not None
         return framing.flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
 
-    def _read(self, i: int, at: int, n: int) -> bytes:
+    def _read(self, i: int, at: int, n: int) -> memoryview | bytes:
+        """Bytes of tensor i, valid until the next read: a live tensor's are copied out under the lock (the stage may
+        change it once the lock is let go), into a buffer numpy fills without holding the GIL (the reader may run at
+        the lowest CPU priority: held back by the scheduler, it must not hold back the node's other threads)."""
         with self._lock:
             if i in self._copies:
                 assert self._spill is not None
                 return os.pread(self._spill.fd, n, self._copies[i][0] + at)
             flat = self._live(i)[at : at + n]
-            return flat.numpy().tobytes() if flat.device.type == "cpu" else flat.cpu().numpy().tobytes()
+            out = self._chunk[:n]
+            np.copyto(out, flat.numpy() if flat.device.type == "cpu" else flat.cpu().numpy())
+            return memoryview(out)
 
     def preserve(self) -> None:
         """Copy the tensors not yet sent to the spill file: the stage is about to change them (call under the state

@@ -335,7 +335,7 @@ class StateSource:
     shape: tuple[int, ...]
     crc32: int
     read: Callable[[int, int], Buffer]
-    """(offset, size) -> that many payload bytes from offset."""
+    """(offset, size <= CHUNK_BYTES) -> that many payload bytes from offset, valid until the next read."""
 
     @property
     def nbytes(self) -> int:  # noqa: D102
