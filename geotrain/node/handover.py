@@ -13,6 +13,7 @@ applied step k+1 (the coordinator writes its checkpoint while the run trains), w
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -25,6 +26,8 @@ import torch
 from geotrain.durable import SequentialFile
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
+
+log = logging.getLogger(__name__)
 
 LayerRange = tuple[int, int]
 
@@ -156,6 +159,7 @@ class StateSnapshot:
                 self._items[i] = (self._items[i][0], None)
                 offset += flat.numel()
             self._spill.finish()
+            log.info("the stage changes before its snapshot was sent: %.0f MB of it kept in a file", offset / 1e6)
 
     def close(self) -> None:
         """The transfer ended: let go of the tensors and the file."""

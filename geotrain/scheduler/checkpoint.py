@@ -437,6 +437,7 @@ class CheckpointWrite:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir()
         self._entries: list[dict] = []
+        self._began = time.monotonic()
 
     def stage(
         self, layer_start: int, layer_end: int, checksum: str, diloco: bool = False, bound: StateBound | None = None
@@ -461,7 +462,7 @@ class CheckpointWrite:
         os.replace(self.tmp, final)
         fsync(self._store.root)
         self._store._prune()
-        log.info("checkpoint of step %d written to %s", self.steps_done, final)
+        log.info("checkpoint of step %d written to %s in %.1fs", self.steps_done, final, time.monotonic() - self._began)
         return Manifest(final, self.steps_done, self.plan_epoch, self._entries, CHECKPOINT_VERSION)
 
     def abandon(self) -> None:
