@@ -14,9 +14,11 @@ One JSON line per node incarnation: peak_rss_bytes (the process's VmHWM, sampled
 the largest the node was planned at), error (peak_rss / planned - 1), peak_in_step (the step being trained when the
 peak was first seen; 0: before the first commit, profiling included), failcnt and oom_kills of its cgroup. Then one
 line for the run: params, state_bytes (training state of the whole model), cap_bytes, coordinator_peak_rss_bytes,
-checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of steps with no checkpoint
-before them), checkpoint_step_s (the same for steps that follow a checkpoint), checkpoint_cost (their ratio - 1),
-steps_s and checkpoint_steps_s (every such step's seconds: the spread the medians come from),
+checkpoint_bytes (the last checkpoint's files), step_s (median commit-to-commit seconds of the steps during which
+no checkpoint was being written), checkpoint_step_s (the same for the steps during which one was, from its start to
+its manifest as the coordinator's log says, however little of the step it took), checkpoint_cost (their ratio - 1),
+steps_s and checkpoint_steps_s (every such step's seconds: the spread the medians come from), checkpoint_write_s
+(each checkpoint's start to manifest),
 rejoin_s (the restarted node's process start to serving, its state load included) and rejoin_profile_s (start to its
 profile on the coordinator: what the cached profile saves), run_exit (the coordinator's exit code: 0 when the run
 finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
@@ -48,9 +50,11 @@ same bytes, so the checkpoint costs about a step; running the transfer at the lo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,15 +215,33 @@ def step_at(rows: list[tuple[int, float]], at: float) -> int:
     return next((step for step, committed in rows if committed >= at), 0)
 
 
-def step_intervals(rows: list[tuple[int, float]], every: int, rejoined_at: float) -> tuple[list[float], list[float]]:
-    """Commit-to-commit seconds of the steps with no checkpoint before them, and of those a checkpoint preceded
-    (steps done % every == 0 after the step before), leaving out the first and those across the rejoin."""
-    plain, after = [], []
-    for (_, before), (step, at) in zip(rows, rows[1:]):
+CHECKPOINT_WRITTEN = re.compile(
+    r"^(\S+ \S+) INFO geotrain\.scheduler\.checkpoint: checkpoint of step \d+ written to \S+ in ([\d.]+)s$"
+)
+
+
+def checkpoint_windows(log: Path) -> list[tuple[float, float]]:
+    """When each checkpoint was being written (wall clock, start to manifest), from the coordinator's log."""
+    windows = []
+    for line in log.read_text().splitlines():
+        if match := CHECKPOINT_WRITTEN.match(line):
+            end = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            windows.append((end - float(match.group(2)), end))
+    return windows
+
+
+def step_intervals(
+    rows: list[tuple[int, float]], windows: list[tuple[float, float]], rejoined_at: float
+) -> tuple[list[float], list[float]]:
+    """Commit-to-commit seconds of the steps during which no checkpoint was being written, and of those during which
+    one was (however little of the step it took), leaving out the first and those across the rejoin."""
+    plain, during = [], []
+    for (_, before), (_, at) in zip(rows, rows[1:]):
         if before < rejoined_at < at:
             continue
-        (after if step % every == 0 else plain).append(at - before)
-    return plain, after
+        overlaps = any(start < at and end > before for start, end in windows)
+        (during if overlaps else plain).append(at - before)
+    return plain, during
 
 
 def main() -> None:
@@ -340,7 +362,8 @@ def bench(args: argparse.Namespace, work: Path) -> None:
     if local.wait(3600):
         raise RuntimeError(f"train-local failed: see {work / 'local.log'}")
     diff, checkpoint_bytes = checkpoint_diff(work / "coordinator", local_path)
-    plain, after = step_intervals(rows, args.checkpoint_every, rejoined_at)
+    windows = checkpoint_windows(work / "coordinator.log")
+    plain, after = step_intervals(rows, windows, rejoined_at)
     from geotrain.config import load_config
     from geotrain.memory import training_bytes_per_param
     from geotrain.node.model import family_of
@@ -356,6 +379,7 @@ def bench(args: argparse.Namespace, work: Path) -> None:
         "checkpoint_step_s": round(checkpoint_step_s, 2) if checkpoint_step_s else None,
         "checkpoint_cost": round(checkpoint_step_s / step_s - 1, 3) if step_s and checkpoint_step_s else None,
         "steps_s": [round(s, 2) for s in plain], "checkpoint_steps_s": [round(s, 2) for s in after],
+        "checkpoint_write_s": [round(end - start, 1) for start, end in windows],
         "rejoin_s": round(rejoin_s, 2) if rejoin_s else None,
         "rejoin_profile_s": round(rejoin_profile_s, 2) if rejoin_profile_s else None,
         "run_exit": coordinator.returncode, "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),

@@ -227,6 +227,26 @@ def test_a_snapshot_serves_its_step_after_the_stage_changed_and_costs_no_file_un
 
 
 @pytest.mark.timeout(30)
+def test_a_snapshot_kept_ahead_leaves_its_stage_nothing_to_copy_and_serves_its_step(tmp_path, caplog):
+    cfg = _cfg()
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    before = {k: v.clone() for k, v in runtime.full_state()}
+    snapshot = StateSnapshot(runtime.full_state(), str(tmp_path))
+    sources = snapshot.sources()
+    first = next(sources)  # the transfer is under way when the copies start
+    snapshot.keep_ahead()
+    with caplog.at_level("INFO", logger="geotrain.node.handover"):
+        snapshot.preserve()  # waits for keep_ahead's copies, and finds nothing left to copy
+    assert not [r for r in caplog.records if "kept in a file" in r.getMessage()]
+    with torch.no_grad():
+        for p in runtime.parameters():
+            p.mul_(-3.0)
+    got = framing.read_state(framing.state_stream([first, *sources]))
+    assert got.keys() == before.keys() and all(torch.equal(got[k], v) for k, v in before.items())
+    snapshot.close()
+
+
+@pytest.mark.timeout(30)
 def test_incoming_state_of_another_shape_or_dtype_or_name_is_refused_with_a_clear_status():
     cfg = _cfg()
     runtime = StageRuntime(cfg, 0, 2)
