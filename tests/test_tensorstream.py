@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -281,6 +282,29 @@ def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_
                 with pytest.raises(socket.timeout):
                     _Connection(sender).send(frame, payload, began + 0.3)
                 assert 0.25 < time.monotonic() - began < 3, what
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_writes_the_frame_then_the_payload_whatever_part_the_socket_takes_at_once():
+    frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
+    payload = memoryview(torch.arange(1 << 20, dtype=torch.float32).numpy())  # 4 MiB, as the none codec gives it
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # one sendmsg cannot take it all
+        receiver, _ = listener.accept()
+        got = bytearray()
+
+        def read_then_answer() -> None:
+            while len(got) < 4 + len(frame) + payload.nbytes:
+                got.extend(receiver.recv(1 << 16))
+            write_message(receiver, pb.TensorStreamReply(code=0))
+
+        reader = threading.Thread(target=read_then_answer)
+        reader.start()
+        with sender, receiver:
+            assert _Connection(sender).send(frame, payload, time.monotonic() + 20).code == 0
+            reader.join()
+    assert bytes(got) == struct.pack("<I", len(frame)) + frame + payload.cast("B").tobytes()
 
 
 @pytest.mark.timeout(30)
