@@ -8,7 +8,7 @@ Five paths, one JSON line each (path, cpu_ms_per_mib, wall_ms_per_mib, messages)
 - "geotrain-tcp": the same DataPlane and servicer with the raw tensor stream (transport.tensor_stream = "tcp",
   protocol/tensorstream.py): the connection opened once with a ticket from a signed OpenTensorStream call, then per
   tensor its frame (the same header, checked against the plan before the payload is read), the payload read into the
-  connection's reused buffer, its checksum, the decode's copy and the finiteness check, answered by a status reply;
+  tensor the node takes (its decode; no crc32 on a stream) and the finiteness check, answered by a status reply;
 - "grpc-stream" and "grpc-unary": gRPC alone, the floor of any path through it: the tensor's bytes (one copy, as
   gRPC sends bytes it owns) as the only message of a stream call (as Forward sends a one-chunk tensor) or as a unary
   call's request, on a channel and a server without interceptors and with the transport's message limits, taken
@@ -56,16 +56,36 @@ raw's blocks), the receiver 0.302 against 0.160 (a new tensor for each message, 
 pass each over the MiB, the frame's two reads, the polls). Reverse and relayed links (nodes behind NAT) still go
 through gRPC, which now receives into the tensor too.
 
-Where the rest goes (#33, --paths geotrain-tcp,raw, lock held, each line the median of three runs): this code
+Where the rest went (#33, --paths geotrain-tcp,raw, lock held, each line the median of three runs): that code
 0.776 and 0.743 ms of CPU per MiB against raw's 0.417 and 0.379; with both crc32s patched out 0.652 (raw 0.367);
 without the finiteness sum too 0.578 (raw 0.405); the receiver reading into one reused tensor instead of a new one
-each time 0.734 (raw 0.391), no gain. On this traffic (the payload just copied in by the kernel, not in cache) the
-two crc32 passes cost about 0.11 ms per MiB and the sum about 0.07, where one process in a loop measures 0.01 each:
-the 1.5x goal leaves about 0.2 ms over raw, the Python of both ends included, so it takes dropping a checksum pass
-or fusing it with the finiteness check (one native pass). Blocking sockets bounded by SO_RCVTIMEO/SO_SNDTIMEO with
-MSG_WAITALL reads and one sendmsg per tensor (no python polls) measured 0.750 and 0.648 against 0.709 and 0.764 for
-python's timeouts, in turns: no difference past the noise, so the stream keeps python's. A TLS stream's receiver
-skips its crc32 (TLS authenticated every byte); the wire is unchanged, and this bench's streams are plaintext.
+each time 0.734 (raw 0.391), no gain. A TLS stream's receiver skipped its crc32 (TLS authenticated every byte).
+
+This version (#33: a raw tensor stream carries no crc32, at either end, PROTOCOL_VERSION 16: TCP's checksum covers
+its one hop, TLS's MACs every byte, and calls keep theirs; the finiteness check one C pass over the exponent bits,
+compression/_blockquant.c; frame and payload in one sendmsg, the socket's timeout set only when the deadline moves),
+200 messages, three runs, lock held (the version before printed geotrain-tcp 0.891 and raw 0.425 the same morning,
+2.1x, --paths geotrain-tcp,raw):
+  {"path": "geotrain", "cpu_ms_per_mib": 3.024, "wall_ms_per_mib": 3.417, "messages": 200, "cpu_ms_per_mib_runs": [2.944, 3.161, 3.024]}
+  {"path": "geotrain-tcp", "cpu_ms_per_mib": 0.705, "wall_ms_per_mib": 0.542, "messages": 200, "cpu_ms_per_mib_runs": [0.71, 0.705, 0.543]}
+  {"path": "grpc-stream", "cpu_ms_per_mib": 2.044, "wall_ms_per_mib": 3.017, "messages": 200, "cpu_ms_per_mib_runs": [1.735, 2.3, 2.044]}
+  {"path": "grpc-unary", "cpu_ms_per_mib": 2.047, "wall_ms_per_mib": 1.852, "messages": 200, "cpu_ms_per_mib_runs": [2.049, 2.047, 1.09]}
+  {"path": "raw", "cpu_ms_per_mib": 0.414, "wall_ms_per_mib": 0.363, "messages": 200, "cpu_ms_per_mib_runs": [0.414, 0.397, 0.454]}
+geotrain-tcp is 1.70x raw: short of the issue's 1.5x. A run of the first commit of it, a quieter machine: 0.660
+against 0.355 (1.86x). Versions measured in turns, --messages 1000 (lock held): with the crc32s 0.754 and 0.818,
+without them 0.693 and 0.741 (raw 0.39-0.42 in both); then 0.665 and 0.671 against 0.700 and 0.549 for the one
+sendmsg, raw 0.35-0.42: the runs of one path spread wider than that change.
+
+Where geotrain-tcp's CPU above raw's goes now (perf, cpu-clock at 4 kHz over the steady state of 15,000 and 20,000
+messages, before the one sendmsg; ms per MiB, 0.766 against 0.522 there): the sender's Python +0.070 (encode,
+DataPlane.send, whose link estimator refits its window of 32 calls on every call, about 10 us of the 23 a send's
+Python takes in a hot loop, and the frame), the receiver's Python +0.047, torch's per-op dispatch +0.031 (the codec's
+view of the tensor, the new tensor the payload is read into), the finiteness pass 0.024 (the first read of the
+payload after the kernel's copy: torch's sum, second after the crc32, took 0.012), protobuf 0.019, libc 0.015, the
+kernel +0.031 (a poll before each socket call under a timeout, an ioctl for each settimeout). Python costs here about
+three times what a hot loop measures: each MiB the kernel copies through a core's 2 MiB L2 evicts the interpreter's
+working set. 1.5x (0.2 ms over raw for both processes' Python, checks and system calls) needs about half of that
+Python gone.
 A reverse link's sender (a receiver behind NAT) now serializes each delivery itself, the tensor's bytes copied once
 (framing.nested_chunk), where its chunks, its ReverseDown messages and gRPC's serializer copied them three times:
 building and serializing a 1 MiB delivery took 1.508 and 1.556 ms of CPU, now 0.046 and 0.045 (one process, lock

@@ -7,17 +7,20 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 import grpc
 import pytest
 import torch
 
 from geotrain.compression import get_codec
+from geotrain.node import servicer as servicer_module
 from geotrain.node.dataplane import DataPlane
 from geotrain.node.reverse import ReverseSender
 from geotrain.node.servicer import StageServicer, add_stage_service, all_finite, check_activation_header
@@ -181,14 +184,26 @@ def test_a_call_s_uncompressed_chunks_are_read_into_the_tensor_the_node_takes():
     assert torch.equal(taken, tensor + 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_finiteness_check_finds_nan_and_inf_and_passes_finite_values_whose_sum_overflows(dtype):
-    assert all_finite(torch.randn(1000).to(dtype))
-    assert all_finite(torch.full((1000,), torch.finfo(dtype).max, dtype=dtype))
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        tensor = torch.randn(1000).to(dtype)
-        tensor[417] = bad
-        assert not all_finite(tensor)
+@pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_finiteness_check_finds_nan_and_inf_and_passes_finite_values_whose_sum_overflows(dtype, kernel):
+    if kernel and servicer_module._blockquant is None:
+        pytest.skip("the C kernel is not built")
+    with mock.patch.object(servicer_module, "_blockquant", servicer_module._blockquant if kernel else None):
+        assert all_finite(torch.randn(10_000).to(dtype))
+        assert all_finite(torch.full((1000,), torch.finfo(dtype).max, dtype=dtype))
+        assert all_finite(torch.full((3,), torch.finfo(dtype).tiny / 2, dtype=dtype))  # subnormal
+        for at in (0, 417, 4095, 4096, 9_999):  # the kernel's blocks are 4096 values
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                tensor = torch.randn(10_000).to(dtype)
+                tensor[at] = bad
+                assert not all_finite(tensor)
+                assert not all_finite(tensor, memoryview(framing.flat_bytes(tensor).numpy()))
+        # A NaN's other bit patterns (payload, sign) are NaN too.
+        bits = torch.randn(100).to(dtype)
+        raw = bits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize])
+        raw[5] = -1  # every bit set: a negative NaN with a full payload
+        assert not all_finite(bits)
 
 
 @pytest.mark.timeout(30)
@@ -199,11 +214,34 @@ def test_a_header_the_plan_does_not_expect_is_refused_before_its_payload_is_sent
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected shape" in detail
         sock.sendall(payload)  # skipped by the receiver, which then reads the next tensor
         good = torch.randn(SHAPE)
-        sock.sendall(_frame(sock, good, crc=zlib.crc32(b"other")))
-        assert _status(sock) == (grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
         sock.sendall(_frame(sock, good))
         assert _status(sock)[0] == grpc.StatusCode.OK
         assert [torch.equal(t, good) for _, _, t in node.receiver.taken] == [True]
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_s_header_carries_no_crc32_and_none_is_checked_but_calls_keep_theirs():
+    with receiving_node() as node, sending_plane(node) as plane:
+        tensor = torch.randn(SHAPE)
+        encoded = plane.encode("receiver", node.address, "forward", get_codec("none"), tensor)
+        assert encoded.header.crc32 == 0  # nothing computed for a stream: TCP's checksum (or TLS) covers its one hop
+        assert encoded.checked_header.crc32 == zlib.crc32(framing.raw_payload(tensor))
+        with bare_stream(node) as sock:
+            sock.sendall(_frame(sock, tensor, crc=zlib.crc32(b"other")))
+            assert _status(sock)[0] == grpc.StatusCode.OK
+        # A call's chunks still carry the crc32, and a payload that does not match it is refused.
+        channel = make_channel(node.address, node.token, lambda: "sender", key=node.key)
+        try:
+            call = rpc.StageStub(channel).Forward
+            call(framing.chunk_tensor(encoded.checked_header, encoded.payload, REF), timeout=10)
+            flipped = bytearray(framing.raw_payload(tensor))
+            flipped[7] ^= 1
+            with pytest.raises(grpc.RpcError) as err:
+                call(framing.chunk_tensor(encoded.checked_header, bytes(flipped), REF), timeout=10)
+        finally:
+            channel.close()
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+        assert len(node.receiver.taken) == 2
 
 
 @pytest.mark.timeout(30)
@@ -244,6 +282,29 @@ def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_
                 with pytest.raises(socket.timeout):
                     _Connection(sender).send(frame, payload, began + 0.3)
                 assert 0.25 < time.monotonic() - began < 3, what
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_writes_the_frame_then_the_payload_whatever_part_the_socket_takes_at_once():
+    frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
+    payload = memoryview(torch.arange(1 << 20, dtype=torch.float32).numpy())  # 4 MiB, as the none codec gives it
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # one sendmsg cannot take it all
+        receiver, _ = listener.accept()
+        got = bytearray()
+
+        def read_then_answer() -> None:
+            while len(got) < 4 + len(frame) + payload.nbytes:
+                got.extend(receiver.recv(1 << 16))
+            write_message(receiver, pb.TensorStreamReply(code=0))
+
+        reader = threading.Thread(target=read_then_answer)
+        reader.start()
+        with sender, receiver:
+            assert _Connection(sender).send(frame, payload, time.monotonic() + 20).code == 0
+            reader.join()
+    assert bytes(got) == struct.pack("<I", len(frame)) + frame + payload.cast("B").tobytes()
 
 
 @pytest.mark.timeout(30)
@@ -290,11 +351,6 @@ def test_a_tls_run_s_tensor_streams_are_tls_with_its_files(run_files):
             tensor = torch.randn(SHAPE)
             _send(plane, node, tensor)
             assert node.streams.open_connections() == 1 and torch.equal(node.receiver.taken[0][2], tensor)
-            # TLS authenticated every byte: the header's crc32 is not checked again (a plaintext stream refuses this).
-            encoded = plane.encode("receiver", node.address, "forward", get_codec("none"), tensor)
-            encoded.header.crc32 ^= 1
-            plane.send("receiver", node.address, "forward", REF, encoded)
-            assert len(node.receiver.taken) == 2
         # A plaintext hello never gets an answer; another run's files fail the handshake.
         port = node.streams.port
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

@@ -9,7 +9,8 @@
  *     q     = round(x * (1 / scale))                 half to even; |x * (1 / scale)| <= 127
  *     x'    = (float)q * scale
  *
- * The module is optional: where it was not built (no C compiler at install), the codec uses the torch path.
+ * The module is optional: where it was not built (no C compiler at install), the codec uses the torch path. It also
+ * holds all_finite, the receiving stage's test of a float tensor for NaN and Inf (at the end of this file).
  * Work is split over `threads` POSIX threads (the caller passes torch's intra-op thread count) once a tensor is large
  * enough that a thread start costs less than its share; the GIL is released throughout.
  */
@@ -229,15 +230,61 @@ static PyObject *int8_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether no value of a floating-point buffer is NaN or Inf, read as integers of the format's width: `exponent` is
+ * its exponent mask, and (x & exponent) + its lowest bit reaches the bit above the mask (the sign bit) only where
+ * every exponent bit is set, so a block's OR of those sums tells without a compare. A received activation's one
+ * pass (node/servicer.py's all_finite), where the torch path sums it; it stops at the first block that holds one. */
+#define FINITE_BLOCK 4096
+#define FINITE_KERNEL(name, type)                                                                                   \
+    TARGET_CLONES static int name(const type *restrict x, int64_t n, type exponent) {                              \
+        const type lowest = exponent & (type)(~exponent + 1), above = exponent + lowest;                            \
+        for (int64_t start = 0; start < n; start += FINITE_BLOCK) {                                                 \
+            const int64_t end = n - start < FINITE_BLOCK ? n : start + FINITE_BLOCK;                                \
+            type seen = 0;                                                                                          \
+            for (int64_t i = start; i < end; i++) seen |= (type)((x[i] & exponent) + lowest);                       \
+            if (seen & above) return 0;                                                                             \
+        }                                                                                                           \
+        return 1;                                                                                                   \
+    }
+FINITE_KERNEL(finite16, uint16_t)
+FINITE_KERNEL(finite32, uint32_t)
+FINITE_KERNEL(finite64, uint64_t)
+
+PyDoc_STRVAR(all_finite_doc,
+             "all_finite(values, width, exponent) -> bool: no element of `values` (a contiguous buffer of `width`-byte\n"
+             "floats: 2, 4 or 8) has every bit of `exponent` set (its format's exponent mask: NaN or Inf).");
+
+static PyObject *all_finite(PyObject *self, PyObject *args) {
+    Py_buffer values;
+    Py_ssize_t width;
+    unsigned long long exponent;
+    if (!PyArg_ParseTuple(args, "y*nK", &values, &width, &exponent)) return NULL;
+    if ((width != 2 && width != 4 && width != 8) || values.len % width) {
+        PyBuffer_Release(&values);
+        return PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of 2-, 4- or 8-byte floats (%zd)",
+                            values.len, width);
+    }
+    const int64_t n = values.len / width;
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 2) finite = finite16(values.buf, n, (uint16_t)exponent);
+    else if (width == 4) finite = finite32(values.buf, n, (uint32_t)exponent);
+    else finite = finite64(values.buf, n, (uint64_t)exponent);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&values);
+    return PyBool_FromLong(finite);
+}
+
 static PyMethodDef methods[] = {
     {"int8_encode", int8_encode, METH_VARARGS, int8_encode_doc},
     {"int8_decode", int8_decode, METH_VARARGS, int8_decode_doc},
+    {"all_finite", all_finite, METH_VARARGS, all_finite_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "geotrain.compression._blockquant",
-    "int8 blockwise absmax (de)quantisation in one pass; see _blockquant.c.", -1, methods,
+    "int8 blockwise absmax (de)quantisation in one pass, and a float buffer's finiteness; see _blockquant.c.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__blockquant(void) { return PyModule_Create(&module); }

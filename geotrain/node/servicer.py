@@ -27,17 +27,33 @@ from geotrain.protocol import geotrain_pb2_grpc as rpc
 from geotrain.protocol import statestream
 from geotrain.protocol.auth import RefusalLog
 from geotrain.protocol.auth import signer
-from geotrain.protocol.framing import FrameError
+from geotrain.protocol.framing import Buffer, FrameError
 from geotrain.protocol.probe import serve_probe
 from geotrain.protocol.tensorstream import TensorStreamServer
 
+try:
+    # The finiteness kernel (setup.py builds it where a C compiler is found); else torch's sum.
+    from geotrain.compression import _blockquant
+except ImportError:
+    _blockquant = None
 
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a CPU floating-point tensor holds no NaN or Inf, in one pass: its sum (in float32 at least) is finite
-    only if every element is, as NaN and Inf carry through a sum; only a sum that is not finite (such an element, or
-    finite ones that overflow) needs the exact test, which makes a bool tensor and reduces it (on a 1 MiB
-    activation: 0.017 ms for the sum, 0.025 for numpy's exact test of float32, 0.17 of float16, 0.57 for torch's of
-    bfloat16)."""
+
+# A float format's width in bytes and exponent mask: a value is NaN or Inf where every bit of the mask is set.
+_EXPONENTS = {
+    torch.float16: (2, 0x7C00), torch.bfloat16: (2, 0x7F80), torch.float32: (4, 0x7F800000),
+    torch.float64: (8, 0x7FF0000000000000),
+}
+
+
+def all_finite(tensor: torch.Tensor, data: Buffer | None = None) -> bool:
+    """Whether a CPU floating-point tensor (whose bytes are `data`, where the caller has them) holds no NaN or Inf,
+    in one pass: the C kernel's test of each value's exponent bits (compression/_blockquant.c) where it was built,
+    else the sum (in float32 at least), finite only if every element is, as NaN and Inf carry through a sum, and the
+    exact test only where the sum is not (such an element, or finite ones that overflow). On a 1 MiB activation the
+    kernel reads it at about the sum's speed, without its dispatch."""
+    layout = _EXPONENTS.get(tensor.dtype)
+    if _blockquant is not None and layout is not None and tensor.is_contiguous():
+        return _blockquant.all_finite(data if data is not None else framing.flat_bytes(tensor).numpy(), *layout)
     if math.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))):
         return True
     return bool(torch.isfinite(tensor).all())
@@ -46,16 +62,16 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def decode_tensor(received: framing.ReceivedTensor, check_finite: bool, pin: bool = False) -> torch.Tensor:
     """Decode a received payload with the codec its header names (into pinned memory if `pin`: for a CUDA device);
     raises FrameError on bad input."""
-    header = received.header
+    header, data = received.header, None
     try:
         if received.tensor is not None:  # read into a tensor of its own, as destination() gave it: its own decode
-            tensor = received.tensor
+            tensor, data = received.tensor, received.payload
         else:
             codec = codec_from_payload(header.codec, received.payload)
             tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype], pin)
     except CodecError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode tensor: {e}") from None
-    if check_finite and tensor.is_floating_point() and not all_finite(tensor):
+    if check_finite and tensor.is_floating_point() and not all_finite(tensor, data):
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "tensor contains NaN or Inf")
     return tensor
 

@@ -14,7 +14,8 @@ given `into` copies an uncompressed tensor's chunks straight into the tensor the
 The checksum is zlib's CRC-32, computed by zlib-ng (carry-less multiplies: 0.012 ms per MiB here against zlib
 1.2.13's 0.18, which was a third of the raw tensor stream's CPU), and it is checked under TLS too: TLS covers one hop,
 while a relayed tensor crosses two, and the crc32 goes end to end (what the relay may alter on purpose, the sender's
-signature covers: node/reverse.py).
+signature covers: node/reverse.py). A raw tensor stream carries none (protocol/tensorstream.py says why): its
+headers are made without one (make_header's `checksum`), and with_checksum adds it when such a tensor goes by a call.
 """
 
 from __future__ import annotations
@@ -67,16 +68,27 @@ class FrameError(Exception):
         self.code = code
 
 
-def make_header(name: str, tensor_dtype: torch.dtype, shape: tuple[int, ...], codec: int, payload: Buffer) -> pb.TensorHeader:
-    """The header describing one encoded tensor."""
+def make_header(
+    name: str, tensor_dtype: torch.dtype, shape: tuple[int, ...], codec: int, payload: Buffer, checksum: bool = True
+) -> pb.TensorHeader:
+    """The header describing one encoded tensor; without `checksum`, its crc32 is 0 (a raw tensor stream's header:
+    protocol/tensorstream.py), to be set by with_checksum if the tensor goes by a call after all."""
     return pb.TensorHeader(
         name=name,
         dtype=TORCH_TO_WIRE[tensor_dtype],
         shape=list(shape),
         codec=codec,
         payload_bytes=memoryview(payload).nbytes,
-        crc32=crc32(payload),
+        crc32=crc32(payload) if checksum else 0,
     )
+
+
+def with_checksum(header: pb.TensorHeader, payload: Buffer) -> pb.TensorHeader:
+    """A copy of `header` carrying its payload's crc32."""
+    checked = pb.TensorHeader()
+    checked.CopyFrom(header)
+    checked.crc32 = crc32(payload)
+    return checked
 
 
 def _split(

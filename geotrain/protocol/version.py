@@ -3,8 +3,9 @@
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
 PROTOCOL_VERSION = 16
-# 16: Stage.OpenStateStream: a coordinator of 16 fetches checkpoints over raw streams (an older node answers
-#    UNIMPLEMENTED, and is fetched from by FetchState as before)
+# 16: a raw tensor stream's TensorHeader carries no crc32 (0) and its receiver checks none (tensorstream.py): a
+#    plaintext receiver of 15 would refuse every tensor of a sender of 16 as corrupt; Stage.OpenStateStream (a
+#    node of 15 answers UNIMPLEMENTED, and is fetched from by FetchState as before)
 # 15: a stage's checksum is blake3, not sha256 (framing.parameters_checksum): an older node's would differ from
 #    its replicas' and from every checkpoint's; ApplyStep.checks: a node of 14 keeps no evidence of drawn
 #    microbatches, so every check of it would go unserved
