@@ -60,20 +60,6 @@ class SequentialFile:
             if self._filled == len(self._buffer):
                 self._write_out(self._filled)
 
-    @property
-    def size(self) -> int:
-        """Bytes written so far, from the file's start."""
-        return self._at + self._filled
-
-    def flush(self) -> None:
-        """Write out what the buffer holds, padded with zeros to a whole block: all of it is in the file, and the next
-        write starts aligned."""
-        pad = -self._filled % DIRECT_ALIGN
-        self._array[self._filled : self._filled + pad] = 0
-        self._filled += pad
-        if self._filled:
-            self._write_out(self._filled)
-
     def finish(self) -> None:
         """Write out what the buffer holds: its whole blocks directly, the rest through the cache."""
         whole = self._filled - self._filled % DIRECT_ALIGN

@@ -83,8 +83,8 @@ class StateSnapshot:
     is written while the run trains): each tensor is read from the live stage itself until the stage is about to
     change it (preserve(), under the state lock, before an optimizer step or a load), and the tensors not sent by
     then from copies in a file (in `spill_dir`, deleted when closed). So the snapshot costs no memory, and a file
-    only when the next step comes before the transfer ends, or when the transfer asks for it ahead (keep_ahead).
-    Tensors are served in name order (the coordinator computes the stage's checksum as they pass)."""
+    only when the next step comes before the transfer ends. Tensors are served in name order (the coordinator
+    computes the stage's checksum as they pass)."""
 
     def __init__(self, items: list[tuple[str, torch.Tensor]], spill_dir: str) -> None:
         self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
@@ -95,7 +95,6 @@ class StateSnapshot:
         self._spill_dir = spill_dir
         self._spill: SequentialFile | None = None
         self._chunk = np.empty(framing.CHUNK_BYTES, np.uint8)  # what _read hands out
-        self._keeping: threading.Thread | None = None  # keep_ahead's
         self._closed = False
 
     @property
@@ -135,53 +134,32 @@ class StateSnapshot:
             np.copyto(out, flat.numpy() if flat.device.type == "cpu" else flat.cpu().numpy())
             return memoryview(out)
 
-    def keep_ahead(self) -> None:
-        """Copy the tensors not sent yet to the spill file now, in a thread of normal priority, the last first (the
-        transfer sends the first first): a transfer that takes its time (at the lowest CPU priority, over several
-        steps) then never makes the stage's next change wait on copies (preserve waits only for this thread, done
-        about a second after it started), for a file as large as the state at most."""
-        self._keeping = threading.Thread(target=self._keep_ahead, name="snapshot-keep", daemon=True)
-        self._keeping.start()
-
-    def _keep_ahead(self) -> None:
-        for i in reversed(range(len(self._items))):
-            with self._lock:
-                if self._closed or i < self._sent:
-                    return
-                if i not in self._copies:
-                    self._keep(i)
-
     def preserve(self) -> None:
         """Copy the tensors not yet sent to the spill file: the stage is about to change them (call under the state
         lock, which every change of the stage's tensors holds). The file is written past the page cache, which would
         count against the node's memory and cost far more CPU in the step it delays (durable.SequentialFile)."""
-        keeping = self._keeping
-        if keeping is not None:
-            keeping.join()  # it takes no state lock
         with self._lock:
-            unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies] if not self._closed else []
-            for i in unsent:
-                self._keep(i)
-        if unsent:
-            kept = sum(math.prod(self._meta[i][1]) * self._meta[i][0].itemsize for i in unsent)
-            log.info("the stage changes before its snapshot was sent: %.0f MB of it kept in a file", kept / 1e6)
-
-    def _keep(self, i: int) -> None:
-        """Copy tensor i to the spill file (under the lock), whole in the file when this returns."""
-        if self._spill is None:
+            unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies]
+            if self._closed or not unsent:
+                return
+            assert self._spill is None  # the first call copies every tensor not sent: none is left for another
             fd, path = tempfile.mkstemp(dir=self._spill_dir or None)
             os.close(fd)
             self._spill = SequentialFile(path, 0, SPILL_BUFFER_BYTES)
             os.unlink(path)  # the file lives as long as the snapshot holds it open
-        flat, offset, crc = self._live(i), self._spill.size, 0
-        for at in range(0, flat.numel(), framing.CHUNK_BYTES):
-            part = flat[at : at + framing.CHUNK_BYTES]
-            data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
-            self._spill.write(data)
-            crc = framing.crc32(data, crc)
-        self._spill.flush()
-        self._copies[i] = (offset, crc)
-        self._items[i] = (self._items[i][0], None)
+            offset = 0
+            for i in unsent:
+                flat, crc = self._live(i), 0
+                for at in range(0, flat.numel(), framing.CHUNK_BYTES):
+                    part = flat[at : at + framing.CHUNK_BYTES]
+                    data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
+                    self._spill.write(data)
+                    crc = framing.crc32(data, crc)
+                self._copies[i] = (offset, crc)
+                self._items[i] = (self._items[i][0], None)
+                offset += flat.numel()
+            self._spill.finish()
+            log.info("the stage changes before its snapshot was sent: %.0f MB of it kept in a file", offset / 1e6)
 
     def close(self) -> None:
         """The transfer ended: let go of the tensors and the file."""

@@ -212,8 +212,6 @@ class StageServicer(rpc.StageServicer):
         def serve(sock: socket.socket) -> None:
             statestream.background_priority()  # this connection's own thread
             snapshot = self.handler.state_snapshot(request.steps_done, layers)
-            if snapshot is not None:
-                snapshot.keep_ahead()  # so that a stream held back for steps never holds back the stage
             try:
                 statestream.send_state(sock, snapshot.sources() if snapshot else None, _no_state(request))
             finally:

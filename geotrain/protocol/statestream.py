@@ -37,6 +37,8 @@ from geotrain.protocol.transport import make_channel
 
 log = logging.getLogger(__name__)
 
+SEND_IDLE_S = 60.0
+"""A receiver that takes nothing for this long is gone (one at the lowest CPU priority may pause for seconds)."""
 _END = pb.TensorFrame()
 _NO_HEADER = pb.TensorChunk()
 
@@ -53,6 +55,7 @@ def background_priority() -> None:
 def send_state(sock: socket.socket, sources: Iterable[StateSource] | None, unavailable: str) -> None:
     """The sending end: a state stream's status (FAILED_PRECONDITION `unavailable` when `sources` is None), then
     each source as a frame and its payload, then the end frame."""
+    sock.settimeout(SEND_IDLE_S)
     if sources is None:
         reply(sock, grpc.StatusCode.FAILED_PRECONDITION, unavailable)
         return
