@@ -187,9 +187,9 @@ def test_a_call_s_uncompressed_chunks_are_read_into_the_tensor_the_node_takes():
 @pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_the_finiteness_check_finds_nan_and_inf_and_passes_finite_values_whose_sum_overflows(dtype, kernel):
-    if kernel and servicer_module._blockquant is None:
+    if kernel and servicer_module._finite_kernel is None:
         pytest.skip("the C kernel is not built")
-    with mock.patch.object(servicer_module, "_blockquant", servicer_module._blockquant if kernel else None):
+    with mock.patch.object(servicer_module, "_finite_kernel", servicer_module._finite_kernel if kernel else None):
         assert all_finite(torch.randn(10_000).to(dtype))
         assert all_finite(torch.full((1000,), torch.finfo(dtype).max, dtype=dtype))
         assert all_finite(torch.full((3,), torch.finfo(dtype).tiny / 2, dtype=dtype))  # subnormal

@@ -32,10 +32,13 @@ from geotrain.protocol.probe import serve_probe
 from geotrain.protocol.tensorstream import TensorStreamServer
 
 try:
-    # The finiteness kernel (setup.py builds it where a C compiler is found); else torch's sum.
+    # The finiteness kernel (setup.py builds it where a C compiler is found); else torch's sum. An extension built
+    # before the kernel existed (a checkout updated without `make`) lacks it: a missing kernel must not fail a tensor.
     from geotrain.compression import _blockquant
+
+    _finite_kernel = getattr(_blockquant, "all_finite", None)
 except ImportError:
-    _blockquant = None
+    _finite_kernel = None
 
 
 # A float format's width in bytes and exponent mask: a value is NaN or Inf where every bit of the mask is set.
@@ -52,8 +55,8 @@ def all_finite(tensor: torch.Tensor, data: Buffer | None = None) -> bool:
     exact test only where the sum is not (such an element, or finite ones that overflow). On a 1 MiB activation the
     kernel reads it at about the sum's speed, without its dispatch."""
     layout = _EXPONENTS.get(tensor.dtype)
-    if _blockquant is not None and layout is not None and tensor.is_contiguous():
-        return _blockquant.all_finite(data if data is not None else framing.flat_bytes(tensor).numpy(), *layout)
+    if _finite_kernel is not None and layout is not None and tensor.is_contiguous():
+        return _finite_kernel(data if data is not None else framing.flat_bytes(tensor).numpy(), *layout)
     if math.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))):
         return True
     return bool(torch.isfinite(tensor).all())
