@@ -1,7 +1,7 @@
 """Verified compute in this process: the cross-check of both ends' digests, a verifier's recompute from a target's
-evidence (one that matches, one of a target that shifted its activations), disputes (settled against the target and
-against a false accuser), the status's counts, and the rollback a verdict orders (to the newest checkpoint at or
-before the guilty node's first planned step)."""
+evidence (one that matches, one of a target that shifted its activations), checks told with the apply and reported
+with the GradNorm, disputes (settled against the target and against a false accuser), the status's counts, and the
+rollback a verdict orders (to the newest checkpoint at or before the guilty node's first planned step)."""
 
 from __future__ import annotations
 
@@ -67,10 +67,13 @@ def test_cross_check_names_the_hop_whose_ends_disagree() -> None:
     assert [d.nodes for d in found] == [("b",)]
 
 
-def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,), off_worker: bool = False):
+def _run_target(
+    cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,), off_worker: bool = False, apply: bool = True
+):
     """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it, then told
-    at the apply that `drawn` microbatches are checked; returns the evidence it kept and the microbatch's tokens and
-    targets. `off_worker`: its parameter gradients are hashed as on an accelerator (verifier.hashes_off_worker)."""
+    at the apply that `drawn` microbatches are checked (unless not `apply`: the stage, the evidence and the drawn
+    microbatches come back to apply later); returns the evidence it kept and the microbatch's tokens and targets.
+    `off_worker`: its parameter gradients are hashed as on an accelerator (verifier.hashes_off_worker)."""
     corpus = Corpus.load(cfg.data)
     batch = corpus.batch(seed=cfg.run.seed, step=STEP, microbatch=MICROBATCH, size=cfg.train.microbatch_size,
                          seq_len=cfg.model.seq_len)
@@ -88,6 +91,8 @@ def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,),
         evidence.received(1, STEP, MICROBATCH, "backward", grad)
         evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
     evidence.commitments(1, STEP)  # the commit reports them; the microbatch is drawn with the apply
+    if not apply:
+        return evidence, batch, target
     evidence.keep(1, STEP, target, drawn)
     return evidence, batch
 
@@ -120,6 +125,21 @@ def test_only_the_microbatches_drawn_with_the_apply_are_kept_for_verifiers() -> 
     assert {"received", "received_grad"} < served.keys() and any(n.startswith(verifier.PARAMS_PREFIX) for n in served)
     assert dropped.serve(STEP, MICROBATCH) is None and dropped.serve(STEP, MICROBATCH + 1) is None
     assert dropped.commitments(1, STEP) == ("", [])  # applied: its commitments went with its commit report
+
+
+def test_a_verifier_asking_before_the_apply_is_served_once_the_stage_applied() -> None:
+    """A verifier learns of its check with the step's apply, as its target does, and may ask for the evidence before
+    the target's apply kept it: the request waits for the apply (a step it has no evidence of is refused at once)."""
+    cfg = _config()
+    with one_compute_thread():
+        evidence, _, target = _run_target(cfg, apply=False)
+    with futures.ThreadPoolExecutor(1) as pool:
+        served = pool.submit(evidence.serve, STEP, MICROBATCH, 30.0)
+        time.sleep(0.2)
+        assert not served.done()  # the step's apply has not said what is kept
+        assert evidence.serve(STEP + 1, MICROBATCH, 30.0) is None
+        evidence.keep(1, STEP, target, (MICROBATCH,))
+        assert {"received", "received_grad"} < dict(served.result(10)).keys()
 
 
 def test_evidence_goes_as_one_flat_tensor_per_dtype_and_must_fit_the_stage() -> None:
@@ -192,6 +212,7 @@ def _check(verification: Verification, target: str = "t") -> Check:
                   target_address="127.0.0.1:9", committed=committed, params="ck", verifier="v1",
                   candidates=("v1", "v2"))
     verification.pending[check.id] = check
+    verification._load[check.verifier] += 1  # given to it, as draw_checks would
     return check
 
 
@@ -217,13 +238,43 @@ def test_a_dispute_is_settled_by_a_second_verifier(second_finds: bytes) -> None:
     assert (counts.checks, counts.mismatches, counts.seconds) == (2, 1 if second_finds == b"s" else 2, 1.0)
 
 
+def test_a_check_goes_to_its_verifier_with_the_apply() -> None:
+    verification = Verification(0.5, random.Random(0))
+    draw = _check(verification).draw()
+    assert (draw.stage, draw.microbatch, draw.verifier) == (1, MICROBATCH, "v1")
+    assert (draw.order.check, draw.order.step, draw.order.target, draw.order.target_address) == (
+        1, STEP, "t", "127.0.0.1:9"
+    )
+
+
+def test_a_verifiers_reports_ride_on_its_grad_norm() -> None:
+    """A verifier reports its checks with its next GradNorm, not in a call of their own; reports that are not the
+    sender's, or more than it was ever given, refuse the GradNorm; one sent again (its answer lost) is dropped."""
+    coordinator = Coordinator(_config())
+    verification = coordinator.driver.verification
+    assert verification is not None
+    _check(verification)
+
+    def grad_norm(node: str, *reports: pb.VerifyReport) -> pb.GradNormRequest:
+        return pb.GradNormRequest(node_id=node, step=STEP, reports=reports)
+
+    with pytest.raises(ReportRefused, match="not its own"):
+        coordinator.grad_norm(grad_norm("v2", _report("v1", 1, b"s")))
+    with pytest.raises(ReportRefused, match="more than"):
+        coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s"), _report("v1", 2, b"s")))
+    assert verification.counts.checks == 0 and 1 in verification.pending
+    coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s")))
+    coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s")))  # the same GradNorm again
+    assert verification.counts.checks == 1 and not verification.pending
+
+
 def test_status_shows_the_checks_and_their_cost() -> None:
     cfg = _config()
     coordinator = Coordinator(cfg)
     verification = coordinator.driver.verification
     assert verification is not None
     _check(verification)
-    coordinator.verified(_report("v1", 1, b"s"))
+    coordinator.grad_norm(pb.GradNormRequest(node_id="v1", step=STEP, reports=[_report("v1", 1, b"s")]))
     reply = coordinator.status()
     assert (reply.verify.checks, reply.verify.mismatches, reply.verify.seconds) == (1, 0, 0.5)
     assert not render(coordinator.snapshot()).verify.evicted

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 _DIGEST_BYTES = 16
 _GROUP_BYTES = 1 << 24
 _EVIDENCE_DEADLINE_S = 60.0
+# How long a request for evidence waits for its step's apply here: the apply comes at once after the order the
+# verifier got it with, but a loaded node's worker may be on its last task; under the fetch's own deadline.
+_SERVE_WAIT_S = 10.0
 PARAMS_PREFIX = "params."
 
 
@@ -85,6 +88,7 @@ class _StepEvidence:
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
+    settled: bool = False  # keep() is done: what is kept of the step is known
 
 
 class Evidence:
@@ -96,6 +100,7 @@ class Evidence:
     def __init__(self, keep_steps: int) -> None:
         self.keep_steps = keep_steps
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified as each step's apply settles what it keeps
         self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
 
     def _entry(self, epoch: int, step: int) -> _StepEvidence:
@@ -191,15 +196,25 @@ class Evidence:
             kept = frozenset(drawn) & entry.commitments.keys()
             if not kept:
                 del self._steps[step]
+                self._settled.notify_all()
                 return
             entry.received = {key: t for key, t in entry.received.items() if key[0] in kept}
         params = flat_params(runtime)
         with self._lock:
-            entry.params, entry.kept = params, kept
+            entry.params, entry.kept, entry.settled = params, kept, True
+            self._settled.notify_all()
 
-    def serve(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
-        """The evidence of one microbatch: parameters before the step and what was received; None if not kept."""
+    def serve(self, step: int, microbatch: int, wait_s: float = 0.0) -> list[tuple[str, torch.Tensor]] | None:
+        """The evidence of one microbatch: parameters before the step and what was received; None if not kept. A
+        verifier learns of its check with the step's apply, as the target does: a step not applied yet here is
+        waited for, up to `wait_s`."""
+
+        def settled() -> bool:
+            entry = self._steps.get(step)
+            return entry is None or entry.settled
+
         with self._lock:
+            self._settled.wait_for(settled, wait_s)
             entry = self._steps.get(step)
             if entry is None or microbatch not in entry.kept:
                 return None
@@ -275,20 +290,37 @@ def recompute(
 
 
 class VerifierPart:
-    """The Agent's part as a verifier (a part of Agent): a check's evidence is fetched on a thread of its own, over
-    the channel the data plane keeps to the target; its recompute runs on the worker at the lowest priority, when no
-    training task waits, so that checks fill the pipeline's idle time rather than compete with its compute."""
+    """The Agent's part as a verifier (a part of Agent): a check, told with the step's apply, has its evidence
+    fetched on a thread of its own, over the channel the data plane keeps to the target; its recompute runs on the
+    worker at the lowest priority, when no training task waits, so that checks fill the pipeline's idle time rather
+    than compete with its compute; its report goes with the node's next GradNorm, with no call of its own."""
 
     _verify_pool: futures.ThreadPoolExecutor
     _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
+    _reports: list[pb.VerifyReport]  # checks done, for the next GradNorm
+    _reports_lock: threading.Lock
 
     def _init_verifier(self, device: torch.device) -> None:
         self._verify_pool = device_pool(device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
         self._verify_stages = {}
+        self._reports = []
+        self._reports_lock = threading.Lock()
 
     def _verify(self, order: pb.VerifyOrder) -> None:
         """Queue a spot check the coordinator ordered."""
         self._verify_pool.submit(self._fetch_check, order)
+
+    def _done(self, report: pb.VerifyReport, started: float) -> None:
+        """A check's report, which goes with this node's next GradNorm (take_reports)."""
+        report.seconds = time.monotonic() - started
+        with self._reports_lock:
+            self._reports.append(report)
+
+    def take_reports(self) -> list[pb.VerifyReport]:
+        """The checks done since the last call, for the GradNorm being sent."""
+        with self._reports_lock:
+            reports, self._reports = self._reports, []
+        return reports
 
     def _fetch_check(self, order: pb.VerifyOrder) -> None:
         started = time.monotonic()
@@ -297,8 +329,7 @@ class VerifierPart:
             evidence = self._fetch_evidence(order)
         except (grpc.RpcError, FrameError, ValueError) as e:
             report.error = (e.details() if isinstance(e, grpc.RpcError) else str(e))[:500] or type(e).__name__
-            report.seconds = time.monotonic() - started
-            self._report(self.coordinator.Verified, report)
+            self._done(report, started)
             return
         except Exception:  # this node's own failure must not pass as the target's
             log.exception("check %d: fetching its evidence failed on this node", order.check)
@@ -310,7 +341,7 @@ class VerifierPart:
         self, order: pb.VerifyOrder, evidence: dict[str, torch.Tensor], report: pb.VerifyReport, fetch_s: float
     ) -> None:
         """The recompute, on the worker; its report's seconds are the fetch's and the recompute's, not the wait."""
-        started = time.monotonic()
+        started = time.monotonic() - fetch_s
         try:
             runtime = self._check_stage(order.layer_start, order.layer_end)
             batch = self._batch(order.step, order.microbatch)
@@ -323,8 +354,7 @@ class VerifierPart:
         except Exception:  # a verifier's own failure (out of memory, a bug) must not pass as the target's
             log.exception("check %d failed on this node", order.check)
             return
-        report.seconds = fetch_s + time.monotonic() - started
-        self._report(self.coordinator.Verified, report)
+        self._done(report, started)
 
     def _check_stage(self, start: int, end: int) -> StageRuntime:
         runtime = self._verify_stages.get((start, end))
@@ -339,5 +369,8 @@ class VerifierPart:
         return framing.read_state(stream, self.options.max_tensor_bytes)
 
     def evidence_snapshot(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
-        """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence)."""
-        return self.evidence.serve(step, microbatch) if self.evidence is not None else None
+        """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence), once it applied the
+        step (its verifier may ask first: both learn of the check with the apply)."""
+        if self.evidence is None:
+            return None
+        return self.evidence.serve(step, microbatch, _SERVE_WAIT_S)

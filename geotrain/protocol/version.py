@@ -2,7 +2,9 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
+# 16: a verifier takes its checks from ApplyStep.checks (CheckDraw.verifier, .order) and reports them with its next
+#    GradNorm (GradNormRequest.reports; Coordinator.Verified is gone): a node of 15 would verify nothing
 # 15: a stage's checksum is blake3, not sha256 (framing.parameters_checksum): an older node's would differ from
 #    its replicas' and from every checkpoint's; ApplyStep.checks: a node of 14 keeps no evidence of drawn
 #    microbatches, so every check of it would go unserved
