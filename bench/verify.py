@@ -193,11 +193,12 @@ def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: 
         return load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={f}"])
 
     reference = local_reference(config(fraction))
-    tokens_per_s, costs, checks, false_alarms, evicted, diff = [], [], 0, 0, [], 0.0
+    tokens_per_s, costs, checks, check_s, false_alarms, evicted, diff = [], [], 0, 0.0, 0, [], 0.0
     for i in range(pairs):
         runs = {f: live(config(f), 3, None, log_dir) for f in ((fraction, 0.0) if i % 2 == 0 else (0.0, fraction))}
         on, off = runs[fraction], runs[0.0]
         checks += on["verify"].checks
+        check_s += on["verify"].seconds
         false_alarms += on["verify"].mismatches + on["verify"].commitments_refused
         evicted += on["evicted"] + off["evicted"]
         diff = max(diff, _max_diff(on["state"], reference))
@@ -205,7 +206,7 @@ def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: 
         costs.append(round(1 - on["tokens_per_s"] / off["tokens_per_s"], 4))
     return {
         "case": "honest", "fraction": fraction, "steps": steps, "pairs": pairs, "checks": checks,
-        "false_alarms": false_alarms, "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
+        "ms_per_check": round(1000 * check_s / checks, 2) if checks else None, "false_alarms": false_alarms, "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
         "costs": costs, "cost": statistics.median(costs),
     }
 

@@ -196,6 +196,29 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerato
     assert verifier.hashes_off_worker(torch.device("cuda")) and not verifier.hashes_off_worker(torch.device("cpu"))
 
 
+def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_sent(monkeypatch) -> None:
+    """Neither the tensor a task computes with nor the parameter gradients it counts are hashed before the task sends
+    its result (a neighbour would wait for the hash): the worker hashes them after (hash_pending), and the commit
+    report whatever is left."""
+    hashed: list[str] = []
+    monkeypatch.setattr(verifier, "digest", lambda t, f=verifier.digest: hashed.append("one") or f(t))
+    monkeypatch.setattr(verifier, "digest_all", lambda ts, f=verifier.digest_all: hashed.append("all") or f(ts))
+    cfg = _config()
+    target, evidence, key = StageRuntime(cfg, 1, 2), Evidence(2), (STEP, MICROBATCH)
+    x = torch.randn(cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+    with one_compute_thread():
+        evidence.watch(1, STEP, target, None)
+        evidence.received(1, STEP, MICROBATCH, "forward", x)
+        grad = torch.ones_like(target.forward(key, x))
+        evidence.received(1, STEP, MICROBATCH, "backward", grad)
+        target.backward(key, grad)
+    assert hashed == []
+    evidence.hash_pending()
+    assert sorted(hashed) == ["all", "one", "one"]
+    _, [committed] = evidence.commitments(1, STEP)
+    assert committed.received == verifier.digest(x) and committed.received_grad and committed.param_grads
+
+
 def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:
     cfg = _config()
     with one_compute_thread():

@@ -86,6 +86,8 @@ class _StepEvidence:
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
+    # (microbatch, commitment field, its tensors) received or counted, to hash once their task's results are sent
+    unhashed: list[tuple[int, str, Sequence[torch.Tensor | None]]] = field(default_factory=list)
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
     settled: bool = False  # keep() is done: what is kept of the step is known
@@ -117,7 +119,8 @@ class Evidence:
         computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them. With a
         `pool` (hashes_off_worker: an accelerator) their copies to the host start behind the backward that made them
         and a thread of `pool` hashes them, so the worker neither waits for each backward nor hashes; without, the
-        worker hashes them at once, as a hand-off to another thread costs a CPU more than the hash."""
+        worker hashes them once the backward's result is sent (hash_pending), as a hand-off to another thread costs a
+        CPU more than the hash."""
         with self._lock:
             entry = self._entry(epoch, step)
             if entry.checksum is not None:
@@ -126,7 +129,8 @@ class Evidence:
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
-                self.param_grads(epoch, key[0], key[1], digest_all(grads))
+                with self._lock:
+                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", list(grads)))
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -138,16 +142,28 @@ class Evidence:
         return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
 
     def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward)."""
-        value = digest(tensor)
+        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); it is hashed once the
+        task that computes with it sent its result (hash_pending), not before that task starts."""
         with self._lock:
             entry = self._entry(epoch, step)
             entry.received[(microbatch, direction)] = tensor
-            commitment = self._commitment(entry, microbatch)
-            if direction == "forward":
-                commitment.received = value
-            else:
-                commitment.received_grad = value
+            self._commitment(entry, microbatch)
+            entry.unhashed.append((microbatch, "received" if direction == "forward" else "received_grad", [tensor]))
+
+    def hash_pending(self) -> None:
+        """Hash what was received and counted since the last call: on the worker, once a task's results are on their
+        way, so that no neighbour waits for the hash; commitments() hashes what is left."""
+        with self._lock:
+            work = [(entry, item) for entry in self._steps.values() for item in entry.unhashed]
+            for entry in self._steps.values():
+                entry.unhashed = []
+        done = [
+            (entry, mb, name, digest_all(tensors) if name == "param_grads" else digest(tensors[0]))
+            for entry, (mb, name, tensors) in work
+        ]
+        with self._lock:
+            for entry, mb, name, value in done:
+                setattr(self._commitment(entry, mb), name, value)
 
     def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
         """A tensor this stage sends, as it goes to the codec."""
@@ -172,7 +188,8 @@ class Evidence:
 
     def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
         """The parameter checksum the step was computed with and each microbatch's digests, for the commit report
-        (once the parameter gradients' digests are done)."""
+        (once every digest is done; on the worker, as hash_pending)."""
+        self.hash_pending()
         with self._lock:
             entry = self._steps.get(step)
             if entry is None or entry.epoch != epoch:
