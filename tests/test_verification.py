@@ -197,9 +197,9 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerato
 
 
 def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_sent(monkeypatch) -> None:
-    """Neither the tensor a task computes with nor the parameter gradients it counts are hashed before the task sends
-    its result (a neighbour would wait for the hash): the worker hashes them after (hash_pending), and the commit
-    report whatever is left."""
+    """Neither the tensor a task computes with, nor the parameter gradients it counts, nor what it sends is hashed
+    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them after
+    (hash_pending), and the commit report whatever is left."""
     hashed: list[str] = []
     monkeypatch.setattr(verifier, "digest", lambda t, f=verifier.digest: hashed.append("one") or f(t))
     monkeypatch.setattr(verifier, "digest_all", lambda ts, f=verifier.digest_all: hashed.append("all") or f(ts))
@@ -215,8 +215,14 @@ def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_
     assert hashed == []
     evidence.hash_pending()
     assert sorted(hashed) == ["all", "one", "one"]
+    evidence.sent(1, STEP, MICROBATCH, "forward", x)  # as a sender thread commits to a tensor it sends
+    assert len(hashed) == 3
     _, [committed] = evidence.commitments(1, STEP)
-    assert committed.received == verifier.digest(x) and committed.received_grad and committed.param_grads
+    assert committed.received == committed.sent == verifier.digest(x) and committed.received_grad
+    assert committed.param_grads
+    hashed.clear()
+    Evidence(2, torch.device("cuda")).received(1, STEP, MICROBATCH, "forward", x)  # an accelerator's worker
+    assert hashed == ["one"]  # hands hashes off: the servicer's thread hashes what it receives
 
 
 def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:

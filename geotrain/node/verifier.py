@@ -99,8 +99,9 @@ class Evidence:
     read from theirs). Commitments are made for every microbatch; which ones are checked is told with the step's
     apply, after they were sent, so only then are the parameters copied and the other microbatches' inputs dropped."""
 
-    def __init__(self, keep_steps: int) -> None:
+    def __init__(self, keep_steps: int, device: torch.device = torch.device("cpu")) -> None:
         self.keep_steps = keep_steps
+        self._later = not hashes_off_worker(device)  # the worker hashes what comes and goes (hash_pending)
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified as each step's apply settles what it keeps
         self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
@@ -130,7 +131,7 @@ class Evidence:
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
                 with self._lock:
-                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", list(grads)))
+                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", grads))
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -142,17 +143,32 @@ class Evidence:
         return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
 
     def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); it is hashed once the
-        task that computes with it sent its result (hash_pending), not before that task starts."""
+        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); on the CPU it is
+        hashed once the task that computes with it sent its result (hash_pending), not before that task starts."""
+        with self._lock:
+            self._entry(epoch, step).received[(microbatch, direction)] = tensor
+        self._unhashed(epoch, step, microbatch, "received" if direction == "forward" else "received_grad", tensor)
+
+    def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
+        """A tensor this stage sends, as it goes to the codec (on a sender thread); on the CPU the worker hashes it
+        after a later task or at the commit (hash_pending), not in the send's way."""
+        self._unhashed(epoch, step, microbatch, "sent" if direction == "forward" else "sent_grad", tensor)
+
+    def _unhashed(self, epoch: int, step: int, microbatch: int, name: str, tensor: torch.Tensor) -> None:
+        """A tensor this stage received or sent: hashed at once where the worker hands hashes off (hashes_off_worker),
+        else by the worker later (hash_pending)."""
+        value = None if self._later else digest(tensor)
         with self._lock:
             entry = self._entry(epoch, step)
-            entry.received[(microbatch, direction)] = tensor
-            self._commitment(entry, microbatch)
-            entry.unhashed.append((microbatch, "received" if direction == "forward" else "received_grad", [tensor]))
+            commitment = self._commitment(entry, microbatch)
+            if value is None:
+                entry.unhashed.append((microbatch, name, [tensor]))
+            else:
+                setattr(commitment, name, value)
 
     def hash_pending(self) -> None:
-        """Hash what was received and counted since the last call: on the worker, once a task's results are on their
-        way, so that no neighbour waits for the hash; commitments() hashes what is left."""
+        """Hash what was received, sent and counted since the last call: on the worker, once a task's results are on
+        their way, so that no neighbour waits for the hash; commitments() hashes what is left."""
         with self._lock:
             work = [(entry, item) for entry in self._steps.values() for item in entry.unhashed]
             for entry in self._steps.values():
@@ -165,26 +181,13 @@ class Evidence:
             for entry, mb, name, value in done:
                 setattr(self._commitment(entry, mb), name, value)
 
-    def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A tensor this stage sends, as it goes to the codec."""
-        value = digest(tensor)
-        with self._lock:
-            commitment = self._commitment(self._entry(epoch, step), microbatch)
-            if direction == "forward":
-                commitment.sent = value
-            else:
-                commitment.sent_grad = value
-
-    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: bytes | futures.Future) -> None:
-        """The digest (digest_all), or its hashing under way, of the parameter gradients of a microbatch this stage
+    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: futures.Future) -> None:
+        """The hashing under way (digest_all, off the worker) of the parameter gradients of a microbatch this stage
         counted."""
         with self._lock:
             entry = self._entry(epoch, step)
-            commitment = self._commitment(entry, microbatch)
-            if isinstance(hashed, bytes):
-                commitment.param_grads = hashed
-            else:
-                entry.grad_digests[microbatch] = hashed
+            self._commitment(entry, microbatch)
+            entry.grad_digests[microbatch] = hashed
 
     def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
         """The parameter checksum the step was computed with and each microbatch's digests, for the commit report
