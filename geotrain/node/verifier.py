@@ -7,6 +7,7 @@ same parameters and inputs, gives the same bits: the coordinator (scheduler/veri
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -39,11 +40,19 @@ PARAMS_PREFIX = "params."
 
 def digest(tensor: torch.Tensor) -> bytes:
     """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
-    stage sends or receives has one, so it takes as few calls as it can)."""
-    t = tensor.detach().cpu().contiguous()
-    hasher = blake3.blake3(f"{t.dtype}{tuple(t.shape)}".encode())
+    stage sends or receives has one, so it takes as few calls as it can: a host tensor is not copied, and the header
+    of a dtype and shape is made once)."""
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.cpu().contiguous()
+    hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
     hasher.update(t.view(-1).view(torch.uint8).numpy())
     return hasher.digest(_DIGEST_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    return f"{dtype}{shape}".encode()
 
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
