@@ -149,7 +149,10 @@ class Evidence:
         runtime.on_param_grads = counted
 
     def _commitment(self, entry: _StepEvidence, microbatch: int) -> pb.MicrobatchCommitment:
-        return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
+        commitment = entry.commitments.get(microbatch)
+        if commitment is None:  # made once per microbatch, not once per tensor as setdefault's default would be
+            commitment = entry.commitments[microbatch] = pb.MicrobatchCommitment(microbatch=microbatch)
+        return commitment
 
     def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
         """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); on the CPU it is
