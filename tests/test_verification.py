@@ -24,9 +24,10 @@ from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.membership import Member
+from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.status import render
 from geotrain.scheduler.verification import Check, Verdict, Verification, compare, cross_check, device_class
-from tests.conftest import one_compute_thread
+from tests.conftest import local_cluster, max_diff, one_compute_thread, train_local_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -336,6 +337,24 @@ def test_a_verifier_shares_its_targets_torch_build_as_replicas_do():
 
     assert device_class(Member("a", "127.0.0.1:1", "r", 0.0, 0.0)) is None  # no profile yet
     assert device_class(member("2.5.1+cu124 cuda 12.4")) != device_class(member("2.5.1+cu121 cuda 12.1"))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_live_pipeline_checks_every_microbatch_with_its_apply_and_grad_norms(tmp_path) -> None:
+    """Three node processes at verify.fraction = 1: each check reaches its verifier with the step's ApplyStep, its
+    evidence is served once the target applied the step, and its report comes back with the verifier's next GradNorm
+    (the last step's go unreported); an honest run has every recompute agree and ends where train-local does."""
+    cfg = _config("verify.fraction=1.0", "run.steps=6", "run.eval_every=0", "train.microbatches=2",
+                  "scheduler.placement=uniform", "profile.layer_repeats=1")
+    with local_cluster(cfg, 3, tmp_path, in_order=True) as cluster:
+        summary = cluster.wait(90)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
+        verify = cluster.coordinator.status().verify
+    assert len(cluster.coordinator.plan.stages) == 3
+    # At least a step's checks (3 stages x 2 microbatches) came back with a later step's GradNorms.
+    assert verify.checks >= 6 and (verify.mismatches, verify.unserved, verify.evicted) == (0, 0, 0)
+    assert max_diff(state, train_local_state(cfg)) == 0.0
 
 
 def test_a_verdict_evicts_and_rolls_back_to_the_checkpoint_before_the_first_planned_step(tmp_path) -> None:
