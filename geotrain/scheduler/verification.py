@@ -255,10 +255,15 @@ class Verification:
 
     def reports(self, verifier: str, reports: Sequence[pb.VerifyReport]) -> list[Check]:
         """A verifier's reports, as its GradNorm brings them; returns the disputes they open. ReportRefused when one is
-        another node's, or when they outnumber the checks it was ever given; a report of a check no longer awaited is
-        dropped, not refused: a GradNorm sent again after its answer was lost carries its reports again."""
-        if len(reports) > self._load[verifier] or any(r.node_id != verifier for r in reports):
-            raise ReportRefused(f"verify reports from {verifier} refused: not its own, or more than it was given")
+        another node's. Reports of checks no longer awaited are dropped, not refused (a GradNorm sent again after its
+        answer was lost carries its reports again; a coordinator restarted since knows none of its checks), and so,
+        unread, are more reports than the checks it was ever given."""
+        if any(r.node_id != verifier for r in reports):
+            raise ReportRefused(f"verify reports from {verifier} refused: not its own")
+        if len(reports) > self._load[verifier]:
+            log.info("%d verify reports from %s dropped: it was given %d checks", len(reports), verifier,
+                     self._load[verifier])
+            return []
         disputes = []
         for report in reports:
             try:
