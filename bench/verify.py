@@ -9,32 +9,45 @@ Cases (--cases, default all):
 - poison: a replica of the first of two stages adds a fixed direction to its parameter gradients, the gradient it
   takes to averaging, with compression.replica_robust = centered_clip;
 - honest: no adversary, --honest-steps steps at verify.fraction = 0.05 (the README's) and the same run at
-  verify.fraction = 0, --pairs times in alternating order: false alarms, and the cost in tokens/s (each pair's, and
-  their median: one pair's cost moves by several points with the machine's other load).
+  verify.fraction = 0, --pairs times in alternating order: false alarms, the cost in tokens/s (each pair's, and
+  their median: one pair's cost moves by several points with the machine's other load), and the verifiers' fetch
+  and recompute milliseconds per check (ms_per_check; the fetch includes the wait for the target's apply).
 
 One JSON line per case: the step whose work was caught and the step the run was at when the verdict came, steps rolled
 back, whether the adversary was evicted, and the final max |diff| of the parameters against train-local (0.0: all its
 work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
 detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
 
-This version (each microbatch's parameter gradients hashed on the CPU worker at once, no longer handed to a sender
-thread; the honest line in alternating pairs), under the CPU lock at 0.05: 0 false alarms, nobody evicted, max |diff|
-0.0 in each run; --pairs 3: costs 10.7, 13.0, 23.0% (e.g. 4,357.0 tokens/s against 4,877.9 off), median 13.0%; --pairs
-5: 11.2, 13.7, 11.3, 18.1, 15.7%, median 13.7%: still above the 10% goal. --honest-fraction 1e-6 (commitments, no check
-drawn) --pairs 3: 7.8, 4.4, 4.9%, median 4.9% (8.0% before), so the checks cost some 9 points. Adversaries at --steps 40
-(shift_1_in_20: 120) and 0.25: every one caught (the work of steps 0, 6, 1, 0; shift, shift_1_in_20, lazy, poison;
-verdicts at steps 2, 8, 3, 2, as many rolled back), evicted, nobody else evicted, max |diff| 0.0. Running a check's
-recompute on the verifier's own thread instead of the worker (a CPU interleaves it with the worker's tasks) measured no
-better: --pairs 5, costs 17.8, 11.3, 18.2, 15.1, 13.1%, median 15.1%; not kept. The version before (hashing on a sender
-thread), one run at a time: costs 20.1% and 12.2% (300 steps), 19.2% and 22.3% (1,000 steps), commitments alone
-(--honest-fraction 1e-6) 8.0%. Where the rest goes (py-spy over a --pairs 3 run of this version): verification's own
-code is about 2% of the nodes' samples; the rest is per check: two calls (the evidence, the report) and the
-coordinator's order, each a gRPC call in Python whose signature is checked (a seventh of the coordinator's server thread
-goes to checking signatures), and the recompute (a stage's microbatch again, after loading the parameters served), with
-3 nodes and the coordinator on 2 shared cores. Yet about a third of those cores sat idle over the --pairs 5 run
-(vmstat): the pipeline waits more than it computes, so what costs is work on a step's critical path (a recompute holding
-a worker, a call ahead of the step's own on the coordinator), more than the CPU it takes. The honest runs need
-limits.calls_per_s above the default 200 (TINY): at about 40 steps/s the data head makes some 240 calls/s.
+This version (a check told to its verifier with the step's ApplyStep and reported with the verifier's next GradNorm, no
+order or Verified call of its own; on the CPU what a stage receives, sends and counts hashed by its worker once the
+task's result is on its way; digest() without a copy or a header made per call), under the CPU lock at 0.05, --pairs 5
+three times: 0 false alarms, nobody evicted, max |diff| 0.0 in each; costs 10.0, 12.4, 6.1, 7.3, 10.9%, median 10.0%
+(e.g. 4,691.2 tokens/s against 5,214.0 off); 6.4, 13.0, 7.0, 21.9, 10.2%, median 10.2% (its last pairs beside a test
+run outside the lock); 10.1, 16.1, 13.8, 10.5, 10.4%, median 10.5%: at the 10% goal, not under it; 7.9 to 8.6 ms a
+check. A fourth run beside other load measured nothing (costs -15.5 to 14.4%). Adversaries at --steps 40 (shift_1_in_20:
+120) and 0.25: every one caught (the work of steps 0, 6, 0, 0; shift, shift_1_in_20, lazy, poison), verdicts a step
+later than before (at steps 3, 9, 3, 3, as many rolled back: a report waits for its verifier's next GradNorm), evicted,
+nobody else evicted, max |diff| 0.0.
+
+On the way: the apply and GradNorm change alone cost 11.5, 11.4, 7.6, 8.5, 10.3%, median 10.3%; with the hashes moved to
+the worker 11.5, 13.0, 9.1, 11.4, 12.8%, median 11.5%, on a machine whose runs without verification were 9% faster
+(5,429 tokens/s against 4,980): both spent 3.0 ms a step, the last version 2.5 to 3.4. Running a check's recompute right
+after its verifier's GradNorm (the workers then wait for the coordinator's decision) measured no better (median 11.1%);
+not kept. The version before: medians 13.0% (--pairs 3) and 13.7% (--pairs 5), the commitments alone (--honest-fraction
+1e-6) 4.9%.
+
+Where the rest goes: CPU, more than waits. Per-thread CPU seconds (/proc) over two pairs of 300-step runs of the version
+that recomputed after the GradNorm (startup included): the nodes spent 12.6 s with verification and 11.25 s without, the
+coordinator's process 4.2 to 4.4 s either way: the nodes' workers 0.9 s more (a check's recompute is some 1.1 ms on this
+model, twice a microbatch's forward and backward at a stage: it loads and hashes the parameters served, then hashes all
+it computed; and the 40-odd hashes a step), the threads that receive tensors 0.4 s, the evidence's gRPC calls (the
+verifier's thread, the target's handler and server thread, a client thread per call) some 0.25 s. Each of 3 nodes and
+the coordinator on 2 shared cores takes its share of the step, so that CPU is time: 2.5 to 3.4 ms of a 24 to 25 ms step
+here, at 0.6 checks a step. On a model whose microbatches take longer than these 0.5 ms a stage, the hashes and calls
+cost the same and the recompute f of the compute, so the share falls. What would cut the rest: the evidence over the raw
+tensor stream rather than a gRPC call (protocol/tensorstream.py), a recompute that neither accumulates float64 sums nor
+reloads the runtime (node/stage.py). The honest runs need limits.calls_per_s above the default 200 (TINY): at about 40
+steps/s the data head makes some 240 calls/s.
 """
 
 from __future__ import annotations
@@ -193,11 +206,12 @@ def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: 
         return load_config(None, [*TINY, f"run.steps={steps}", f"verify.fraction={f}"])
 
     reference = local_reference(config(fraction))
-    tokens_per_s, costs, checks, false_alarms, evicted, diff = [], [], 0, 0, [], 0.0
+    tokens_per_s, costs, checks, check_s, false_alarms, evicted, diff = [], [], 0, 0.0, 0, [], 0.0
     for i in range(pairs):
         runs = {f: live(config(f), 3, None, log_dir) for f in ((fraction, 0.0) if i % 2 == 0 else (0.0, fraction))}
         on, off = runs[fraction], runs[0.0]
         checks += on["verify"].checks
+        check_s += on["verify"].seconds
         false_alarms += on["verify"].mismatches + on["verify"].commitments_refused
         evicted += on["evicted"] + off["evicted"]
         diff = max(diff, _max_diff(on["state"], reference))
@@ -205,7 +219,8 @@ def honest(steps: int, log_dir: Path, fraction: float = HONEST_FRACTION, pairs: 
         costs.append(round(1 - on["tokens_per_s"] / off["tokens_per_s"], 4))
     return {
         "case": "honest", "fraction": fraction, "steps": steps, "pairs": pairs, "checks": checks,
-        "false_alarms": false_alarms, "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
+        "ms_per_check": round(1000 * check_s / checks, 2) if checks else None, "false_alarms": false_alarms,
+        "evicted": evicted, "max_abs_diff": diff, "tokens_per_s_on_off": tokens_per_s,
         "costs": costs, "cost": statistics.median(costs),
     }
 

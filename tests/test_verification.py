@@ -1,7 +1,7 @@
 """Verified compute in this process: the cross-check of both ends' digests, a verifier's recompute from a target's
-evidence (one that matches, one of a target that shifted its activations), disputes (settled against the target and
-against a false accuser), the status's counts, and the rollback a verdict orders (to the newest checkpoint at or
-before the guilty node's first planned step)."""
+evidence (one that matches, one of a target that shifted its activations), checks told with the apply and reported
+with the GradNorm, disputes (settled against the target and against a false accuser), the status's counts, and the
+rollback a verdict orders (to the newest checkpoint at or before the guilty node's first planned step)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from geotrain.scheduler.checkpoint import CheckpointStore, StageState
 from geotrain.scheduler.coordinator import Coordinator
 from geotrain.scheduler.errors import ReportRefused
 from geotrain.scheduler.membership import Member
+from geotrain.scheduler.service import fetch_model_state
 from geotrain.scheduler.status import render
 from geotrain.scheduler.verification import Check, Verdict, Verification, compare, cross_check, device_class
-from tests.conftest import one_compute_thread
+from tests.conftest import local_cluster, max_diff, one_compute_thread, train_local_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,10 +68,13 @@ def test_cross_check_names_the_hop_whose_ends_disagree() -> None:
     assert [d.nodes for d in found] == [("b",)]
 
 
-def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,), off_worker: bool = False):
+def _run_target(
+    cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,), off_worker: bool = False, apply: bool = True
+):
     """A middle stage computing one microbatch as the pipeline does (node/stepflow.py), committing to it, then told
-    at the apply that `drawn` microbatches are checked; returns the evidence it kept and the microbatch's tokens and
-    targets. `off_worker`: its parameter gradients are hashed as on an accelerator (verifier.hashes_off_worker)."""
+    at the apply that `drawn` microbatches are checked (unless not `apply`: the stage, the evidence and the drawn
+    microbatches come back to apply later); returns the evidence it kept and the microbatch's tokens and targets.
+    `off_worker`: its parameter gradients are hashed as on an accelerator (verifier.hashes_off_worker)."""
     corpus = Corpus.load(cfg.data)
     batch = corpus.batch(seed=cfg.run.seed, step=STEP, microbatch=MICROBATCH, size=cfg.train.microbatch_size,
                          seq_len=cfg.model.seq_len)
@@ -88,6 +92,8 @@ def _run_target(cfg, shift: float = 0.0, drawn: tuple[int, ...] = (MICROBATCH,),
         evidence.received(1, STEP, MICROBATCH, "backward", grad)
         evidence.sent(1, STEP, MICROBATCH, "backward", wire_form(target, target.backward(key, grad)))
     evidence.commitments(1, STEP)  # the commit reports them; the microbatch is drawn with the apply
+    if not apply:
+        return evidence, batch, target
     evidence.keep(1, STEP, target, drawn)
     return evidence, batch
 
@@ -120,6 +126,21 @@ def test_only_the_microbatches_drawn_with_the_apply_are_kept_for_verifiers() -> 
     assert {"received", "received_grad"} < served.keys() and any(n.startswith(verifier.PARAMS_PREFIX) for n in served)
     assert dropped.serve(STEP, MICROBATCH) is None and dropped.serve(STEP, MICROBATCH + 1) is None
     assert dropped.commitments(1, STEP) == ("", [])  # applied: its commitments went with its commit report
+
+
+def test_a_verifier_asking_before_the_apply_is_served_once_the_stage_applied() -> None:
+    """A verifier learns of its check with the step's apply, as its target does, and may ask for the evidence before
+    the target's apply kept it: the request waits for the apply (a step it has no evidence of is refused at once)."""
+    cfg = _config()
+    with one_compute_thread():
+        evidence, _, target = _run_target(cfg, apply=False)
+    with futures.ThreadPoolExecutor(1) as pool:
+        served = pool.submit(evidence.serve, STEP, MICROBATCH, 30.0)
+        time.sleep(0.2)
+        assert not served.done()  # the step's apply has not said what is kept
+        assert evidence.serve(STEP + 1, MICROBATCH, 30.0) is None
+        evidence.keep(1, STEP, target, (MICROBATCH,))
+        assert {"received", "received_grad"} < dict(served.result(10)).keys()
 
 
 def test_evidence_goes_as_one_flat_tensor_per_dtype_and_must_fit_the_stage() -> None:
@@ -176,6 +197,35 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerato
     assert verifier.hashes_off_worker(torch.device("cuda")) and not verifier.hashes_off_worker(torch.device("cpu"))
 
 
+def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_sent(monkeypatch) -> None:
+    """Neither the tensor a task computes with, nor the parameter gradients it counts, nor what it sends is hashed
+    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them after
+    (hash_pending), and the commit report whatever is left."""
+    hashed: list[str] = []
+    monkeypatch.setattr(verifier, "digest", lambda t, f=verifier.digest: hashed.append("one") or f(t))
+    monkeypatch.setattr(verifier, "digest_all", lambda ts, f=verifier.digest_all: hashed.append("all") or f(ts))
+    cfg = _config()
+    target, evidence, key = StageRuntime(cfg, 1, 2), Evidence(2), (STEP, MICROBATCH)
+    x = torch.randn(cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+    with one_compute_thread():
+        evidence.watch(1, STEP, target, None)
+        evidence.received(1, STEP, MICROBATCH, "forward", x)
+        grad = torch.ones_like(target.forward(key, x))
+        evidence.received(1, STEP, MICROBATCH, "backward", grad)
+        target.backward(key, grad)
+    assert hashed == []
+    evidence.hash_pending()
+    assert sorted(hashed) == ["all", "one", "one"]
+    evidence.sent(1, STEP, MICROBATCH, "forward", x)  # as a sender thread commits to a tensor it sends
+    assert len(hashed) == 3
+    _, [committed] = evidence.commitments(1, STEP)
+    assert committed.received == committed.sent == verifier.digest(x) and committed.received_grad
+    assert committed.param_grads
+    hashed.clear()
+    Evidence(2, torch.device("cuda")).received(1, STEP, MICROBATCH, "forward", x)  # an accelerator's worker
+    assert hashed == ["one"]  # hands hashes off: the servicer's thread hashes what it receives
+
+
 def test_a_stage_that_shifts_its_activations_is_found_by_the_recompute() -> None:
     cfg = _config()
     with one_compute_thread():
@@ -192,6 +242,7 @@ def _check(verification: Verification, target: str = "t") -> Check:
                   target_address="127.0.0.1:9", committed=committed, params="ck", verifier="v1",
                   candidates=("v1", "v2"))
     verification.pending[check.id] = check
+    verification._load[check.verifier] += 1  # given to it, as draw_checks would
     return check
 
 
@@ -217,13 +268,43 @@ def test_a_dispute_is_settled_by_a_second_verifier(second_finds: bytes) -> None:
     assert (counts.checks, counts.mismatches, counts.seconds) == (2, 1 if second_finds == b"s" else 2, 1.0)
 
 
+def test_a_check_goes_to_its_verifier_with_the_apply() -> None:
+    verification = Verification(0.5, random.Random(0))
+    draw = _check(verification).draw()
+    assert (draw.stage, draw.microbatch, draw.verifier) == (1, MICROBATCH, "v1")
+    assert (draw.order.check, draw.order.step, draw.order.target, draw.order.target_address) == (
+        1, STEP, "t", "127.0.0.1:9"
+    )
+
+
+def test_a_verifiers_reports_ride_on_its_grad_norm() -> None:
+    """A verifier reports its checks with its next GradNorm, not in a call of their own; a report that is not the
+    sender's refuses the GradNorm; one sent again (its answer lost), or more than the checks the sender was ever given
+    (a coordinator restarted since), are dropped: an honest node's GradNorm is not refused for them."""
+    coordinator = Coordinator(_config())
+    verification = coordinator.driver.verification
+    assert verification is not None
+    _check(verification)
+
+    def grad_norm(node: str, *reports: pb.VerifyReport) -> pb.GradNormRequest:
+        return pb.GradNormRequest(node_id=node, step=STEP, reports=reports)
+
+    with pytest.raises(ReportRefused, match="not its own"):
+        coordinator.grad_norm(grad_norm("v2", _report("v1", 1, b"s")))
+    coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s"), _report("v1", 2, b"s")))  # unread
+    assert verification.counts.checks == 0 and 1 in verification.pending
+    coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s")))
+    coordinator.grad_norm(grad_norm("v1", _report("v1", 1, b"s")))  # the same GradNorm again
+    assert verification.counts.checks == 1 and not verification.pending
+
+
 def test_status_shows_the_checks_and_their_cost() -> None:
     cfg = _config()
     coordinator = Coordinator(cfg)
     verification = coordinator.driver.verification
     assert verification is not None
     _check(verification)
-    coordinator.verified(_report("v1", 1, b"s"))
+    coordinator.grad_norm(pb.GradNormRequest(node_id="v1", step=STEP, reports=[_report("v1", 1, b"s")]))
     reply = coordinator.status()
     assert (reply.verify.checks, reply.verify.mismatches, reply.verify.seconds) == (1, 0, 0.5)
     assert not render(coordinator.snapshot()).verify.evicted
@@ -256,6 +337,24 @@ def test_a_verifier_shares_its_targets_torch_build_as_replicas_do():
 
     assert device_class(Member("a", "127.0.0.1:1", "r", 0.0, 0.0)) is None  # no profile yet
     assert device_class(member("2.5.1+cu124 cuda 12.4")) != device_class(member("2.5.1+cu121 cuda 12.1"))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_live_pipeline_checks_every_microbatch_with_its_apply_and_grad_norms(tmp_path) -> None:
+    """Three node processes at verify.fraction = 1: each check reaches its verifier with the step's ApplyStep, its
+    evidence is served once the target applied the step, and its report comes back with the verifier's next GradNorm
+    (the last step's go unreported); an honest run has every recompute agree and ends where train-local does."""
+    cfg = _config("verify.fraction=1.0", "run.steps=6", "run.eval_every=0", "train.microbatches=2",
+                  "scheduler.placement=uniform", "profile.layer_repeats=1")
+    with local_cluster(cfg, 3, tmp_path, in_order=True) as cluster:
+        summary = cluster.wait(90)
+        state = fetch_model_state(cluster.coordinator.plan, cluster.token, summary.steps, cluster.coordinator.key)
+        verify = cluster.coordinator.status().verify
+    assert len(cluster.coordinator.plan.stages) == 3
+    # At least a step's checks (3 stages x 2 microbatches) came back with a later step's GradNorms.
+    assert verify.checks >= 6 and (verify.mismatches, verify.unserved, verify.evicted) == (0, 0, 0)
+    assert max_diff(state, train_local_state(cfg)) == 0.0
 
 
 def test_a_verdict_evicts_and_rolls_back_to_the_checkpoint_before_the_first_planned_step(tmp_path) -> None:

@@ -1,6 +1,6 @@
 """The end of a step on the node: the commit (the step's gradients averaged with the stage's replicas, their norm
-reported with verification's commitments), the apply the coordinator decides, and joining the replicas' hivemind
-DHT that averaging runs over."""
+reported with verification's commitments and this node's checks done as a verifier), the apply the coordinator
+decides (with the checks this node is to do), and joining the replicas' hivemind DHT that averaging runs over."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class StepCommit:
             compute_s_per_microbatch=sum(task_s.values()), forward_s_per_microbatch=task_s.get("forward", 0.0),
             averaging_s=averaging_s,
             round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
-            params_before=params_before, commitments=commitments,
+            params_before=params_before, commitments=commitments, reports=self.take_reports(),
         )
         self._report(self.coordinator.GradNorm, request)
 
@@ -166,6 +166,9 @@ class StepCommit:
             checksum = runtime.checksum_later()
             self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
         self._head = None
+        for check in order.checks:  # this node's spot checks: their targets keep the evidence as they apply
+            if check.verifier == self.node_id:
+                self._verify(check.order)
 
         def report() -> None:  # on a sender thread: hashing the parameters' host copies keeps no compute waiting
             try:

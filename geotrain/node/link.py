@@ -81,7 +81,7 @@ class CoordinatorLink:
         self.node_id = reply.node_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.cfg = from_proto(reply.config)
-        self.evidence = Evidence(self.cfg.verify.keep_steps) if self.cfg.verifying else None
+        self.evidence = Evidence(self.cfg.verify.keep_steps, self.device) if self.cfg.verifying else None
         self.limits.configure(self.cfg.limits.values())
         if self.cfg.transport.tensor_stream == "tcp":
             self.listen_for_tensor_streams()

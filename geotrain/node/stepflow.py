@@ -145,6 +145,11 @@ class StepFlow:
             return
         self.evidence.watch(plan.epoch, step, runtime, self._sender if hashes_off_worker(runtime.device) else None)
 
+    def _hash_evidence(self) -> None:
+        """Commit to what a task received and counted, once its result is on its way: no neighbour waits for it."""
+        if self.evidence is not None:
+            self.evidence.hash_pending()
+
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None
         request = pb.MicrobatchDoneRequest(
@@ -198,6 +203,7 @@ class StepFlow:
             self._backward_to_previous(self._ref(ref.step, ref.microbatch, path), grad, loss)
         else:
             self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x, tokens))
+        self._hash_evidence()
 
     def _on_backward(self, ref: pb.MicrobatchRef, grad: torch.Tensor) -> None:
         runtime = self.runtime
@@ -208,3 +214,4 @@ class StepFlow:
             self._microbatch_done(ref.step, ref.microbatch, list(ref.path), ref.loss)
         else:
             self._backward_to_previous(ref, grad_in)
+        self._hash_evidence()

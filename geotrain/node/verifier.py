@@ -7,6 +7,7 @@ same parameters and inputs, gives the same bits: the coordinator (scheduler/veri
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -31,16 +32,27 @@ log = logging.getLogger(__name__)
 _DIGEST_BYTES = 16
 _GROUP_BYTES = 1 << 24
 _EVIDENCE_DEADLINE_S = 60.0
+# How long a request for evidence waits for its step's apply here: the apply comes at once after the order the
+# verifier got it with, but a loaded node's worker may be on its last task; under the fetch's own deadline.
+_SERVE_WAIT_S = 10.0
 PARAMS_PREFIX = "params."
 
 
 def digest(tensor: torch.Tensor) -> bytes:
     """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
-    stage sends or receives has one, so it takes as few calls as it can)."""
-    t = tensor.detach().cpu().contiguous()
-    hasher = blake3.blake3(f"{t.dtype}{tuple(t.shape)}".encode())
+    stage sends or receives has one, so it takes as few calls as it can: a host tensor is not copied, and the header
+    of a dtype and shape is made once)."""
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.cpu().contiguous()
+    hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
     hasher.update(t.view(-1).view(torch.uint8).numpy())
     return hasher.digest(_DIGEST_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    return f"{dtype}{shape}".encode()
 
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
@@ -83,8 +95,11 @@ class _StepEvidence:
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
+    # (microbatch, commitment field, its tensors) received or counted, to hash once their task's results are sent
+    unhashed: list[tuple[int, str, Sequence[torch.Tensor | None]]] = field(default_factory=list)
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
+    settled: bool = False  # keep() is done: what is kept of the step is known
 
 
 class Evidence:
@@ -93,9 +108,11 @@ class Evidence:
     read from theirs). Commitments are made for every microbatch; which ones are checked is told with the step's
     apply, after they were sent, so only then are the parameters copied and the other microbatches' inputs dropped."""
 
-    def __init__(self, keep_steps: int) -> None:
+    def __init__(self, keep_steps: int, device: torch.device = torch.device("cpu")) -> None:
         self.keep_steps = keep_steps
+        self._later = not hashes_off_worker(device)  # the worker hashes what comes and goes (hash_pending)
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified as each step's apply settles what it keeps
         self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
 
     def _entry(self, epoch: int, step: int) -> _StepEvidence:
@@ -112,7 +129,8 @@ class Evidence:
         computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them. With a
         `pool` (hashes_off_worker: an accelerator) their copies to the host start behind the backward that made them
         and a thread of `pool` hashes them, so the worker neither waits for each backward nor hashes; without, the
-        worker hashes them at once, as a hand-off to another thread costs a CPU more than the hash."""
+        worker hashes them once the backward's result is sent (hash_pending), as a hand-off to another thread costs a
+        CPU more than the hash."""
         with self._lock:
             entry = self._entry(epoch, step)
             if entry.checksum is not None:
@@ -121,7 +139,8 @@ class Evidence:
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
-                self.param_grads(epoch, key[0], key[1], digest_all(grads))
+                with self._lock:
+                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", grads))
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -130,44 +149,62 @@ class Evidence:
         runtime.on_param_grads = counted
 
     def _commitment(self, entry: _StepEvidence, microbatch: int) -> pb.MicrobatchCommitment:
-        return entry.commitments.setdefault(microbatch, pb.MicrobatchCommitment(microbatch=microbatch))
+        commitment = entry.commitments.get(microbatch)
+        if commitment is None:  # made once per microbatch, not once per tensor as setdefault's default would be
+            commitment = entry.commitments[microbatch] = pb.MicrobatchCommitment(microbatch=microbatch)
+        return commitment
 
     def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward)."""
-        value = digest(tensor)
+        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); on the CPU it is
+        hashed once the task that computes with it sent its result (hash_pending), not before that task starts."""
         with self._lock:
-            entry = self._entry(epoch, step)
-            entry.received[(microbatch, direction)] = tensor
-            commitment = self._commitment(entry, microbatch)
-            if direction == "forward":
-                commitment.received = value
-            else:
-                commitment.received_grad = value
+            self._entry(epoch, step).received[(microbatch, direction)] = tensor
+        self._unhashed(epoch, step, microbatch, "received" if direction == "forward" else "received_grad", tensor)
 
     def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A tensor this stage sends, as it goes to the codec."""
-        value = digest(tensor)
-        with self._lock:
-            commitment = self._commitment(self._entry(epoch, step), microbatch)
-            if direction == "forward":
-                commitment.sent = value
-            else:
-                commitment.sent_grad = value
+        """A tensor this stage sends, as it goes to the codec (on a sender thread); on the CPU the worker hashes it
+        after a later task or at the commit (hash_pending), not in the send's way."""
+        self._unhashed(epoch, step, microbatch, "sent" if direction == "forward" else "sent_grad", tensor)
 
-    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: bytes | futures.Future) -> None:
-        """The digest (digest_all), or its hashing under way, of the parameter gradients of a microbatch this stage
+    def _unhashed(self, epoch: int, step: int, microbatch: int, name: str, tensor: torch.Tensor) -> None:
+        """A tensor this stage received or sent: hashed at once where the worker hands hashes off (hashes_off_worker),
+        else by the worker later (hash_pending)."""
+        value = None if self._later else digest(tensor)
+        with self._lock:
+            entry = self._entry(epoch, step)
+            commitment = self._commitment(entry, microbatch)
+            if value is None:
+                entry.unhashed.append((microbatch, name, [tensor]))
+            else:
+                setattr(commitment, name, value)
+
+    def hash_pending(self) -> None:
+        """Hash what was received, sent and counted since the last call: on the worker, once a task's results are on
+        their way, so that no neighbour waits for the hash; commitments() hashes what is left."""
+        with self._lock:
+            work = [(entry, item) for entry in self._steps.values() for item in entry.unhashed]
+            for entry in self._steps.values():
+                entry.unhashed = []
+        done = [
+            (entry, mb, name, digest_all(tensors) if name == "param_grads" else digest(tensors[0]))
+            for entry, (mb, name, tensors) in work
+        ]
+        with self._lock:
+            for entry, mb, name, value in done:
+                setattr(self._commitment(entry, mb), name, value)
+
+    def param_grads(self, epoch: int, step: int, microbatch: int, hashed: futures.Future) -> None:
+        """The hashing under way (digest_all, off the worker) of the parameter gradients of a microbatch this stage
         counted."""
         with self._lock:
             entry = self._entry(epoch, step)
-            commitment = self._commitment(entry, microbatch)
-            if isinstance(hashed, bytes):
-                commitment.param_grads = hashed
-            else:
-                entry.grad_digests[microbatch] = hashed
+            self._commitment(entry, microbatch)
+            entry.grad_digests[microbatch] = hashed
 
     def commitments(self, epoch: int, step: int) -> tuple[str, list[pb.MicrobatchCommitment]]:
         """The parameter checksum the step was computed with and each microbatch's digests, for the commit report
-        (once the parameter gradients' digests are done)."""
+        (once every digest is done; on the worker, as hash_pending)."""
+        self.hash_pending()
         with self._lock:
             entry = self._steps.get(step)
             if entry is None or entry.epoch != epoch:
@@ -191,15 +228,25 @@ class Evidence:
             kept = frozenset(drawn) & entry.commitments.keys()
             if not kept:
                 del self._steps[step]
+                self._settled.notify_all()
                 return
             entry.received = {key: t for key, t in entry.received.items() if key[0] in kept}
         params = flat_params(runtime)
         with self._lock:
-            entry.params, entry.kept = params, kept
+            entry.params, entry.kept, entry.settled = params, kept, True
+            self._settled.notify_all()
 
-    def serve(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
-        """The evidence of one microbatch: parameters before the step and what was received; None if not kept."""
+    def serve(self, step: int, microbatch: int, wait_s: float = 0.0) -> list[tuple[str, torch.Tensor]] | None:
+        """The evidence of one microbatch: parameters before the step and what was received; None if not kept. A
+        verifier learns of its check with the step's apply, as the target does: a step not applied yet here is
+        waited for, up to `wait_s`."""
+
+        def settled() -> bool:
+            entry = self._steps.get(step)
+            return entry is None or entry.settled
+
         with self._lock:
+            self._settled.wait_for(settled, wait_s)
             entry = self._steps.get(step)
             if entry is None or microbatch not in entry.kept:
                 return None
@@ -275,20 +322,37 @@ def recompute(
 
 
 class VerifierPart:
-    """The Agent's part as a verifier (a part of Agent): a check's evidence is fetched on a thread of its own, over
-    the channel the data plane keeps to the target; its recompute runs on the worker at the lowest priority, when no
-    training task waits, so that checks fill the pipeline's idle time rather than compete with its compute."""
+    """The Agent's part as a verifier (a part of Agent): a check, told with the step's apply, has its evidence
+    fetched on a thread of its own, over the channel the data plane keeps to the target; its recompute runs on the
+    worker at the lowest priority, when no training task waits, so that checks fill the pipeline's idle time rather
+    than compete with its compute; its report goes with the node's next GradNorm, with no call of its own."""
 
     _verify_pool: futures.ThreadPoolExecutor
     _verify_stages: dict[tuple[int, int], StageRuntime]  # layer range -> the runtime checks of that range reuse
+    _reports: list[pb.VerifyReport]  # checks done, for the next GradNorm
+    _reports_lock: threading.Lock
 
     def _init_verifier(self, device: torch.device) -> None:
         self._verify_pool = device_pool(device, 1, "verify")  # a check recomputes a microbatch on the node's GPU
         self._verify_stages = {}
+        self._reports = []
+        self._reports_lock = threading.Lock()
 
     def _verify(self, order: pb.VerifyOrder) -> None:
         """Queue a spot check the coordinator ordered."""
         self._verify_pool.submit(self._fetch_check, order)
+
+    def _done(self, report: pb.VerifyReport, started: float) -> None:
+        """A check's report, which goes with this node's next GradNorm (take_reports)."""
+        report.seconds = time.monotonic() - started
+        with self._reports_lock:
+            self._reports.append(report)
+
+    def take_reports(self) -> list[pb.VerifyReport]:
+        """The checks done since the last call, for the GradNorm being sent."""
+        with self._reports_lock:
+            reports, self._reports = self._reports, []
+        return reports
 
     def _fetch_check(self, order: pb.VerifyOrder) -> None:
         started = time.monotonic()
@@ -297,8 +361,7 @@ class VerifierPart:
             evidence = self._fetch_evidence(order)
         except (grpc.RpcError, FrameError, ValueError) as e:
             report.error = (e.details() if isinstance(e, grpc.RpcError) else str(e))[:500] or type(e).__name__
-            report.seconds = time.monotonic() - started
-            self._report(self.coordinator.Verified, report)
+            self._done(report, started)
             return
         except Exception:  # this node's own failure must not pass as the target's
             log.exception("check %d: fetching its evidence failed on this node", order.check)
@@ -310,7 +373,7 @@ class VerifierPart:
         self, order: pb.VerifyOrder, evidence: dict[str, torch.Tensor], report: pb.VerifyReport, fetch_s: float
     ) -> None:
         """The recompute, on the worker; its report's seconds are the fetch's and the recompute's, not the wait."""
-        started = time.monotonic()
+        started = time.monotonic() - fetch_s
         try:
             runtime = self._check_stage(order.layer_start, order.layer_end)
             batch = self._batch(order.step, order.microbatch)
@@ -323,8 +386,7 @@ class VerifierPart:
         except Exception:  # a verifier's own failure (out of memory, a bug) must not pass as the target's
             log.exception("check %d failed on this node", order.check)
             return
-        report.seconds = fetch_s + time.monotonic() - started
-        self._report(self.coordinator.Verified, report)
+        self._done(report, started)
 
     def _check_stage(self, start: int, end: int) -> StageRuntime:
         runtime = self._verify_stages.get((start, end))
@@ -339,5 +401,8 @@ class VerifierPart:
         return framing.read_state(stream, self.options.max_tensor_bytes)
 
     def evidence_snapshot(self, step: int, microbatch: int) -> list[tuple[str, torch.Tensor]] | None:
-        """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence)."""
-        return self.evidence.serve(step, microbatch) if self.evidence is not None else None
+        """What this node kept of a microbatch for a verifier (the servicer's FetchEvidence), once it applied the
+        step (its verifier may ask first: both learn of the check with the apply)."""
+        if self.evidence is None:
+            return None
+        return self.evidence.serve(step, microbatch, _SERVE_WAIT_S)

@@ -549,12 +549,16 @@ class ApplyStep(_message.Message):
     def __init__(self, step: _Optional[int] = ..., clip_coef: _Optional[float] = ..., lr: _Optional[float] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[CheckDraw, _Mapping]]] = ...) -> None: ...
 
 class CheckDraw(_message.Message):
-    __slots__ = ("stage", "microbatch")
+    __slots__ = ("stage", "microbatch", "verifier", "order")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
     stage: int
     microbatch: int
-    def __init__(self, stage: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
+    verifier: str
+    order: VerifyOrder
+    def __init__(self, stage: _Optional[int] = ..., microbatch: _Optional[int] = ..., verifier: _Optional[str] = ..., order: _Optional[_Union[VerifyOrder, _Mapping]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "aborted")
@@ -641,7 +645,7 @@ class EvalDoneRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s", "params_before", "commitments", "forward_s_per_microbatch")
+    __slots__ = ("node_id", "step", "sq_norm", "plan_epoch", "sq_norm_parts", "clipped_peers", "compute_s_per_microbatch", "averaging_s", "round_trip_s", "params_before", "commitments", "forward_s_per_microbatch", "reports")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -654,6 +658,7 @@ class GradNormRequest(_message.Message):
     PARAMS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     sq_norm: float
@@ -666,7 +671,8 @@ class GradNormRequest(_message.Message):
     params_before: str
     commitments: _containers.RepeatedCompositeFieldContainer[MicrobatchCommitment]
     forward_s_per_microbatch: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ..., params_before: _Optional[str] = ..., commitments: _Optional[_Iterable[_Union[MicrobatchCommitment, _Mapping]]] = ..., forward_s_per_microbatch: _Optional[float] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[VerifyReport]
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., sq_norm_parts: _Optional[_Iterable[float]] = ..., clipped_peers: _Optional[_Iterable[str]] = ..., compute_s_per_microbatch: _Optional[float] = ..., averaging_s: _Optional[float] = ..., round_trip_s: _Optional[float] = ..., params_before: _Optional[str] = ..., commitments: _Optional[_Iterable[_Union[MicrobatchCommitment, _Mapping]]] = ..., forward_s_per_microbatch: _Optional[float] = ..., reports: _Optional[_Iterable[_Union[VerifyReport, _Mapping]]] = ...) -> None: ...
 
 class MicrobatchCommitment(_message.Message):
     __slots__ = ("microbatch", "received", "sent", "received_grad", "sent_grad", "param_grads")

@@ -109,11 +109,6 @@ class CoordinatorStub:
                 request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.SerializeToString,
                 response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
                 _registered_method=True)
-        self.Verified = channel.unary_unary(
-                '/geotrain.v1.Coordinator/Verified',
-                request_serializer=geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.SerializeToString,
-                response_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
-                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -215,13 +210,6 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Verified(self, request, context):
-        """A verifier's result for a VerifyOrder.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,11 +286,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
                     request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.FromString,
-                    response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
-            ),
-            'Verified': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verified,
-                    request_deserializer=geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.FromString,
                     response_serializer=geotrain_dot_protocol_dot_geotrain__pb2.Ack.SerializeToString,
             ),
     }
@@ -710,33 +693,6 @@ class Coordinator:
             target,
             '/geotrain.v1.Coordinator/Stop',
             geotrain_dot_protocol_dot_geotrain__pb2.StopRequest.SerializeToString,
-            geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verified(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/geotrain.v1.Coordinator/Verified',
-            geotrain_dot_protocol_dot_geotrain__pb2.VerifyReport.SerializeToString,
             geotrain_dot_protocol_dot_geotrain__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -243,8 +243,10 @@ class Coordinator:
         self.driver.eval_done(request)
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
-        """A stage replica's squared gradient norm for the step being committed."""
+        """A stage replica's squared gradient norm for the step being committed (and its reports as a verifier)."""
         self.driver.grad_norm(request)
+        if request.reports:
+            self._status.stale()
 
     def note_clipped(self, request: pb.GradNormRequest) -> None:
         """A replica's report of the peers whose gradient CenteredClip clipped in the step in progress (ClipFlags)."""
@@ -259,17 +261,6 @@ class Coordinator:
         """Whether a member of `key` was ordered in the current plan epoch to load these layers after steps_done
         steps from the coordinator (Membership.load_ordered): FetchCheckpoint serves nobody else."""
         return self.membership.load_ordered(key, self.plan, (layer_start, layer_end), steps_done)
-
-    def verified(self, request: pb.VerifyReport) -> None:
-        """A verifier's recompute of a spot check; a recompute that accuses its target goes to a second verifier."""
-        verification = self.driver.verification
-        if verification is None:
-            raise ReportRefused(f"verify report from {request.node_id} refused: this run verifies nothing")
-        with self.membership.cond:
-            dispute = verification.report(request)
-        if dispute is not None:
-            self.orders.send([dispute.verifier], pb.Order(verify=dispute.order()))
-        self._status.stale()
 
     def checkpoint_state(self, layer_start: int, layer_end: int, steps_done: int) -> Iterator[pb.TensorChunk] | None:
         """The chunks of the parameters and optimizer state of a layer range at steps_done: from the checkpoint, read

@@ -220,10 +220,6 @@ class CoordinatorServicer(rpc.CoordinatorServicer):
         await self._from_member(context, self.c.step_applied, request)
         return pb.Ack()
 
-    async def Verified(self, request, context):  # noqa: D102, N802
-        await self._from_member(context, self.c.verified, request)
-        return pb.Ack()
-
     async def Status(self, request, context):  # noqa: D102, N802
         return await self._off_loop(self.c.status)
 

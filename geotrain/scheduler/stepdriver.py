@@ -86,7 +86,7 @@ def _apply_order(step: int, decided: dict, checks: list[Check] | None = None) ->
     return pb.ApplyStep(
         step=step, clip_coef=decided["clip"], lr=decided["lr"], skip=decided["skip"],
         loss_scale=decided["loss_scale"]["scale"],
-        checks=[pb.CheckDraw(stage=c.stage, microbatch=c.microbatch) for c in checks or []],
+        checks=[c.draw() for c in checks or []],
     )
 
 
@@ -230,7 +230,10 @@ class StepDriver:
 
     def grad_norm(self, request: pb.GradNormRequest) -> None:
         """A stage replica's squared gradient norm for the step being committed, once; ReportRefused from a node
-        outside the plan, with a negative or non-finite number, or contradicting its earlier report."""
+        outside the plan, with a negative or non-finite number, or contradicting its earlier report. Its reports as a
+        verifier are taken first: they count whatever step they come with."""
+        if request.reports and self.verification is not None:
+            self._verified(request)
         with self.membership.cond:
             progress = self.progress
             if not self._current(request.step, request.plan_epoch):
@@ -261,6 +264,15 @@ class StepDriver:
             progress.averaging_s[request.node_id] = request.averaging_s
             progress.round_trip_s[request.node_id] = request.round_trip_s
             self.membership.cond.notify_all()
+
+    def _verified(self, request: pb.GradNormRequest) -> None:
+        """A verifier's recomputes of its spot checks, which come with its GradNorm; one that accuses its target goes
+        to a second verifier. ReportRefused when they are not its own (Verification.reports)."""
+        assert self.verification is not None
+        with self.membership.cond:
+            disputes = self.verification.reports(request.node_id, request.reports)
+        for dispute in disputes:
+            self.orders.send([dispute.verifier], pb.Order(verify=dispute.order()))
 
     def _take_commitments(self, request: pb.GradNormRequest) -> None:
         """Keep a GradNorm's commitments; ReportRefused when malformed (more than one per microbatch, a microbatch
@@ -300,24 +312,19 @@ class StepDriver:
         raise StepFailed(f"commitments of step {progress.step} disagree ({found[0].what}, {len(found)} in all)")
 
     def _draw_checks(self, step: int, plan: pb.Plan) -> list[Check]:
-        """The step's spot checks, drawn once every commitment is in (no node can change what it committed); they
-        go to their targets with the apply, so that only the drawn microbatches' evidence is kept."""
+        """The decided step's spot checks, drawn once every commitment is in (no node can change what it committed)
+        and issued: they go out with the apply, to their targets, so that only the drawn microbatches' evidence is kept,
+        and to their verifiers, whose orders need no message of their own."""
         assert self.verification is not None
         with self.membership.cond:
             members = self.membership.members
             classes = {n: device_class(members[n]) for n in placement.plan_nodes(plan) if members[n].alive}
-            return self.verification.draw_checks(
+            checks = self.verification.draw_checks(
                 step, plan, {mb: path for mb, (_, path) in self.progress.done.items()}, self.progress.commitments,
                 self.progress.params_before, classes,
             )
-
-    def _order_checks(self, checks: list[Check]) -> None:
-        """After a commit (every target kept its evidence as it applied): order the checks from their verifiers."""
-        assert self.verification is not None
-        with self.membership.cond:
             self.verification.issue(checks)
-        for check in checks:
-            self.orders.send([check.verifier], pb.Order(verify=check.order()))
+            return checks
 
     def step_applied(self, request: pb.StepAppliedRequest) -> None:
         """A stage replica applied the step, once; ReportRefused from a node that was not told to apply it, or
@@ -360,12 +367,11 @@ class StepDriver:
         self.orders.send(nodes, pb.Order(commit=pb.CommitStep(step=step, plan_epoch=plan.epoch)))
         wait(lambda: all(n in self.progress.norms for n in nodes), f"step {step}'s gradient norms", timeout, in_step)
         self._enter(StepPhase.NORMS_IN, step)
-        checks: list[Check] = []
         if self.verification is not None:
             self._cross_check(plan)
-            checks = self._draw_checks(step, plan)
         timings = self._timings(plan, dispatched, commit_started)
         record, decided = self._decide(step, plan, t0)
+        checks = self._draw_checks(step, plan) if self.verification is not None else []
         self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided, checks)))
         # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
         # takes up the committed state with the next plan.
@@ -385,8 +391,6 @@ class StepDriver:
         self.timings = timings
         self._committed = (plan.epoch, step, checksums)
         self._enter(StepPhase.COMMITTED, step)
-        if self.verification is not None:
-            self._order_checks(checks)
         return record
 
     def _dispatch(self, step: int, plan: pb.Plan, nodes: list[str]) -> float:

@@ -1,7 +1,7 @@
 """Verified compute, the coordinator's side: commitments cross-checked between the two ends of every hop, spot checks
-drawn once a step's commitments are in (and told to their targets with the step's apply, so that only they keep
-evidence), disputes settled by a second verifier, and the verdicts the run loop acts
-on (evict whoever was wrong, roll back to before its first planned step).
+drawn once a step's commitments are in (and told with the step's apply: to their targets, so that only they keep
+evidence, and to their verifiers, who report with their next GradNorm), disputes settled by a second verifier, and
+the verdicts the run loop acts on (evict whoever was wrong, roll back to before its first planned step).
 
 A stage on one device class is bit-exact, so a recompute from the same parameters and inputs gives the same bits:
 one differing digest is proof. The coordinator runs no model code; it compares digests (node/verifier.py computes
@@ -14,7 +14,7 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from geotrain.protocol import geotrain_pb2 as pb
@@ -114,6 +114,10 @@ class Check:
             layer_end=self.layers[1], target=self.target, target_address=self.target_address,
         )
 
+    def draw(self) -> pb.CheckDraw:
+        """The check as the step's apply tells it: its target keeps the evidence, its verifier takes the order."""
+        return pb.CheckDraw(stage=self.stage, microbatch=self.microbatch, verifier=self.verifier, order=self.order())
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -179,7 +183,7 @@ class Verification:
         params_before: dict[str, str],
         classes: dict[str, DeviceClass | None],
     ) -> list[Check]:
-        """The checks of a step whose commitments are all in (issue() them once it is applied): a fraction of its
+        """The checks of a step whose commitments are all in (issue() them as its apply goes out): a fraction of its
         (stage, microbatch) pairs, each given to a node of the
         target's device class other than the target (pairs whose target has no such node go unchecked): a replica of
         the target's stage first, else a node of the stage after it (cyclically), and so on, so that a verifier keeps
@@ -210,7 +214,8 @@ class Verification:
         return checks
 
     def issue(self, checks: Iterable[Check]) -> None:
-        """Checks whose targets were told to keep their evidence (the step applied): their reports are awaited."""
+        """Checks about to go out with their step's apply (their targets keep the evidence, their verifiers take the
+        orders): their reports are awaited."""
         self.pending.update((check.id, check) for check in checks)
 
     def report(self, report: pb.VerifyReport) -> Check | None:
@@ -247,6 +252,28 @@ class Verification:
             why = f"{where}: {check.accuser} accused it falsely ({check.accusation}); {report.node_id} recomputed it equal"
             self.verdicts.append(Verdict(check.accuser, why, check.step))
         return None
+
+    def reports(self, verifier: str, reports: Sequence[pb.VerifyReport]) -> list[Check]:
+        """A verifier's reports, as its GradNorm brings them; returns the disputes they open. ReportRefused when one is
+        another node's. Reports of checks no longer awaited are dropped, not refused (a GradNorm sent again after its
+        answer was lost carries its reports again; a coordinator restarted since knows none of its checks), and so,
+        unread, are more reports than the checks it was ever given."""
+        if any(r.node_id != verifier for r in reports):
+            raise ReportRefused(f"verify reports from {verifier} refused: not its own")
+        if len(reports) > self._load[verifier]:
+            log.info("%d verify reports from %s dropped: it was given %d checks", len(reports), verifier,
+                     self._load[verifier])
+            return []
+        disputes = []
+        for report in reports:
+            try:
+                dispute = self.report(report)
+            except ReportRefused as e:
+                log.info("%s", e)
+                continue
+            if dispute is not None:
+                disputes.append(dispute)
+        return disputes
 
     def take_verdicts(self) -> list[Verdict]:
         """The verdicts since the last call."""
