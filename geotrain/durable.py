@@ -34,7 +34,8 @@ class SequentialFile:
     on a 2-core VM (0.09 s direct), taken from the training beside it, and filled memory the nodes beside it need.
     The bytes gather in an aligned buffer, written out whenever it is full; the tail that is not a whole block goes
     through the cache at `finish`. No step holds the GIL for long: a writer at the lowest CPU priority (a checkpoint)
-    that the scheduler holds back must not hold back the threads the run needs. `fd` is the file opened the ordinary way, for what goes elsewhere (a header)."""
+    that the scheduler holds back must not hold back the threads the run needs. `fd` is the file opened the ordinary
+    way, for what goes elsewhere (a header)."""
 
     def __init__(self, path: str | Path, start: int, buffer_bytes: int = 8 << 20) -> None:
         assert start % DIRECT_ALIGN == 0 and buffer_bytes % DIRECT_ALIGN == 0

@@ -26,7 +26,9 @@ def _write(path, start: int, parts: list[bytes]) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
-def test_a_sequential_file_holds_every_byte_in_order_across_buffers_and_an_unaligned_tail(tmp_path, monkeypatch, direct):
+def test_a_sequential_file_holds_every_byte_in_order_across_buffers_and_an_unaligned_tail(
+    tmp_path, monkeypatch, direct
+):
     if not direct:
         real_open = os.open
 

@@ -317,7 +317,8 @@ def _state_server(holder: _StateHolder, token: str, raw_streams: bool) -> Iterat
     limits = PeerLimits(LimitValues())
     server, port = make_server(token, "127.0.0.1:0", limits)
     streams = TensorStreamServer("127.0.0.1", 0, None, limits, 1 << 20) if raw_streams else None
-    servicer = StageServicer(holder, 1 << 20, True, RefusalLog(), ReverseSender(NodeKey.generate(), lambda: "n"), streams)
+    reverse = ReverseSender(NodeKey.generate(), lambda: "n")
+    servicer = StageServicer(holder, 1 << 20, True, RefusalLog(), reverse, streams)
     add_stage_service(servicer, server)
     server.start()
     if streams is not None:
@@ -332,7 +333,9 @@ def _state_server(holder: _StateHolder, token: str, raw_streams: bool) -> Iterat
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("raw_streams", [True, False], ids=["raw-stream", "fetch-state"])
-def test_the_coordinator_fetches_a_stage_s_state_over_its_raw_stream_or_by_fetch_state(tmp_path, monkeypatch, raw_streams):
+def test_the_coordinator_fetches_a_stage_s_state_over_its_raw_stream_or_by_fetch_state(
+    tmp_path, monkeypatch, raw_streams
+):
     cfg, token, coordinator = _cfg(), new_token(), NodeKey.generate()
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
     holder = _StateHolder(runtime, 3, coordinator.public, str(tmp_path))

@@ -5,8 +5,9 @@
 PROTOCOL_VERSION = 16
 # 16: a raw tensor stream's TensorHeader carries no crc32 (0) and its receiver checks none (tensorstream.py): a
 #    plaintext receiver of 15 would refuse every tensor of a sender of 16 as corrupt; Stage.OpenStateStream (a
-#    node of 15 answers UNIMPLEMENTED, and is fetched from by FetchState as before); a verifier takes its checks from ApplyStep.checks (CheckDraw.verifier, .order) and reports them with its next
-#    GradNorm (GradNormRequest.reports; Coordinator.Verified is gone): a node of 15 would verify nothing
+#    node of 15 answers UNIMPLEMENTED, and is fetched from by FetchState as before); a verifier takes its checks
+#    from ApplyStep.checks (CheckDraw.verifier, .order) and reports them with its next GradNorm
+#    (GradNormRequest.reports; Coordinator.Verified is gone): a node of 15 would verify nothing
 # 15: a stage's checksum is blake3, not sha256 (framing.parameters_checksum): an older node's would differ from
 #    its replicas' and from every checkpoint's; ApplyStep.checks: a node of 14 keeps no evidence of drawn
 #    microbatches, so every check of it would go unserved
