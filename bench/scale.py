@@ -39,7 +39,7 @@ the session:
      "checkpoint_steps_s": [7.08, 7.21, 5.79, 7.11, 5.58, 7.33, 5.67, 7.68, 7.45, 5.6],
      "checkpoint_write_s": [6.0, 5.6, 7.2, 9.3, 8.7, 6.8, 8.4, 4.2], "rejoin_s": 14.33, "rejoin_profile_s": 1.29,
      "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
-and the run before it, a commit older (the stale-extension fallback): step_s 5.75, checkpoint_step_s 6.29,
+and the run before it, on the head before verify4's merge: step_s 5.75, checkpoint_step_s 6.29,
 checkpoint_cost 0.093, checkpoint_steps_s [6.69, 7.11, 5.34, 6.97, 5.39, 5.28, 6.73, 5.72, 7.46, 5.64, 7.21, 5.89].
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
 node's peak within 9% of its plan. A checkpoint takes 5-9 s to write, into the step after it: the step it starts in
