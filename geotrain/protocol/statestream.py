@@ -1,16 +1,17 @@
 """A stage's state over a raw tensor stream: a checkpoint's gigabytes off gRPC, at the lowest CPU priority.
 
 Over gRPC a state transfer cost its sender and the coordinator about a second of CPU per GB each (HTTP/2 framing,
-protobuf's copies), taken from the training beside them (bench/scale.py). So the coordinator asks a node for a ticket (Stage.OpenStateStream, signed by its key as FetchState is, carrying
-the same request), connects to the node's raw tensor stream port with it (protocol/tensorstream.py: its TLS, its
-limits), and the node answers with a TensorStreamReply (the snapshot's status, as FetchState's would be), then each
-tensor as a TensorFrame carrying its header followed by its payload, and a TensorFrame without a header at the end.
-A node that serves no raw streams, or a holder nobody can dial, is fetched from by FetchState as before.
+protobuf's copies), taken from the training beside them (bench/scale.py). So the coordinator asks a node for a ticket
+(Stage.OpenStateStream, signed by its key as FetchState is, carrying the same request), connects to the node's raw
+tensor stream port with it (protocol/tensorstream.py: its TLS, its limits), and the node answers with a
+TensorStreamReply (the snapshot's status, as FetchState's would be), then each tensor as a TensorFrame carrying its
+header followed by its payload, and a TensorFrame without a header at the end. A node that serves no raw streams, or a
+holder nobody can dial, is fetched from by FetchState as before.
 
-Both ends run their part at SCHED_IDLE (background_priority): a checkpoint is not urgent, and a pipeline's cores
-sit idle between its stages' turns, so the transfer takes those first. The sender copies each
-chunk out of the snapshot under its lock and sends it outside it, so the stage's next optimizer step never waits
-for a thread that the scheduler holds back.
+Both ends run their part at SCHED_IDLE (background_priority): a checkpoint is not urgent, and a pipeline's cores sit
+idle between its stages' turns, so the transfer takes those first. The sender copies each chunk out of the snapshot
+under its lock and sends it outside it, so the stage's next optimizer step never waits for a thread that the scheduler
+holds back.
 """
 
 from __future__ import annotations
