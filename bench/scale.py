@@ -52,6 +52,12 @@ is copied to its file then (8 to 353 MB a node in this run). Before this version
 the coordinator's page-cache writes (2.8 s of CPU a GB once written back), gRPC's framing and copies (about 1 s a GB
 at each end) and the stages fetched one after another. Writing a snapshot's file ahead of the apply measured worse
 (+2 s: the three nodes and the coordinator share one disk here), and so did the transfer at normal priority (+23%).
+Where the first step's cost lands (the coordinator's step phases logged, a later session): in the microbatch phase
+(3.2-3.8 s plain, 4.0-6.3 s while a checkpoint streams), where the nodes' own compute tasks run 50-100% longer per
+microbatch though every transfer thread is at SCHED_IDLE; the commit and apply phases barely move. Measured no better,
+so not kept: 16 MiB pieces instead of 1 MiB on the raw stream (cost 0.288), reading a snapshot only while its node's
+worker computes nothing (0.217, and the first step +2.2-2.5 s: the write took longer), glibc keeping freed memory
+(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: 0.305, and a node's peak 21% over its plan).
 """
 
 from __future__ import annotations
