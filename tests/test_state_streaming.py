@@ -5,6 +5,7 @@ deadlines that follow the bytes (issue 28). In process, on small models; the big
 from __future__ import annotations
 
 import itertools
+import ssl
 import threading
 import time
 import tracemalloc
@@ -32,6 +33,7 @@ from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import LimitValues, PeerLimits
 from geotrain.protocol.tensorstream import TensorStreamServer
+from geotrain.protocol.tls import TlsFiles, init_run_tls
 from geotrain.protocol.transport import make_server
 from geotrain.scheduler import checkpoint as checkpoint_module
 from geotrain.scheduler.checkpoint import CheckpointStore, state_bound, stage_checksum
@@ -312,11 +314,12 @@ class _StateHolder:
 
 
 @contextmanager
-def _state_server(holder: _StateHolder, token: str, raw_streams: bool) -> Iterator[str]:
-    """A node's Stage server on loopback serving `holder`'s state, with a raw stream port or without; its address."""
+def _state_server(holder: _StateHolder, token: str, raw_streams: bool, tls: TlsFiles | None = None) -> Iterator[str]:
+    """A node's Stage server on loopback serving `holder`'s state, with a raw stream port or without, over TLS with
+    `tls`; its address."""
     limits = PeerLimits(LimitValues())
-    server, port = make_server(token, "127.0.0.1:0", limits)
-    streams = TensorStreamServer("127.0.0.1", 0, None, limits, 1 << 20) if raw_streams else None
+    server, port = make_server(token, "127.0.0.1:0", limits, tls=tls)
+    streams = TensorStreamServer("127.0.0.1", 0, tls, limits, 1 << 20) if raw_streams else None
     reverse = ReverseSender(NodeKey.generate(), lambda: "n")
     servicer = StageServicer(holder, 1 << 20, True, RefusalLog(), reverse, streams)
     add_stage_service(servicer, server)
@@ -352,6 +355,28 @@ def test_the_coordinator_fetches_a_stage_s_state_over_its_raw_stream_or_by_fetch
         with pytest.raises(LookupError, match="PERMISSION_DENIED"):  # a key outside the node's plan
             framing.read_state(stage_state_stream(address, token, 3, NodeKey.generate()))
     assert holder.open == 0  # every snapshot closed, whatever became of its stream
+
+
+@pytest.mark.timeout(60)
+def test_a_tls_run_s_state_streams_are_tls_with_its_files(tmp_path, monkeypatch):
+    cfg, token, coordinator = _cfg(), new_token(), NodeKey.generate()
+    files = []
+    for name in ("a", "b"):
+        init_run_tls(tmp_path / name)
+        files.append(TlsFiles.load(tmp_path / name))
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    holder = _StateHolder(runtime, 3, coordinator.public, str(tmp_path))
+    sent = []
+    real_send = statestream.send_state
+    monkeypatch.setattr(statestream, "send_state", lambda sock, *a: sent.append(type(sock)) or real_send(sock, *a))
+    with _state_server(holder, token, True, tls=files[0]) as address:
+        state = framing.read_state(stage_state_stream(address, token, 3, coordinator, files[0]))
+        expected = dict(runtime.full_state())
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
+        assert sent == [ssl.SSLSocket]  # over the raw stream, encrypted
+        with pytest.raises(LookupError):  # another run's files fail the handshake
+            framing.read_state(stage_state_stream(address, token, 3, coordinator, files[1], deadline_s=10))
+    assert holder.open == 0
 
 
 @pytest.mark.timeout(60)
