@@ -57,7 +57,9 @@ Where the first step's cost lands (the coordinator's step phases logged, a later
 microbatch though every transfer thread is at SCHED_IDLE; the commit and apply phases barely move. Measured no better,
 so not kept: 16 MiB pieces instead of 1 MiB on the raw stream (cost 0.288), reading a snapshot only while its node's
 worker computes nothing (0.217, and the first step +2.2-2.5 s: the write took longer), glibc keeping freed memory
-(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: 0.305, and a node's peak 21% over its plan).
+(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: 0.305, and a node's peak 21% over its plan). Nodes fault in 100k to
+600k pages a second while they train (their tensors' fresh allocations); torch's huge pages for them
+(THP_MEM_ALLOC_ENABLE=1) made every step slower (step_s 8.25).
 """
 
 from __future__ import annotations
