@@ -51,7 +51,8 @@ steps/s the data head makes some 240 calls/s.
 
 The next version (digests read a tensor's bytes through numpy), under the lock, --pairs 5: costs 17.9, 14.7, 10.7, 9.8,
 10.2%, median 10.7% (e.g. 4,390.3 tokens/s against 4,914.4 off; 949 checks at 8.79 ms); 8.5, 9.7, 6.5, 11.8, 12.5%,
-median 9.7% (877 checks at 8.25 ms): not clearly under the goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each;
+median 9.7% (877 checks at 8.25 ms); beside other load (its runs without verification from 3,680 to 5,152 tokens/s) 0.4,
+15.8, 17.2, 9.3, 4.6%, median 9.3%: not clearly under the goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each;
 the adversaries caught (the work of steps 1, 1, 0, 0), verdicts at steps 4, 4, 3, 3, evicted, max |diff| 0.0. Where the
 cost lies, measured on the way (300-step runs, interleaved, under the lock): the commitments alone (verify.fraction
 1e-6: every hash and report, no check) cost some two thirds of what the checks and commitments together did (means of
