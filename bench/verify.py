@@ -48,6 +48,21 @@ cost the same and the recompute f of the compute, so the share falls. What would
 tensor stream rather than a gRPC call (protocol/tensorstream.py), a recompute that neither accumulates float64 sums nor
 reloads the runtime (node/stage.py). The honest runs need limits.calls_per_s above the default 200 (TINY): at about 40
 steps/s the data head makes some 240 calls/s.
+
+The next version (digests read a tensor's bytes through numpy), under the lock, --pairs 5: costs 17.9, 14.7, 10.7, 9.8,
+10.2%, median 10.7% (e.g. 4,390.3 tokens/s against 4,914.4 off; 949 checks at 8.79 ms); 8.5, 9.7, 6.5, 11.8, 12.5%,
+median 9.7% (877 checks at 8.25 ms); beside other load (its runs without verification from 3,680 to 5,152 tokens/s) 0.4,
+15.8, 17.2, 9.3, 4.6%, median 9.3%: not clearly under the goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each;
+the adversaries caught (the work of steps 1, 1, 0, 0), verdicts at steps 4, 4, 3, 3, evicted, max |diff| 0.0. Where the
+cost lies, measured on the way (300-step runs, interleaved, under the lock): the commitments alone (verify.fraction
+1e-6: every hash and report, no check) cost some two thirds of what the checks and commitments together did (means of
+four runs each: 4,321 tokens/s, and 4,117 at 0.05, against 4,788 off), so the commitments (hashes, their bookkeeping,
+their reports) are the larger part, and the checks the smaller. In the nodes, timed per call: hash_pending's wall time
+is some 3 times its CPU time (the worker descheduled on shared cores), and its CPU 3 to 7 times that of the same hashes
+in a quiet process; the coordinator's verification (cross-check, draw, commitments, reports) some 0.2 ms a step. Tried,
+measured no better, not kept: hashing in the worker's idle time (a task at VERIFY priority) rather than after each task
+(means 4,542 against 4,571 tokens/s inline, three runs each). Next: the commitments' Python per microbatch (some 40
+hashes a step, each with its bookkeeping), and the evidence's gRPC call.
 """
 
 from __future__ import annotations

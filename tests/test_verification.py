@@ -105,6 +105,18 @@ def _verify(cfg, evidence: Evidence, batch) -> tuple[str, pb.MicrobatchCommitmen
     return params, committed, pb.VerifyReport(node_id="v", check=1, params_checksum=checksum, digests=digests)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_a_digest_is_of_the_bytes_whatever_the_dtype_layout_or_autograd(dtype) -> None:
+    x = (torch.arange(24) % 7).to(dtype).reshape(4, 6)
+    same = [x.clone(), x.t().contiguous().t(), x.float().requires_grad_(True).to(dtype)]
+    assert all(verifier.digest(t) == verifier.digest(x) for t in same)
+    flipped = x.clone()
+    flipped.view(-1)[5] += 1
+    assert verifier.digest(flipped) != verifier.digest(x) and verifier.digest(x.reshape(6, 4)) != verifier.digest(x)
+    assert verifier.digest_all([x, None, same[2]]) == verifier.digest_all([same[0], None, x])
+    assert verifier.digest_all([x, None, x]) not in (verifier.digest_all([x, x, None]), verifier.digest_all([flipped, None, x]))
+
+
 def test_an_honest_stage_recomputed_elsewhere_gives_the_same_bits() -> None:
     cfg = _config()
     with one_compute_thread():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import blake3
 import grpc
+import numpy as np
 import torch
 
 from geotrain.node.device import COMPUTE_DTYPES, device_pool
@@ -42,17 +43,34 @@ def digest(tensor: torch.Tensor) -> bytes:
     """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
     stage sends or receives has one, so it takes as few calls as it can: a host tensor is not copied, and the header
     of a dtype and shape is made once)."""
-    t = tensor.detach()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.cpu().contiguous()
+    t = _host(tensor)
     hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
-    hasher.update(t.view(-1).view(torch.uint8).numpy())
+    hasher.update(_bytes(t))
     return hasher.digest(_DIGEST_BYTES)
 
 
 @functools.lru_cache(maxsize=64)
 def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return f"{dtype}{shape}".encode()
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself where it is a contiguous host tensor (the usual case: no torch call), else a host copy."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor.detach().cpu().contiguous()
+    return tensor
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's bytes, without a copy: through numpy where its dtype allows (a call, against
+    torch's three, for each of the dozens of tensors hashed every microbatch)."""
+    if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
+        t = t.detach().view(-1).view(torch.uint8)
+    return t.numpy().reshape(-1).view(np.uint8)
+
+
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8,
+                           torch.uint8, torch.bool})
 
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
@@ -66,9 +84,9 @@ def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     size = 0
     for t in [*tensors, None]:  # a last None ends the last run
         if group and (t is None or t.dtype != group[0].dtype or size >= _GROUP_BYTES):
-            flat = torch._utils._flatten_dense_tensors(group).detach()
+            flat = _host(torch._utils._flatten_dense_tensors(group))
             hasher.update(str(flat.dtype).encode())
-            hasher.update(flat.cpu().view(torch.uint8).numpy())
+            hasher.update(_bytes(flat))
             group, size = [], 0
         if t is not None:
             group.append(t)
