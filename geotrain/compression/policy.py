@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 
@@ -68,6 +69,9 @@ class LinkEstimate:
 
     bytes_per_s: float
     latency_s: float
+
+
+_BYTES, _RETURNED = itemgetter(0), itemgetter(2)  # of a call (bytes, sent, returned)
 
 
 class LinkEstimator:
@@ -121,11 +125,12 @@ class LinkEstimator:
 
     def _fit(self) -> LinkEstimate | None:
         """Bandwidth and latency of the window's calls, as the class docstring says."""
-        calls = sorted(self._calls, key=lambda c: c[2])
-        total = sum(n for n, _, _ in calls)
+        calls = sorted(self._calls, key=_RETURNED)
+        total = sum(map(_BYTES, calls))
         latency, bytes_per_s = self._latency_floor, 0.0
-        # It runs every few calls a node sends: the loop is plain comparisons (builtin max calls made it 2.5x slower),
-        # and rounds stop at a fixed point (a latency that a round leaves unchanged, every later round would too).
+        # It runs every few calls a node sends: the loops are plain comparisons (builtin max calls made it 2.5x slower,
+        # and a generator is a frame), and rounds stop at a fixed point (a latency that a round leaves unchanged,
+        # every later round would too).
         for _ in range(self.rounds):
             occupied, left = 0.0, -math.inf
             for n, sent, returned in calls:
@@ -138,7 +143,11 @@ class LinkEstimator:
             if occupied <= 0:
                 return None
             bytes_per_s = total / occupied
-            floor = min(returned - sent - n / bytes_per_s for n, sent, returned in calls)
+            floor = math.inf
+            for n, sent, returned in calls:
+                waited = returned - sent - n / bytes_per_s
+                if waited < floor:
+                    floor = waited
             settled = max(self._latency_floor, floor, 0.0)
             if settled == latency:
                 break

@@ -196,6 +196,9 @@ class DataPlane:
 
     def stub(self, address: str) -> rpc.StageStub:
         """The Stage stub for a peer, creating its channel on first use."""
+        stub = self._stubs.get(address)  # as every tensor finds it: no lock taken (a dict read is atomic)
+        if stub is not None:
+            return stub
         with self._lock:
             if address not in self._stubs:
                 channel = make_channel(address, self._token, self._node_id, self._tls, self._key)
@@ -259,10 +262,10 @@ class DataPlane:
             route = self._relays.get(peer)
         # The link estimate counts the emulated delay from before its queue, as a real call's time counts waiting behind
         # earlier messages: the estimator tells the wait and the latency from the wire's time.
-        began = time.monotonic()
+        began = started = time.monotonic()
         if self.emulator is not None:
             self.emulator.delay(peer, len(payload))
-        started = time.monotonic()
+            started = time.monotonic()
         deadline = self.deadlines.for_peer(peer)
         suspect = None
         if self._on_peer_unavailable is not None:
@@ -308,8 +311,9 @@ class DataPlane:
                 self._streams.send(
                     address, ticket, framing.DIRECTIONS[direction], ref, encoded.header, encoded.payload, deadline
                 )
-                tls = " (TLS)" if self._tls_streams else ""
-                self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
+                if self._said.get(peer) is not True:  # as nearly every tensor finds it: no line made
+                    tls = " (TLS)" if self._tls_streams else ""
+                    self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
                 return True
             except NoStream as e:
                 if e.lasting:
