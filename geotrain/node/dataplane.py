@@ -203,7 +203,6 @@ class DataPlane:
             if address not in self._stubs:
                 channel = make_channel(address, self._token, self._node_id, self._tls, self._key)
                 self._channels[address] = channel
-                self._stubs[address] = rpc.StageStub(channel)
                 self._tensor_calls[address] = {
                     direction: channel.stream_unary(
                         f"/geotrain.v1.Stage/{method}", request_serializer=None,
@@ -211,6 +210,8 @@ class DataPlane:
                     )
                     for direction, method in (("forward", "Forward"), ("backward", "Backward"))
                 }
+                # Last: a stub read without the lock promises its tensor calls.
+                self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]
 
     def take_turn(self, peer: str, address: str, direction: str) -> Turn:
