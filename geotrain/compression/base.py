@@ -221,9 +221,9 @@ class Codec(abc.ABC):
             what = cls.param_key or "parameter"
             raise CodecError(f"codec {cls.base_name!r}: {what} must be in [{low}, {high}], got {param}")
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """Canonical spec string: get_codec(codec.name) makes an equal codec."""
+        """Canonical spec string: get_codec(codec.name) makes an equal codec (read for every tensor sent)."""
         return self.base_name if self.param_key is None else f"{self.base_name}:{self.param_key}={self.param}"
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 
@@ -70,6 +71,9 @@ class LinkEstimate:
     latency_s: float
 
 
+_BYTES, _RETURNED = itemgetter(0), itemgetter(2)  # of a call (bytes, sent, returned)
+
+
 class LinkEstimator:
     """Bandwidth and latency of one link from the calls it carried: bytes, when each was sent and when it returned.
 
@@ -82,13 +86,18 @@ class LinkEstimator:
     probes (`probed`); the two are solved together by a few rounds of fixed point, and smoothed across calls. A link whose
     calls never overlap and all carry one size cannot tell its latency from its bandwidth without a probe: its
     latency counts as bandwidth, which errs towards compressing.
+
+    The window is refitted at its first call and then once every `refit` calls, the smoothing weighing the fit as
+    that many calls' fits: consecutive windows share all but a call, and a fit on every call was a tenth of a raw
+    tensor stream's CPU above a raw socket's (bench/tensor_path.py; a node sends a tensor per call).
     """
 
-    def __init__(self, window: int = 32, alpha: float = 0.2, rounds: int = 6) -> None:
-        self.alpha, self.rounds = alpha, rounds
+    def __init__(self, window: int = 32, alpha: float = 0.2, rounds: int = 6, refit: int = 8) -> None:
+        self.alpha, self.rounds, self.refit = alpha, rounds, refit
         self._calls: deque[tuple[int, float, float]] = deque(maxlen=window)  # (bytes, sent, returned)
         self._latency_floor = 0.0
         self._smoothed: LinkEstimate | None = None
+        self._unfitted = 0  # calls since the last fit
 
     def probed(self, round_trip_s: float) -> None:
         """Record an empty probe's round trip: half the least one bounds a call's latency from below (a probe can
@@ -102,21 +111,26 @@ class LinkEstimator:
         if returned <= sent or nbytes <= 0:
             return
         self._calls.append((nbytes, sent, returned))
+        self._unfitted += 1
+        if self._smoothed is not None and self._unfitted < self.refit:
+            return
         fitted = self._fit()
         if fitted is None:
             return
-        old, a = self._smoothed, self.alpha
+        old, a = self._smoothed, 1 - (1 - self.alpha) ** self._unfitted
+        self._unfitted = 0
         self._smoothed = fitted if old is None else LinkEstimate(
             (1 - a) * old.bytes_per_s + a * fitted.bytes_per_s, (1 - a) * old.latency_s + a * fitted.latency_s
         )
 
     def _fit(self) -> LinkEstimate | None:
         """Bandwidth and latency of the window's calls, as the class docstring says."""
-        calls = sorted(self._calls, key=lambda c: c[2])
-        total = sum(n for n, _, _ in calls)
+        calls = sorted(self._calls, key=_RETURNED)
+        total = sum(map(_BYTES, calls))
         latency, bytes_per_s = self._latency_floor, 0.0
-        # It runs on every call a node sends: the loop is plain comparisons (builtin max calls made it 2.5x slower),
-        # and rounds stop at a fixed point (a latency that a round leaves unchanged, every later round would too).
+        # It runs every few calls a node sends: the loops are plain comparisons (builtin max calls made it 2.5x slower,
+        # and a generator is a frame), and rounds stop at a fixed point (a latency that a round leaves unchanged,
+        # every later round would too).
         for _ in range(self.rounds):
             occupied, left = 0.0, -math.inf
             for n, sent, returned in calls:
@@ -129,7 +143,11 @@ class LinkEstimator:
             if occupied <= 0:
                 return None
             bytes_per_s = total / occupied
-            floor = min(returned - sent - n / bytes_per_s for n, sent, returned in calls)
+            floor = math.inf
+            for n, sent, returned in calls:
+                waited = returned - sent - n / bytes_per_s
+                if waited < floor:
+                    floor = waited
             settled = max(self._latency_floor, floor, 0.0)
             if settled == latency:
                 break

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
@@ -195,11 +196,13 @@ class DataPlane:
 
     def stub(self, address: str) -> rpc.StageStub:
         """The Stage stub for a peer, creating its channel on first use."""
+        stub = self._stubs.get(address)  # as every tensor finds it: no lock taken (a dict read is atomic)
+        if stub is not None:
+            return stub
         with self._lock:
             if address not in self._stubs:
                 channel = make_channel(address, self._token, self._node_id, self._tls, self._key)
                 self._channels[address] = channel
-                self._stubs[address] = rpc.StageStub(channel)
                 self._tensor_calls[address] = {
                     direction: channel.stream_unary(
                         f"/geotrain.v1.Stage/{method}", request_serializer=None,
@@ -207,6 +210,8 @@ class DataPlane:
                     )
                     for direction, method in (("forward", "Forward"), ("backward", "Backward"))
                 }
+                # Last: a stub read without the lock promises its tensor calls.
+                self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]
 
     def take_turn(self, peer: str, address: str, direction: str) -> Turn:
@@ -245,8 +250,9 @@ class DataPlane:
                     self._codec_states[key] = (codec.name, codec.new_state(error_feedback=False))
                 state = self._codec_states[key][1]
             payload = codec.encode(tensor, state)
-        header = framing.make_header("", tensor.dtype, tuple(tensor.shape), codec.codec_id, payload, checksum=False)
-        return Encoded(header, payload, tensor.numel() * tensor.element_size(), codec.name)
+        dtype, shape = tensor.dtype, tensor.shape  # each torch attribute read once: a send's Python runs cache-cold
+        header = framing.make_header("", dtype, shape, codec.codec_id, payload, checksum=False)
+        return Encoded(header, payload, math.prod(shape) * dtype.itemsize, codec.name)
 
     def send(self, peer: str, address: str, direction: str, ref: pb.MicrobatchRef, encoded: Encoded) -> None:
         """Send one encoded tensor to node `peer` at `address`, to its Forward ("forward") or Backward ("backward")
@@ -257,10 +263,10 @@ class DataPlane:
             route = self._relays.get(peer)
         # The link estimate counts the emulated delay from before its queue, as a real call's time counts waiting behind
         # earlier messages: the estimator tells the wait and the latency from the wire's time.
-        began = time.monotonic()
+        began = started = time.monotonic()
         if self.emulator is not None:
             self.emulator.delay(peer, len(payload))
-        started = time.monotonic()
+            started = time.monotonic()
         deadline = self.deadlines.for_peer(peer)
         suspect = None
         if self._on_peer_unavailable is not None:
@@ -306,8 +312,9 @@ class DataPlane:
                 self._streams.send(
                     address, ticket, framing.DIRECTIONS[direction], ref, encoded.header, encoded.payload, deadline
                 )
-                tls = " (TLS)" if self._tls_streams else ""
-                self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
+                if self._said.get(peer) is not True:  # as nearly every tensor finds it: no line made
+                    tls = " (TLS)" if self._tls_streams else ""
+                    self._say(peer, True, f"tensors to {peer} go over a raw tensor stream{tls}")
                 return True
             except NoStream as e:
                 if e.lasting:

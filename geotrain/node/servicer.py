@@ -55,8 +55,11 @@ def all_finite(tensor: torch.Tensor, data: Buffer | None = None) -> bool:
     exact test only where the sum is not (such an element, or finite ones that overflow). On a 1 MiB activation the
     kernel reads it at about the sum's speed, without its dispatch."""
     layout = _EXPONENTS.get(tensor.dtype)
-    if _finite_kernel is not None and layout is not None and tensor.is_contiguous():
-        return _finite_kernel(data if data is not None else framing.flat_bytes(tensor).numpy(), *layout)
+    if _finite_kernel is not None and layout is not None:
+        if data is not None:  # the tensor's own bytes: contiguous
+            return _finite_kernel(data, *layout)
+        if tensor.is_contiguous():
+            return _finite_kernel(framing.flat_bytes(tensor).numpy(), *layout)
     if math.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))):
         return True
     return bool(torch.isfinite(tensor).all())
@@ -66,15 +69,16 @@ def decode_tensor(received: framing.ReceivedTensor, check_finite: bool, pin: boo
     """Decode a received payload with the codec its header names (into pinned memory if `pin`: for a CUDA device);
     raises FrameError on bad input."""
     header, data = received.header, None
+    dtype = framing.WIRE_TO_TORCH[header.dtype]  # the decode's: torch's own attributes cost more
     try:
         if received.tensor is not None:  # read into a tensor of its own, as destination() gave it: its own decode
             tensor, data = received.tensor, received.payload
         else:
             codec = codec_from_payload(header.codec, received.payload)
-            tensor = codec.decode(received.payload, tuple(header.shape), framing.WIRE_TO_TORCH[header.dtype], pin)
+            tensor = codec.decode(received.payload, tuple(header.shape), dtype, pin)
     except CodecError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode tensor: {e}") from None
-    if check_finite and tensor.is_floating_point() and not all_finite(tensor, data):
+    if check_finite and dtype.is_floating_point and not all_finite(tensor, data):
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, "tensor contains NaN or Inf")
     return tensor
 
@@ -166,12 +170,12 @@ class StageServicer(rpc.StageServicer):
     def destination(self, header: pb.TensorHeader) -> torch.Tensor | None:
         """A new tensor that an admitted uncompressed payload is read straight into (pinned for a CUDA node), its
         decode; None for any other payload, decoded (or refused) from the bytes received."""
-        dtype = framing.WIRE_TO_TORCH.get(header.dtype)
+        dtype, shape = framing.WIRE_TO_TORCH.get(header.dtype), header.shape
         if header.codec != pb.CODEC_NONE or dtype is None:
             return None
-        if header.payload_bytes != math.prod(header.shape) * dtype.itemsize:
+        if header.payload_bytes != math.prod(shape) * dtype.itemsize:
             return None  # the codec's decode refuses it
-        return new_tensor(header.shape, dtype, self.pin_decoded)
+        return new_tensor(shape, dtype, self.pin_decoded)
 
     def take(self, direction: str, received: framing.ReceivedTensor) -> None:
         """Decode a tensor whose payload passed its checksum (into a tensor of its own) and hand it to the node;

@@ -92,15 +92,17 @@ class Closed(Exception):
 
 def recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
     """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
-    out (a kept connection between tensors); any other raises socket.timeout."""
+    out (a kept connection between tensors); any other raises socket.timeout. A socket without TLS is asked for all
+    of it at once (MSG_WAITALL: on a blocking socket, one system call however many segments the bytes came in)."""
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # python's ssl takes no flags
     filled, n = 0, len(view)
     while filled < n:
         try:
-            got = sock.recv_into(view[filled:])
-        except socket.timeout:
+            got = sock.recv_into(view[filled:] if filled else view, 0, flags)
+        except (socket.timeout, BlockingIOError):  # the latter: a blocking socket's kernel timeout (kernel_timeout)
             if idle_ok and filled == 0:
                 continue
-            raise
+            raise socket.timeout("timed out") from None
         if not got:
             raise Closed(f"the stream ended {n - filled} bytes short" if filled else "the stream ended")
         filled += got
@@ -114,6 +116,20 @@ def _tune(sock: socket.socket) -> None:
     for option, value in (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+
+
+def kernel_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` blocking, each of its sends and receives bounded by `seconds` (> 0) in the kernel (SO_SNDTIMEO,
+    SO_RCVTIMEO: recv_into raises socket.timeout past it, a send BlockingIOError): a python timeout polls the socket
+    before every call, a system call each. Not for a TLS socket, which python's ssl drives through its timeout."""
+    sock.settimeout(None)
+    microseconds = max(1, round(seconds * 1e6))
+    value = _TIMEVAL.pack(microseconds // 1_000_000, microseconds % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def _framed(message: Message) -> bytes:
@@ -138,9 +154,10 @@ def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M
     if length > MAX_FRAME_BYTES:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {length} bytes on a tensor stream")
     data = bytearray(length)
-    recv_into(sock, memoryview(data))
+    if length:  # an OK reply is empty
+        recv_into(sock, memoryview(data))
     try:
-        return kind.FromString(bytes(data))
+        return kind.FromString(data)
     except DecodeError as e:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {kind.__name__}: {e}") from None
 
@@ -312,11 +329,16 @@ class TensorStreamServer:
     def _tensors(self, sock: socket.socket, peer: str, key: bytes) -> None:
         """Read, check and hand over tensors until the connection ends (Closed) or breaks a limit."""
         assert self._sink is not None
-        sink, buffer = self._sink, bytearray()
+        sink, buffer, idle = self._sink, bytearray(), 0.0
+        plain = not isinstance(sock, ssl.SSLSocket)
         while True:
             idle_s = self._limits.values.idle_stream_s
-            if sock.gettimeout() != idle_s:  # setting it costs a system call, whatever it was
-                sock.settimeout(idle_s)
+            if idle_s != idle:  # setting it costs system calls, whatever it was
+                if plain:
+                    kernel_timeout(sock, idle_s)
+                else:
+                    sock.settimeout(idle_s)
+                idle = idle_s
             frame = read_message(sock, pb.TensorFrame, idle_ok=True)
             header, direction = frame.header, framing.DIRECTION_NAMES.get(frame.direction, "")
             try:
@@ -338,7 +360,7 @@ class TensorStreamServer:
                 continue
             tensor = sink.destination(header)
             if tensor is not None:
-                payload = memoryview(framing.flat_bytes(tensor).numpy())
+                payload = framing.byte_view(tensor)
             else:
                 if len(buffer) < size:
                     buffer = bytearray(size)
@@ -396,10 +418,13 @@ class NoStream(Exception):
 
 
 class _Connection:
-    """One open tensor stream at the sender, used by one send at a time."""
+    """One open tensor stream at the sender, used by one send at a time. Without TLS its socket blocks, bounded by
+    the kernel's timeouts (kernel_timeout), so that a tensor is one system call out and one back."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._plain = not isinstance(sock, ssl.SSLSocket)
+        self._timeout = 0.0  # what the socket's operations are bounded by now; 0: not yet set
 
     def send(self, frame: bytes, payload: Buffer, deadline: float) -> pb.TensorStreamReply:
         """Write one tensor and read its reply by `deadline` (time.monotonic, within a tenth of the time left);
@@ -407,25 +432,38 @@ class _Connection:
         sock = self.sock
         self._bound(deadline)
         head = _LENGTH.pack(len(frame)) + frame
-        if isinstance(sock, ssl.SSLSocket):  # python's ssl has no sendmsg
+        if not self._plain:  # python's ssl has no sendmsg
             sock.sendall(head)
             sock.sendall(payload)
-        else:  # frame and payload in one system call where the socket takes them at once
-            sent = sock.sendmsg((head, payload))
-            if sent < len(head):
-                sock.sendall(head[sent:])
-                sent = len(head)
-            sock.sendall(memoryview(payload).cast("B")[sent - len(head) :])
+        else:  # frame and payload in one system call, which returns short only at the timeout
+            try:
+                sent = sock.sendmsg((head, payload))
+                view = memoryview(payload).cast("B")
+                if sent < len(head) + len(view):
+                    self._send_rest(head[sent:], deadline)
+                    self._send_rest(view[max(0, sent - len(head)) :], deadline)
+            except BlockingIOError:  # the kernel's timeout, nothing sent
+                raise socket.timeout("timed out") from None
         self._bound(deadline)
         return read_message(sock, pb.TensorStreamReply)
 
+    def _send_rest(self, view: Buffer, deadline: float) -> None:
+        """Send what a write left, each call bounded by the time left (as a python timeout bounds sendall)."""
+        view = memoryview(view)
+        while view:
+            self._bound(deadline)
+            view = view[self.sock.send(view) :]
+
     def _bound(self, deadline: float) -> None:
-        """Bound the socket's operations by the time left to `deadline`; setting it costs a system call, so one set
+        """Bound the socket's operations by the time left to `deadline`; setting it costs system calls, so one set
         within a tenth of that is kept."""
         left = max(1e-3, deadline - time.monotonic())
-        current = self.sock.gettimeout()
-        if current is None or not 0.9 * current <= left <= 1.1 * current:
-            self.sock.settimeout(left)
+        if not 0.9 * self._timeout <= left <= 1.1 * self._timeout:
+            if self._plain:
+                kernel_timeout(self.sock, left)
+            else:
+                self.sock.settimeout(left)
+            self._timeout = left
 
     def close(self) -> None:
         self.sock.close()
