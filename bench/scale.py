@@ -26,29 +26,28 @@ finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
 This version, the defaults (374M parameters, three nodes capped at 5 GiB, 24 steps, a checkpoint every 3, the node
-of stage 1 SIGKILLed after step 7; the run rolled back to step 6's checkpoint), the lock held, on the merged code of
-the session:
-    {"node": "node-1", "peak_rss_bytes": 3671957504, "planned_bytes": 3699281920, "error": -0.007, "peak_in_step": 17}
-    {"node": "node-2", "peak_rss_bytes": 4071944192, "planned_bytes": 4475224064, "error": -0.09, "peak_in_step": 3}
-    {"node": "node-3", "peak_rss_bytes": 4124950528, "planned_bytes": 4067409920, "error": 0.014, "peak_in_step": 6}
-    {"node": "node-2 rejoined", "peak_rss_bytes": 4134592512, "planned_bytes": 4475224064, "error": -0.076, ...}
+of stage 1 SIGKILLed after step 7, the run rolled back to step 6's checkpoint), the lock held, warm-up steps left out:
+    {"node": "node-1", "peak_rss_bytes": 3867058176, "planned_bytes": 4101124096, "error": -0.057, "peak_in_step": 5}
+    {"node": "node-2", "peak_rss_bytes": 4583641088, "planned_bytes": 4792168448, "error": -0.044, "peak_in_step": 6}
+    {"node": "node-3", "peak_rss_bytes": 4555378688, "planned_bytes": 4798103552, "error": -0.051, "peak_in_step": 22}
+    {"node": "node-1 rejoined", "peak_rss_bytes": 4114235392, "planned_bytes": 4460843008, "error": -0.078, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
-     "coordinator_peak_rss_bytes": 366841856, "checkpoint_bytes": 4489557470, "step_s": 5.72,
-     "checkpoint_step_s": 7.09, "checkpoint_cost": 0.241,
-     "steps_s": [7.62, 5.83, 5.87, 5.67, 6.49, 5.68, 5.65, 5.35, 5.76, 5.52, 6.15, 5.5],
-     "checkpoint_steps_s": [7.08, 7.21, 5.79, 7.11, 5.58, 7.33, 5.67, 7.68, 7.45, 5.6],
-     "checkpoint_write_s": [6.0, 5.6, 7.2, 9.3, 8.7, 6.8, 8.4, 4.2], "rejoin_s": 14.33, "rejoin_profile_s": 1.29,
+     "coordinator_peak_rss_bytes": 363974656, "checkpoint_bytes": 4489557473, "step_s": 5.92,
+     "checkpoint_step_s": 7.05, "checkpoint_cost": 0.192,
+     "steps_s": [8.08, 7.18, 5.92, 6.41, 6.6, 5.58, 5.54, 5.46, 5.61],
+     "checkpoint_steps_s": [7.9, 5.94, 7.74, 8.22, 6.66, 7.09, 5.51, 7.05, 5.73, 7.2, 6.45],
+     "checkpoint_write_s": [5.1, 5.0, 7.4, 6.3, 7.2, 7.6, 7.9, 4.1], "rejoin_s": 13.18, "rejoin_profile_s": 1.3,
      "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
-and the run before it, on the head before verify4's merge: step_s 5.75, checkpoint_step_s 6.29,
-checkpoint_cost 0.093, checkpoint_steps_s [6.69, 7.11, 5.34, 6.97, 5.39, 5.28, 6.73, 5.72, 7.46, 5.64, 7.21, 5.89].
+Runs before the warm-up steps were left out printed checkpoint_cost 0.093 and 0.241 (the head before tpath3's and
+verify5's merges), and 0.071 on this head (its step_s 6.85: its first step took 13.6 s).
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node's peak within 9% of its plan. A checkpoint takes 5-9 s to write, into the step after it: the step it starts in
-takes about 1.3 s longer (+22-25%), the step it ends in nothing that shows, so the median over the steps it overlaps
+node's peak within 9% of its plan. A checkpoint takes 4-9 s to write, into the step after it: the step it starts in
+takes about 1.1-2.3 s longer (+20-40%), the step it ends in nothing that shows, so the median over the steps it overlaps
 is +9% or +24% as the two kinds fall. The goal (+10%) holds for the second kind only. What the first still pays: the
 checkpoint moves 4.5 GB on the 2 cores the nodes' steps fill (the coordinator at about 0.4 s of CPU a GB: a socket
 copy, crc32, blake3 of the parameters, the copy into the O_DIRECT buffer; each node about 0.25), at the lowest CPU
 priority, which the pipeline's first phase leaves little room for; and what a holder has not sent by its next apply
-is copied to its file then (8 to 353 MB a node in this run). Before this version the same step cost +75% to +101%:
+is copied to its file then (8 to 353 MB a node in a run of the session before). Before this version the same step cost +75% to +101%:
 the coordinator's page-cache writes (2.8 s of CPU a GB once written back), gRPC's framing and copies (about 1 s a GB
 at each end) and the stages fetched one after another. Writing a snapshot's file ahead of the apply measured worse
 (+2 s: the three nodes and the coordinator share one disk here), and so did the transfer at normal priority (+23%).
