@@ -110,7 +110,8 @@ ends with their timing), and raw's own sender spends a sixth of its user time in
 Per process (os.times and /proc, 4000 messages, lock held), us of CPU per message, user and system: geotrain-tcp's
 sender 85-107 and 248-282, receiver 107-145 and 122-140; raw's 30-50 and 172-252, 27-47 and 110-148. What is left
 above raw is user time: the finiteness pass (about 28 us of the receiver's) and some 45 Python calls on each end,
-each a few us as it runs cache-cold after the payload's copy.
+each a few us as it runs cache-cold after the payload's copy. On the merged head, the machine otherwise quiet, three
+invocations: geotrain-tcp 0.562, 0.614 and 0.607 against raw 0.417, 0.421 and 0.404 (1.35x, 1.46x and 1.50x).
 """
 
 from __future__ import annotations
