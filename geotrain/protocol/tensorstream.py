@@ -99,7 +99,7 @@ def recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> N
     while filled < n:
         try:
             got = sock.recv_into(view[filled:] if filled else view, 0, flags)
-        except (socket.timeout, BlockingIOError):  # the latter: a blocking socket's kernel timeout (kernel_timeout)
+        except (socket.timeout, BlockingIOError):  # the latter: a blocking socket's kernel timeout (bound_calls)
             if idle_ok and filled == 0:
                 continue
             raise socket.timeout("timed out") from None
@@ -121,10 +121,14 @@ def _tune(sock: socket.socket) -> None:
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
-def kernel_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make `sock` blocking, each of its sends and receives bounded by `seconds` (> 0) in the kernel (SO_SNDTIMEO,
-    SO_RCVTIMEO: recv_into raises socket.timeout past it, a send BlockingIOError): a python timeout polls the socket
-    before every call, a system call each. Not for a TLS socket, which python's ssl drives through its timeout."""
+def bound_calls(sock: socket.socket, seconds: float) -> None:
+    """Bound each of `sock`'s sends and receives by `seconds` (> 0). A socket without TLS is made blocking and bounded
+    in the kernel (SO_SNDTIMEO, SO_RCVTIMEO: recv_into raises socket.timeout past it, a send BlockingIOError): a python
+    timeout polls the socket before every call, a system call each. A TLS socket, which python's ssl drives through
+    its own timeout, gets that."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     microseconds = max(1, round(seconds * 1e6))
     value = _TIMEVAL.pack(microseconds // 1_000_000, microseconds % 1_000_000)
@@ -330,14 +334,10 @@ class TensorStreamServer:
         """Read, check and hand over tensors until the connection ends (Closed) or breaks a limit."""
         assert self._sink is not None
         sink, buffer, idle = self._sink, bytearray(), 0.0
-        plain = not isinstance(sock, ssl.SSLSocket)
         while True:
             idle_s = self._limits.values.idle_stream_s
             if idle_s != idle:  # setting it costs system calls, whatever it was
-                if plain:
-                    kernel_timeout(sock, idle_s)
-                else:
-                    sock.settimeout(idle_s)
+                bound_calls(sock, idle_s)
                 idle = idle_s
             frame = read_message(sock, pb.TensorFrame, idle_ok=True)
             header, direction = frame.header, framing.DIRECTION_NAMES.get(frame.direction, "")
@@ -419,7 +419,7 @@ class NoStream(Exception):
 
 class _Connection:
     """One open tensor stream at the sender, used by one send at a time. Without TLS its socket blocks, bounded by
-    the kernel's timeouts (kernel_timeout), so that a tensor is one system call out and one back."""
+    the kernel's timeouts (bound_calls), so that a tensor is one system call out and one back."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -459,10 +459,7 @@ class _Connection:
         within a tenth of that is kept."""
         left = max(1e-3, deadline - time.monotonic())
         if not 0.9 * self._timeout <= left <= 1.1 * self._timeout:
-            if self._plain:
-                kernel_timeout(self.sock, left)
-            else:
-                self.sock.settimeout(left)
+            bound_calls(self.sock, left)
             self._timeout = left
 
     def close(self) -> None:
