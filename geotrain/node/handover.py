@@ -27,6 +27,11 @@ from geotrain.durable import SequentialFile
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 
+try:
+    from geotrain.protocol import _guardedsend
+except ImportError:  # not built (no C compiler at install): chunks are copied in python
+    _guardedsend = None
+
 log = logging.getLogger(__name__)
 
 LayerRange = tuple[int, int]
@@ -90,6 +95,7 @@ class StateSnapshot:
         self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
         self._meta = [(t.dtype, tuple(t.shape)) for _, t in self._items]
         self._lock = threading.Lock()
+        self._guard = np.zeros(1, np.int64)  # set by preserve() before the stage changes: a live send stops
         self._sent = 0  # tensors before this index were sent: no one needs them again
         self._copies: dict[int, tuple[int, int]] = {}  # index -> (offset in the spill file, crc32)
         self._spill_dir = spill_dir
@@ -106,12 +112,10 @@ class StateSnapshot:
         """The tensors as a state transfer sends them (framing.state_stream)."""
         for i, (name, _) in enumerate(self._items):
             dtype, shape = self._meta[i]
-            with self._lock:
-                if i not in self._copies:
-                    crc = framing.tensor_crc32(self._live(i))
-                else:
-                    crc = self._copies[i][1]
-            yield framing.StateSource(name, dtype, shape, crc, lambda at, n, i=i: self._read(i, at, n))
+            yield framing.StateSource(
+                name, dtype, shape, self._crc32(i), lambda at, n, i=i: self._read(i, at, n),
+                None if _guardedsend is None else lambda fd, timeout_s, i=i: self._send_live(i, fd, timeout_s),
+            )
             with self._lock:
                 self._sent = i + 1
                 self._items[i] = (name, None)
@@ -120,6 +124,29 @@ class StateSnapshot:
         tensor = self._items[i][1]
         assert tensor is not None
         return framing.flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+    def _crc32(self, i: int) -> int:
+        """Tensor i's crc32, computed outside the lock (a stage's optimizer step waits for it): if the stage was
+        about to change the tensor meanwhile, preserve() kept it first and its copy's crc32 is the one."""
+        with self._lock:
+            if i in self._copies:
+                return self._copies[i][1]
+            flat = self._live(i)
+        crc = framing.tensor_crc32(flat)
+        with self._lock:
+            return self._copies[i][1] if i in self._copies else crc
+
+    def _send_live(self, i: int, fd: int, timeout_s: float) -> int:
+        """Send tensor i from the live stage on the stream socket `fd` until preserve() sets the guard, without the
+        GIL or the lock (protocol/_guardedsend.c); returns the bytes sent, _read serves the rest."""
+        assert _guardedsend is not None
+        with self._lock:
+            if i in self._copies:
+                return 0
+            flat = self._live(i)
+        if flat.device.type != "cpu":
+            return 0
+        return _guardedsend.send_unchanged(fd, flat.numpy(), self._guard, framing.CHUNK_BYTES, timeout_s)
 
     def _read(self, i: int, at: int, n: int) -> memoryview | bytes:
         """Bytes of tensor i, valid until the next read: a live tensor's are copied out under the lock (the stage may
@@ -139,6 +166,7 @@ class StateSnapshot:
         lock, which every change of the stage's tensors holds). The file is written past the page cache, which would
         count against the node's memory and cost far more CPU in the step it delays (durable.SequentialFile)."""
         with self._lock:
+            self._guard[0] = 1  # before anything changes: a live send in flight stops at its next piece
             unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies]
             if self._closed or not unsent:
                 return
