@@ -56,7 +56,7 @@ def _zeros_source(name: str, elements: int) -> framing.StateSource:
     while left:
         crc = zlib.crc32(zero[: min(left, len(zero))], crc)
         left -= min(left, len(zero))
-    return framing.StateSource(name, torch.float32, (elements,), crc, lambda at, n: zero[:n])
+    return framing.StateSource(name, torch.float32, (elements,), lambda: crc, lambda at, n: zero[:n])
 
 
 class _CountingSink(framing.StateSink):
@@ -356,11 +356,20 @@ def test_the_coordinator_fetches_a_stage_s_state_over_its_raw_stream_or_by_fetch
     sent = []
     real_send = statestream.send_state
     monkeypatch.setattr(statestream, "send_state", lambda sock, *a: sent.append(1) or real_send(sock, *a))
+    crcs = []
+
+    def noting_crcs(chunks):
+        for chunk in chunks:
+            if chunk.HasField("header"):
+                crcs.append(chunk.header.crc32)
+            yield chunk
+
     with _state_server(holder, token, raw_streams) as address:
-        state = framing.read_state(stage_state_stream(address, token, 3, coordinator))
+        state = framing.read_state(noting_crcs(stage_state_stream(address, token, 3, coordinator)))
         expected = dict(runtime.full_state())
         assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
         assert len(sent) == raw_streams
+        assert (set(crcs) == {0}) if raw_streams else (0 not in crcs)  # a raw stream's tensors are not checksummed
         with pytest.raises(LookupError, match="holds no state after 4 steps"):
             framing.read_state(stage_state_stream(address, token, 4, coordinator))
         with pytest.raises(LookupError, match="PERMISSION_DENIED"):  # a key outside the node's plan

@@ -113,7 +113,7 @@ class StateSnapshot:
         for i, (name, _) in enumerate(self._items):
             dtype, shape = self._meta[i]
             yield framing.StateSource(
-                name, dtype, shape, self._crc32(i), lambda at, n, i=i: self._read(i, at, n),
+                name, dtype, shape, lambda i=i: self._crc32(i), lambda at, n, i=i: self._read(i, at, n),
                 None if _guardedsend is None else lambda fd, timeout_s, i=i: self._send_live(i, fd, timeout_s),
             )
             with self._lock:

@@ -345,7 +345,8 @@ class StateSource:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    crc32: int
+    crc32: Callable[[], int]
+    """The payload's crc32, computed when a header asks for it (gRPC's; a raw stream's carries none)."""
     read: Callable[[int, int], Buffer]
     """(offset, size <= CHUNK_BYTES) -> that many payload bytes from offset, valid until the next read."""
     send_live: Callable[[int, float], int] | None = None
@@ -392,17 +393,19 @@ def tensor_source(name: str, tensor: torch.Tensor) -> StateSource:
     flat = flat_bytes(t)
     if flat.device.type == "cpu":
         view = memoryview(flat.numpy())
-        return StateSource(name, t.dtype, tuple(t.shape), crc32(view), lambda at, n: view[at : at + n])
+        return StateSource(name, t.dtype, tuple(t.shape), lambda: crc32(view), lambda at, n: view[at : at + n])
     return StateSource(
-        name, t.dtype, tuple(t.shape), tensor_crc32(flat), lambda at, n: flat[at : at + n].cpu().numpy().tobytes()
+        name, t.dtype, tuple(t.shape), lambda: tensor_crc32(flat),
+        lambda at, n: flat[at : at + n].cpu().numpy().tobytes(),
     )
 
 
-def state_header(source: StateSource) -> pb.TensorHeader:
-    """The header a state tensor travels under: uncompressed."""
+def state_header(source: StateSource, checksum: bool = True) -> pb.TensorHeader:
+    """The header a state tensor travels under: uncompressed; without `checksum`, its crc32 is 0 (a raw stream's:
+    TCP's checksum, or TLS, covers its one hop, as on a raw tensor stream)."""
     return pb.TensorHeader(
         name=source.name, dtype=TORCH_TO_WIRE[source.dtype], shape=list(source.shape), codec=pb.CODEC_NONE,
-        payload_bytes=source.nbytes, crc32=source.crc32,
+        payload_bytes=source.nbytes, crc32=source.crc32() if checksum else 0,
     )
 
 
@@ -444,7 +447,7 @@ MAX_STATE_NAME = 512
 class StateSink:
     """Where a state transfer's tensors go as they arrive (StateReceiver): `begin` checks a tensor's header against
     what the receiver expects, raising FrameError if it is not that, and returns the writer its payload is passed to
-    in order, chunk by chunk; `end` is told once the tensor is whole and its crc32 checked."""
+    in order, chunk by chunk; `end` is told once the tensor is whole and its crc32 checked (one that is not 0)."""
 
     def begin(self, header: pb.TensorHeader) -> Callable[[memoryview], None]:  # noqa: D102
         raise NotImplementedError
@@ -456,7 +459,9 @@ class StateSink:
 class StateReceiver:
     """A state-transfer stream read chunk by chunk (`feed`, then `close` at its end) into a StateSink: each header is
     checked before any of its payload is taken, each payload is checked for its size and crc32 as it passes, and no
-    chunk is kept once it has been written."""
+    chunk is kept once it has been written. A header's crc32 of 0 says the payload is not checksummed (a raw stream's,
+    whose hop TCP's checksum or TLS covers): a sender's checksum guards against accidents, never against the sender,
+    who can write any it likes."""
 
     def __init__(self, sink: StateSink) -> None:
         self._sink = sink
@@ -482,7 +487,8 @@ class StateReceiver:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tensor stream carries more than the {self._header.payload_bytes} bytes its header declares",
             )
-        self._crc = crc32(data, self._crc)
+        if self._header.crc32:
+            self._crc = crc32(data, self._crc)
         if len(data):
             self._write(data)
 
@@ -501,7 +507,7 @@ class StateReceiver:
                 grpc.StatusCode.DATA_LOSS,
                 f"truncated tensor stream: got {self._filled} of {header.payload_bytes} payload bytes",
             )
-        if self._crc != header.crc32:
+        if header.crc32 and self._crc != header.crc32:
             raise FrameError(grpc.StatusCode.DATA_LOSS, "tensor payload checksum mismatch")
         self._sink.end(header)
         self._header, self.tensors, self.bytes = None, self.tensors + 1, self.bytes + header.payload_bytes

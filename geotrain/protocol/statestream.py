@@ -63,7 +63,7 @@ def send_state(sock: socket.socket, sources: Iterable[StateSource] | None, unava
     reply(sock, grpc.StatusCode.OK)
     raw = not isinstance(sock, ssl.SSLSocket)  # a TLS socket's bytes go through its records, never straight out
     for source in sources:
-        write_message(sock, pb.TensorFrame(header=framing.state_header(source)))
+        write_message(sock, pb.TensorFrame(header=framing.state_header(source, checksum=False)))
         sent = source.send_live(sock.fileno(), SEND_IDLE_S) if raw and source.send_live is not None else 0
         for offset in range(sent, source.nbytes, CHUNK_BYTES):
             sock.sendall(source.read(offset, min(CHUNK_BYTES, source.nbytes - offset)))
@@ -86,6 +86,7 @@ def receive_state(sock: socket.socket, deadline: float) -> Iterator[WireChunk]:
             if not frame.HasField("header"):
                 return
             framing.check_state_header(frame.header)
+            frame.header.crc32 = 0  # not checksummed here, whatever the sender wrote (state_header)
             first, left = pb.TensorChunk(header=frame.header), frame.header.payload_bytes
             while first is not None or left:
                 data = buffer[: min(left, CHUNK_BYTES)]

@@ -286,7 +286,8 @@ class StageFileWriter(framing.StateSink):
         return write
 
     def end(self, header: pb.TensorHeader) -> None:  # noqa: D102
-        self._crcs[header.name] = header.crc32
+        if header.crc32:  # a raw stream's carry none
+            self._crcs[header.name] = header.crc32
 
     def finish(self) -> str:
         """Write the header, fsync the file and close it; returns the stage's checksum (stage_checksum)."""
@@ -401,16 +402,11 @@ class StageFile:
             yield os.pread(self._fd, min(chunk_bytes, size - offset), at + offset)
 
     def source(self, name: str) -> framing.StateSource:
-        """A tensor as a state transfer sends it, read from the file as it is sent (its crc32 recorded when it was
-        written, or computed by a pass over it in a file written otherwise)."""
+        """A tensor as a state transfer sends it, read from the file as it is sent, under the crc32 its transfer here
+        carried (0, not checksummed, for one that came by a raw stream: framing.state_header)."""
         dtype, shape, at, size = self._span(name)
-        crc = self._crcs.get(name)
-        if crc is None:
-            crc = 0
-            for data in self.chunks(name):
-                crc = framing.crc32(data, crc)
-        fd = self._fd
-        return framing.StateSource(name, dtype, shape, crc, lambda offset, n: os.pread(fd, n, at + offset))
+        fd, crc = self._fd, self._crcs.get(name, 0)
+        return framing.StateSource(name, dtype, shape, lambda: crc, lambda offset, n: os.pread(fd, n, at + offset))
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, read from the file into a tensor of its own."""
