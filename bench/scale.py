@@ -160,7 +160,12 @@ def start(cmd: list[str], log: Path, cgroup: Cgroup | None = None) -> subprocess
     if cgroup is not None:
         cmd = ["sh", "-c", f'echo $$ > {cgroup.path}/cgroup.procs && exec "$@"', "sh", *cmd]
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # A process group of its own (for killpg), in the bench's session: Linux's autogroups share the CPU equally
+        # between sessions, so a node or coordinator whose only runnable threads send or take state at SCHED_IDLE
+        # would take a full share from the nodes training beside it, as no such process on a machine of its own does.
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
+        )
 
 
 def status(address: str, token: str):

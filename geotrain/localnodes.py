@@ -41,15 +41,21 @@ def _run_join(node_id: str, argv: list[str], env: dict[str, str], log_path: str,
     """A local node's process, forked by the forkserver: `geotrain` with argv, its output in log_path; stopped as
     by Ctrl+C once the process that started it (`starter`) ends, however it ended. (Ending with the forkserver would
     not do: it outlives the starter while any node runs, since every child it forks holds its alive pipe.)"""
-    os.setsid()  # a session of its own: killing the node's process group also ends its hivemind DHT fork and p2pd
+    # A process group of its own, so that killing it also ends the node's hivemind DHT fork and p2pd; not a session
+    # of its own: Linux's autogroups give each session an equal share of the CPU, so a node whose only runnable
+    # thread sends state at SCHED_IDLE would take a full share from the nodes training beside it.
+    os.setpgid(0, 0)
     try:
         Path("/proc/self/comm").write_text(process_name(node_id))
     except OSError:  # not Linux: the process keeps the forkserver's name
         pass
     signal_when_process_ends(starter, signal.SIGTERM)
+    nothing = os.open(os.devnull, os.O_RDONLY)  # a background process group that read the terminal would stop
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(nothing, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(nothing)
     os.close(log)
     os.environ.update(env)
     sys.argv = ["geotrain", *argv]

@@ -97,7 +97,7 @@ class StateSnapshot:
         self._lock = threading.Lock()
         self._guard = np.zeros(1, np.int64)  # set by preserve() before the stage changes: a live send stops
         self._sent = 0  # tensors before this index were sent: no one needs them again
-        self._copies: dict[int, tuple[int, int]] = {}  # index -> (offset in the spill file, crc32)
+        self._copies: dict[int, int] = {}  # index -> its offset in the spill file
         self._spill_dir = spill_dir
         self._spill: SequentialFile | None = None
         self._chunk = np.empty(framing.CHUNK_BYTES, np.uint8)  # what _read hands out
@@ -126,15 +126,24 @@ class StateSnapshot:
         return framing.flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
 
     def _crc32(self, i: int) -> int:
-        """Tensor i's crc32, computed outside the lock (a stage's optimizer step waits for it): if the stage was
-        about to change the tensor meanwhile, preserve() kept it first and its copy's crc32 is the one."""
+        """Tensor i's crc32 (a gRPC header's), computed outside the lock (a stage's optimizer step waits for it): if
+        the stage was about to change the tensor meanwhile, preserve() kept it first and its copy's is the one."""
         with self._lock:
             if i in self._copies:
-                return self._copies[i][1]
+                return self._copy_crc32(i)
             flat = self._live(i)
         crc = framing.tensor_crc32(flat)
         with self._lock:
-            return self._copies[i][1] if i in self._copies else crc
+            return self._copy_crc32(i) if i in self._copies else crc
+
+    def _copy_crc32(self, i: int) -> int:
+        """The crc32 of tensor i's copy in the spill file (under the lock)."""
+        assert self._spill is not None
+        dtype, shape = self._meta[i]
+        crc, size = 0, math.prod(shape) * dtype.itemsize
+        for at in range(0, size, framing.CHUNK_BYTES):
+            crc = framing.crc32(os.pread(self._spill.fd, min(framing.CHUNK_BYTES, size - at), self._copies[i] + at), crc)
+        return crc
 
     def _send_live(self, i: int, fd: int, timeout_s: float) -> int:
         """Send tensor i from the live stage on the stream socket `fd` until preserve() sets the guard, without the
@@ -155,7 +164,7 @@ class StateSnapshot:
         with self._lock:
             if i in self._copies:
                 assert self._spill is not None
-                return os.pread(self._spill.fd, n, self._copies[i][0] + at)
+                return os.pread(self._spill.fd, n, self._copies[i] + at)
             flat = self._live(i)[at : at + n]
             out = self._chunk[:n]
             np.copyto(out, flat.numpy() if flat.device.type == "cpu" else flat.cpu().numpy())
@@ -176,14 +185,12 @@ class StateSnapshot:
             self._spill = SequentialFile(path, 0, SPILL_BUFFER_BYTES)
             os.unlink(path)  # the file lives as long as the snapshot holds it open
             offset = 0
-            for i in unsent:
-                flat, crc = self._live(i), 0
+            for i in unsent:  # no crc32 here, on the optimizer step's path: a gRPC header asks it of the file
+                flat = self._live(i)
                 for at in range(0, flat.numel(), framing.CHUNK_BYTES):
                     part = flat[at : at + framing.CHUNK_BYTES]
-                    data = memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy())
-                    self._spill.write(data)
-                    crc = framing.crc32(data, crc)
-                self._copies[i] = (offset, crc)
+                    self._spill.write(memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy()))
+                self._copies[i] = offset
                 self._items[i] = (self._items[i][0], None)
                 offset += flat.numel()
             self._spill.finish()
