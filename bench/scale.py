@@ -281,9 +281,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--checkpoint-every", type=int, default=3)
-    parser.add_argument("--kill-after", type=int, default=7, help="SIGKILL a node once this many steps are done")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--checkpoint-every", type=int, default=6)
+    parser.add_argument("--kill-after", type=int, default=10, help="SIGKILL a node once this many steps are done")
     parser.add_argument("--cap-gib", type=float, default=5.0, help="each node's cgroup memory limit")
     parser.add_argument("--set", action="append", default=[], help="extra config settings (SECTION.KEY=VALUE)")
     parser.add_argument("--keep", action="store_true",

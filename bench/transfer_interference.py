@@ -1,16 +1,19 @@
-"""What a stage's state transfer costs the training beside it (#28): compute lost per GB a checkpoint moves.
+"""What a stage's state transfer costs the training beside it (#28), with its processes in one session or in several.
 
-One process computes (a loop of 512x512 float32 matmuls, one thread, pinned to CPU 0) from start to end. Meanwhile a
-stage's state (--gb of float32 tensors) is sent as a checkpoint sends it: a holder process serves a real
-StateSnapshot over a raw state stream (protocol/statestream.py), a coordinator process receives it into a real
-StageFileWriter (O_DIRECT, the stage's blake3 checksum as the bytes pass), both pinned to CPU 1 and at SCHED_IDLE
-as the run has them. So the transfer never takes the computing CPU's time: what it costs the compute is what two
-logical CPUs of one machine share (a core's execution units where they are hyperthreads, caches, memory).
+Two processes compute (loops of 512x512 float32 matmuls, one thread each, pausing a quarter of the time) while a
+stage's state (--gb of float32 tensors) moves as a checkpoint moves it: a holder process serves a real StateSnapshot
+over a raw state stream (protocol/statestream.py) and a coordinator process takes it into a real StageFileWriter
+(O_DIRECT, the stage's blake3 checksum as the bytes pass), both at SCHED_IDLE as a run has them. A transfer that
+took only what the computing processes leave would cost them nothing. Linux's autogroups (on by default on most
+desktops and servers) share the CPU equally between sessions, though: a process in a session of its own whose only
+runnable threads are at SCHED_IDLE still takes a full session's share.
 
-Prints one JSON line per --variant: transfer_s, compute_lost_s (the compute's seconds past its pace alone, summed over
-the transfer), lost_s_per_gb, and the compute's slowdown while the transfer ran. Variants: `c` (the holder sends
-through protocol/_guardedsend.c where built), `python` (the holder copies chunk by chunk in python), `unhashed` (`c`,
-and the coordinator computes no checksum: what blake3 costs).
+Prints one JSON line per --variant and repeat: transfer_s, compute_lost_s (the two computing processes' seconds past
+their pace alone, summed over the transfer), lost_s_per_gb, their slowdown while it ran, and the CPU seconds per GB of
+the holder (its whole process: making the state included) and of the coordinator. Variants: `shared` (every
+process in this one's session, as bench/scale.py and local nodes start them), `own` (each in a session of its own, as
+processes started from separate terminals are), `python-shared` (`shared` with the holder copying chunk by chunk in
+python, as where protocol/_guardedsend.c was not built).
 
 Run under the CPU lock: flock /work/cpu.lock python bench/transfer_interference.py [--gb 1] [--repeat 2]
 """
@@ -25,7 +28,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -40,14 +42,15 @@ from geotrain.scheduler.checkpoint import StageFileWriter  # noqa: E402
 TENSOR_ELEMENTS = 4 << 20  # 16 MiB tensors, about a llama block's matrices at d_model 1024
 
 
-def _pin(cpu: int) -> None:
-    if hasattr(os, "sched_setaffinity") and cpu < os.cpu_count():
-        os.sched_setaffinity(0, {cpu})
+def _session(own: bool) -> None:
+    if own:
+        os.setsid()
 
 
-def compute(stop: mp.Event, out: mp.Queue) -> None:
-    """Matmuls in rounds of 20, each round's end time and seconds, until stopped."""
-    _pin(0)
+def compute(own: bool, stop: mp.Event, out: mp.Queue) -> None:
+    """Matmuls in rounds of 20, each round's end time and seconds, until stopped; a pause of a third of a round after
+    each, as a pipeline's stage waits for its neighbours: the CPUs' idle time a transfer at SCHED_IDLE may take."""
+    _session(own)
     torch.set_num_threads(1)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     rounds = []
@@ -57,16 +60,13 @@ def compute(stop: mp.Event, out: mp.Queue) -> None:
             a @ b
         now = time.perf_counter()
         rounds.append((now, now - t))
+        time.sleep((now - t) / 3)
     out.put(rounds)
 
 
-def holder(gb: float, python: bool, ports: mp.Queue, done: mp.Queue, stop: mp.Event, rounds: mp.Queue | None) -> None:
-    """Serve one stage's state over a raw state stream to the first connection; with `rounds`, compute beside it in
-    a thread of this process, as a node's worker does."""
-    worker = threading.Thread(target=compute, args=(stop, rounds)) if rounds is not None else None
-    if worker is not None:
-        worker.start()
-    _pin(1)
+def holder(own: bool, gb: float, python: bool, ports: mp.Queue, done: mp.Queue) -> None:
+    """Serve one stage's state over a raw state stream to the first connection."""
+    _session(own)
     torch.set_num_threads(1)
     if python:
         handover._guardedsend = None
@@ -81,16 +81,15 @@ def holder(gb: float, python: bool, ports: mp.Queue, done: mp.Queue, stop: mp.Ev
         statestream.send_state(conn, snapshot.sources(), "")
         conn.close()
         snapshot.close()
-    done.put(sum(t.numel() * 4 for _, t in items))
-    if worker is not None:
-        worker.join()
+    done.put((sum(t.numel() * 4 for _, t in items), time.process_time()))
 
 
-def coordinator(port: int, hashed: bool, work: str, times: mp.Queue) -> None:
-    """Receive the stage into its checkpoint file, as the coordinator does."""
-    _pin(1)
+def coordinator(own: bool, port: int, work: str, times: mp.Queue) -> None:
+    """Take the stage into its checkpoint file, as the coordinator does."""
+    _session(own)
     statestream.background_priority()
-    writer = StageFileWriter(Path(work) / "stage.safetensors", (0, 10**6), False, checksummed=hashed)
+    cpu = time.process_time()
+    writer = StageFileWriter(Path(work) / "stage.safetensors", (0, 10**6), False)
     sock = socket.create_connection(("127.0.0.1", port))
     started = time.perf_counter()
     framing.receive_state(statestream.receive_state(sock, time.monotonic() + 600), writer)
@@ -98,34 +97,32 @@ def coordinator(port: int, hashed: bool, work: str, times: mp.Queue) -> None:
     ended = time.perf_counter()
     writer.close()
     sock.close()
-    times.put((started, ended))
+    times.put((started, ended, time.process_time() - cpu))
 
 
 def run(gb: float, variant: str) -> dict:
     ctx = mp.get_context("fork")
+    own = variant == "own"
     stop, rounds_q, ports, done, times = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    in_node = variant.endswith("-in-node")
-    worker = None if in_node else ctx.Process(target=compute, args=(stop, rounds_q))
+    workers = [ctx.Process(target=compute, args=(own, stop, rounds_q)) for _ in range(2)]
     with tempfile.TemporaryDirectory(dir=".") as work:
-        sender = ctx.Process(
-            target=holder, args=(gb, variant.startswith("python"), ports, done, stop, rounds_q if in_node else None)
-        )
-        if worker is not None:
-            worker.start()
+        sender = ctx.Process(target=holder, args=(own, gb, variant.startswith("python"), ports, done))
         sender.start()
         port = ports.get(timeout=120)
-        time.sleep(3.0)  # the compute's pace alone
-        receiver = ctx.Process(target=coordinator, args=(port, variant != "unhashed", work, times))
+        for w in workers:
+            w.start()
+        time.sleep(3.0)  # the computing processes' pace alone
+        receiver = ctx.Process(target=coordinator, args=(own, port, work, times))
         receiver.start()
-        started, ended = times.get(timeout=600)
-        moved = done.get(timeout=60)
+        started, ended, coordinator_cpu = times.get(timeout=900)
+        moved, holder_cpu = done.get(timeout=60)
         receiver.join(30)
-        time.sleep(3.0)
-        stop.set()
-        rounds = rounds_q.get(timeout=60)
         sender.join(30)
-    if worker is not None:
-        worker.join(30)
+    time.sleep(3.0)
+    stop.set()
+    rounds = [r for _ in workers for r in rounds_q.get(timeout=60)]
+    for w in workers:
+        w.join(30)
     alone = statistics.median(s for t, s in rounds if t < started or t - s > ended)
     during = [s for t, s in rounds if t > started and t - s < ended]
     lost = sum(s - alone for s in during)
@@ -133,6 +130,8 @@ def run(gb: float, variant: str) -> dict:
         "variant": variant, "bytes": moved, "transfer_s": round(ended - started, 2), "compute_lost_s": round(lost, 3),
         "lost_s_per_gb": round(lost / (moved / 1e9), 3),
         "slowdown": round(statistics.mean(during) / alone - 1, 3) if during else 0.0,
+        "holder_cpu_s_per_gb": round(holder_cpu / (moved / 1e9), 3),
+        "coordinator_cpu_s_per_gb": round(coordinator_cpu / (moved / 1e9), 3),
     }
 
 
@@ -140,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--variants", default="c,python,unhashed,c-in-node,python-in-node")
+    parser.add_argument("--variants", default="shared,own,python-shared")
     args = parser.parse_args()
     for _ in range(args.repeat):
         for variant in args.variants.split(","):

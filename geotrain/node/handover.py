@@ -18,6 +18,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -184,7 +185,7 @@ class StateSnapshot:
             os.close(fd)
             self._spill = SequentialFile(path, 0, SPILL_BUFFER_BYTES)
             os.unlink(path)  # the file lives as long as the snapshot holds it open
-            offset = 0
+            offset, started = 0, time.monotonic()
             for i in unsent:  # no crc32 here, on the optimizer step's path: a gRPC header asks it of the file
                 flat = self._live(i)
                 for at in range(0, flat.numel(), framing.CHUNK_BYTES):
@@ -194,7 +195,10 @@ class StateSnapshot:
                 self._items[i] = (self._items[i][0], None)
                 offset += flat.numel()
             self._spill.finish()
-            log.info("the stage changes before its snapshot was sent: %.0f MB of it kept in a file", offset / 1e6)
+            log.info(
+                "the stage changes before its snapshot was sent: %.0f MB of it kept in a file (%.2f s)", offset / 1e6,
+                time.monotonic() - started,
+            )
 
     def close(self) -> None:
         """The transfer ended: let go of the tensors and the file."""
