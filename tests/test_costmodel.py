@@ -102,9 +102,9 @@ def test_parallel_pairs_divide_link_occupancy():
 def test_memory_infeasible_plan_is_infinite_and_small_node_unusable():
     # Stage of both layers, 50 parameters: training costs 24 B each + 20 B of activations (min(M=4, S=1)
     # microbatches) + the largest tensor's gradient in float64 (a whole 100 B layer: its shapes are not known, 200 B)
-    # = 1420 B, the peak (serving its state costs no copy of it).
-    cm = model_for([node("big", [1.0, 1.0], memory=1420), node("small", [1.0, 1.0], memory=1419)])
-    assert cm.stage_memory_bytes(0, 2, 1) == 1420
+    # = 1420 B; serving a snapshot of its state costs 28 B each + 100 B = 1500 B, the peak.
+    cm = model_for([node("big", [1.0, 1.0], memory=1500), node("small", [1.0, 1.0], memory=1499)])
+    assert cm.stage_memory_bytes(0, 2, 1) == 1500
     assert cm.step_seconds([(0, 2, [0])]) < math.inf
     assert cm.step_seconds([(0, 2, [1])]) == math.inf
     tiny = model_for([node("tiny", [1.0, 1.0], memory=100)])
@@ -125,12 +125,15 @@ def test_state_is_counted_per_parameter_whatever_the_dtype_of_the_profile():
 
 
 def test_memory_terms_by_hand():
-    from geotrain.memory import training_bytes_per_param
+    from geotrain.memory import serving_bytes_per_param, training_bytes_per_param
 
     # 4 weight + 4 gradient + 8 float64 sum + 8 AdamW; DiLoCo's anchor and velocity 8 more.
     assert (training_bytes_per_param(False), training_bytes_per_param(True)) == (24, 32)
-    # One layer of 25 parameters in 4 shapes, the largest 10 values: 25 x 24 + 1000 B of activations for one
-    # microbatch + 80 B (the largest tensor's gradient in float64); a baseline of 300 B comes on top.
+    # After the commit (no sums): 4 + 4 + 8, and the snapshot of weights and moments 12 (DiLoCo's slots in both).
+    assert (serving_bytes_per_param(False), serving_bytes_per_param(True)) == (28, 44)
+    # One layer of 25 parameters in 4 shapes, the largest 10 values: training 25 x 24 + 1000 B of activations for one
+    # microbatch + 80 B (the largest tensor's gradient in float64) beats serving 25 x 28 + 40 B; a baseline of 300 B
+    # comes on top.
     model = ModelProfile(layer_param_bytes=[100], boundary_bytes=[0], layer_activation_bytes=[1000], layer_flops=[1.0],
                          layer_param_shapes=[[(10,), (5,), (5,), (5,)]])
     nodes = [NodeProfile(node_id="n", region="r", layer_seconds=[1.0], memory_bytes=1980, baseline_bytes=300)]

@@ -12,7 +12,7 @@ import torch
 
 from geotrain.commands.common import parse_size
 from geotrain.config import load_config
-from geotrain.memory import training_bytes_per_param
+from geotrain.memory import serving_bytes_per_param, snapshot_bytes_per_param, training_bytes_per_param
 from geotrain.node import profiler
 from geotrain.node.profiler import NodeProfiler, ProfileCache, available_memory_bytes
 from geotrain.node.stage import StageRuntime
@@ -52,9 +52,11 @@ def test_the_model_counts_what_a_real_stage_holds(diloco):
     # While microbatches run: fp32 weights, a microbatch's gradient, the float64 sums and AdamW's moments.
     held = _bytes(params) + _bytes(gradients) + _bytes(sums) + _bytes(moments) + _bytes(sync)
     assert held == training_bytes_per_param(diloco) * count
-    # What a snapshot serves is the stage's own tensors (full_state less AdamW's step counts), not copies of them.
-    stage_memory = {t.untyped_storage().data_ptr() for t in [*params, *moments, *sync]}
-    assert {t.untyped_storage().data_ptr() for _, t in stage.full_state() if t.dim()} <= stage_memory
+    # A snapshot is the weights and the moments (full_state less AdamW's step counts), and DiLoCo's state.
+    snapshot = [t for _, t in stage.full_state() if t.dim()]
+    assert _bytes(snapshot) == snapshot_bytes_per_param(diloco) * count
+    after_commit = _bytes(params) + _bytes(gradients) + _bytes(moments) + _bytes(sync)
+    assert after_commit + _bytes(snapshot) == serving_bytes_per_param(diloco) * count
 
 
 class _Coordinator:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from geotrain.memory import training_bytes_per_param
+from geotrain.memory import serving_bytes_per_param
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.scheduler import placement
 from geotrain.scheduler.costmodel import CostModel, Link, ModelProfile, Network, NodeProfile, StepShape
@@ -270,7 +270,7 @@ def test_stage_counts_without_a_plan_do_not_end_the_sweep():
     layers, param_bytes = 24, 10**7
     model = ModelProfile(layer_param_bytes=[param_bytes] * layers, boundary_bytes=[10**6] * (layers - 1) + [0],
                          layer_activation_bytes=[0] * layers, layer_flops=[1.0] * layers)
-    memory = int(training_bytes_per_param(False) * param_bytes / 4 * 5.5)  # 5.5 layers' state while they train
+    memory = int(serving_bytes_per_param(False) * param_bytes / 4 * 5.5)  # 5.5 layers' state and its snapshot
     nodes = [NodeProfile(node_id=f"n{i}", region="east", layer_seconds=[0.01] * layers, memory_bytes=memory)
              for i in range(10)]
     fast = Network(intra_region=Link(bandwidth_bps=100e9, latency_s=1e-4))

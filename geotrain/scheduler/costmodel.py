@@ -47,9 +47,9 @@ overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUND
 (scheduler.calibration), a plan from profiles alone counts them 0.
 
 Memory of a replica of stage s among S stages (geotrain/memory.py, the model a node checks itself against too): the
-state while it trains (24 bytes a parameter: fp32 weight, gradient, float64 gradient sum, AdamW's two moments; 8 more
+larger of training (24 bytes a parameter: fp32 weight, gradient, float64 gradient sum, AdamW's two moments; 8 more
 under diloco) with the activations of its microbatches in flight and the largest tensor's gradient widened to
-float64 (serving its state costs no copy of it); on top of
+float64, and serving its state (the state after the commit and a snapshot of it, the largest tensor framed); on top of
 the node's measured baseline (NodeProfile.baseline_bytes), within its memory_bytes. Activations are of min(M, S) microbatches in flight (1F1B
 keeps at most S - s; S is the stage-independent bound) while plans are searched; a plan's window W puts
 min(M, ceil(W |R_0| w_r)) of them on replica r, its routing share of the W |R_0| microbatches the data heads keep in
@@ -388,7 +388,7 @@ class CostModel:
     ) -> np.ndarray | float:
         """Memory a replica of layers [start, end) (numbers or arrays of bounds) needs beyond its baseline in a
         pipeline of n_stages (geotrain/memory.py): its state while training with the activations of the microbatches
-        in flight, min(M, n_stages) unless given."""
+        in flight, min(M, n_stages) unless given, or while it serves a snapshot of its state, whichever is more."""
         if in_flight is None:
             in_flight = min(self.shape.microbatches, n_stages)
         need = memory.stage_bytes(
@@ -634,7 +634,8 @@ class CostModel:
         window = min(math.ceil(need - 1e-9), enough, MAX_INFLIGHT)
         for s, (start, end, nodes) in enumerate(stages):
             idx = np.asarray(nodes, dtype=np.int64)
-            fixed = memory.stage_bytes(
+            # Microbatches in flight weigh on the training phase only (a node short of the serving phase fits not at all).
+            fixed = memory.training_bytes(
                 self.count_prefix[end] - self.count_prefix[start], self._activation_bytes(start, end, 0),
                 self.max_tensor[start, end], diloco=self.shape.diloco,
             )
