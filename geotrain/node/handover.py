@@ -143,7 +143,8 @@ class StateSnapshot:
         dtype, shape = self._meta[i]
         crc, size = 0, math.prod(shape) * dtype.itemsize
         for at in range(0, size, framing.CHUNK_BYTES):
-            crc = framing.crc32(os.pread(self._spill.fd, min(framing.CHUNK_BYTES, size - at), self._copies[i] + at), crc)
+            data = os.pread(self._spill.fd, min(framing.CHUNK_BYTES, size - at), self._copies[i] + at)
+            crc = framing.crc32(data, crc)
         return crc
 
     def _send_live(self, i: int, fd: int, timeout_s: float) -> int:

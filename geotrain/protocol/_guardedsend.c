@@ -2,9 +2,8 @@
  *
  * A snapshot sends each tensor from the stage's own memory until the stage is about to change it; the sender runs at
  * the lowest CPU priority (SCHED_IDLE). In python it takes the GIL for every chunk it copies and sends, and while it
- * waits for a core with the GIL requested, the node's compute thread, made to hand the GIL over, waits with it: a
- * ring of three processes computing beside such a sender ran 4-20% slower, beside one that sends a whole tensor per
- * GIL release 0-3% (bench/scale.py's docstring). Here a tensor is sent in one call that holds neither the GIL nor a
+ * waits for a core with the GIL requested, the node's compute thread, made to hand the GIL over, waits with it (CPython
+ * hands the GIL to the thread that asked). Here a tensor is sent in one call that holds neither the GIL nor a
  * lock the stage waits for: each piece is copied out and then sent only if the snapshot's guard still reads 0, the
  * reading side of a seqlock whose writer (StateSnapshot.preserve) sets the guard, keeps the unsent tensors in a file,
  * and only then lets the stage change them. A piece copied while the stage changed it is never sent: the guard read
