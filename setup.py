@@ -1,9 +1,7 @@
-"""Builds geotrain's C extensions; the rest of the metadata is in pyproject.toml.
+"""Builds geotrain's one C extension, geotrain.compression._blockquant; the rest of the metadata is in pyproject.toml.
 
-Both are optional: where they cannot be built (no C compiler), installation goes on. Without
-geotrain.compression._blockquant the int8 codec runs on torch ops, writing the same bytes, slower, and a received
-tensor's finiteness check is torch's sum; without geotrain.protocol._guardedsend a state snapshot copies and sends its
-tensors chunk by chunk in python.
+The extension is optional: where it cannot be built (no C compiler), installation goes on, the int8 codec runs on
+torch ops, writing the same bytes, slower, and a received tensor's finiteness check is torch's sum.
 """
 
 from setuptools import Extension, setup
@@ -26,9 +24,6 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[
-        Extension("geotrain.compression._blockquant", ["geotrain/compression/_blockquant.c"], optional=True),
-        Extension("geotrain.protocol._guardedsend", ["geotrain/protocol/_guardedsend.c"], optional=True),
-    ],
+    ext_modules=[Extension("geotrain.compression._blockquant", ["geotrain/compression/_blockquant.c"], optional=True)],
     cmdclass={"build_ext": BuildExt},
 )

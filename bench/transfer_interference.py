@@ -12,8 +12,7 @@ Prints one JSON line per --variant and repeat: transfer_s, compute_lost_s (the t
 their pace alone, summed over the transfer), lost_s_per_gb, their slowdown while it ran, and the CPU seconds per GB of
 the holder (its whole process: making the state included) and of the coordinator. Variants: `shared` (every
 process in this one's session, as bench/scale.py and local nodes start them), `own` (each in a session of its own, as
-processes started from separate terminals are), `python-shared` (`shared` with the holder copying chunk by chunk in
-python, as where protocol/_guardedsend.c was not built).
+processes started from separate terminals are).
 
 Run under the CPU lock: flock /work/cpu.lock python bench/transfer_interference.py [--gb 1] [--repeat 2]
 """
@@ -64,12 +63,10 @@ def compute(own: bool, stop: mp.Event, out: mp.Queue) -> None:
     out.put(rounds)
 
 
-def holder(own: bool, gb: float, python: bool, ports: mp.Queue, done: mp.Queue) -> None:
+def holder(own: bool, gb: float, ports: mp.Queue, done: mp.Queue) -> None:
     """Serve one stage's state over a raw state stream to the first connection."""
     _session(own)
     torch.set_num_threads(1)
-    if python:
-        handover._guardedsend = None
     count = max(1, round(gb * 2**30 / (TENSOR_ELEMENTS * 4)))
     items = [(f"layers.{i // 9}.w{i % 9}", torch.randn(TENSOR_ELEMENTS)) for i in range(count)]
     with tempfile.TemporaryDirectory() as spill:
@@ -106,7 +103,7 @@ def run(gb: float, variant: str) -> dict:
     stop, rounds_q, ports, done, times = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     workers = [ctx.Process(target=compute, args=(own, stop, rounds_q)) for _ in range(2)]
     with tempfile.TemporaryDirectory(dir=".") as work:
-        sender = ctx.Process(target=holder, args=(own, gb, variant.startswith("python"), ports, done))
+        sender = ctx.Process(target=holder, args=(own, gb, ports, done))
         sender.start()
         port = ports.get(timeout=120)
         for w in workers:
@@ -139,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--variants", default="shared,own,python-shared")
+    parser.add_argument("--variants", default="shared,own")
     args = parser.parse_args()
     for _ in range(args.repeat):
         for variant in args.variants.split(","):

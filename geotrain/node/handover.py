@@ -28,11 +28,6 @@ from geotrain.durable import SequentialFile
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 
-try:
-    from geotrain.protocol import _guardedsend
-except ImportError:  # not built (no C compiler at install): chunks are copied in python
-    _guardedsend = None
-
 log = logging.getLogger(__name__)
 
 LayerRange = tuple[int, int]
@@ -96,7 +91,6 @@ class StateSnapshot:
         self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
         self._meta = [(t.dtype, tuple(t.shape)) for _, t in self._items]
         self._lock = threading.Lock()
-        self._guard = np.zeros(1, np.int64)  # set by preserve() before the stage changes: a live send stops
         self._sent = 0  # tensors before this index were sent: no one needs them again
         self._copies: dict[int, int] = {}  # index -> its offset in the spill file
         self._spill_dir = spill_dir
@@ -114,8 +108,7 @@ class StateSnapshot:
         for i, (name, _) in enumerate(self._items):
             dtype, shape = self._meta[i]
             yield framing.StateSource(
-                name, dtype, shape, lambda i=i: self._crc32(i), lambda at, n, i=i: self._read(i, at, n),
-                None if _guardedsend is None else lambda fd, timeout_s, i=i: self._send_live(i, fd, timeout_s),
+                name, dtype, shape, lambda i=i: self._crc32(i), lambda at, n, i=i: self._read(i, at, n)
             )
             with self._lock:
                 self._sent = i + 1
@@ -147,18 +140,6 @@ class StateSnapshot:
             crc = framing.crc32(data, crc)
         return crc
 
-    def _send_live(self, i: int, fd: int, timeout_s: float) -> int:
-        """Send tensor i from the live stage on the stream socket `fd` until preserve() sets the guard, without the
-        GIL or the lock (protocol/_guardedsend.c); returns the bytes sent, _read serves the rest."""
-        assert _guardedsend is not None
-        with self._lock:
-            if i in self._copies:
-                return 0
-            flat = self._live(i)
-        if flat.device.type != "cpu":
-            return 0
-        return _guardedsend.send_unchanged(fd, flat.numpy(), self._guard, framing.CHUNK_BYTES, timeout_s)
-
     def _read(self, i: int, at: int, n: int) -> memoryview | bytes:
         """Bytes of tensor i, valid until the next read: a live tensor's are copied out under the lock (the stage may
         change it once the lock is let go), into a buffer numpy fills without holding the GIL (the reader may run at
@@ -177,7 +158,6 @@ class StateSnapshot:
         lock, which every change of the stage's tensors holds). The file is written past the page cache, which would
         count against the node's memory and cost far more CPU in the step it delays (durable.SequentialFile)."""
         with self._lock:
-            self._guard[0] = 1  # before anything changes: a live send in flight stops at its next piece
             unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies]
             if self._closed or not unsent:
                 return

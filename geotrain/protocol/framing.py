@@ -349,9 +349,6 @@ class StateSource:
     """The payload's crc32, computed when a header asks for it (gRPC's; a raw stream's carries none)."""
     read: Callable[[int, int], Buffer]
     """(offset, size <= CHUNK_BYTES) -> that many payload bytes from offset, valid until the next read."""
-    send_live: Callable[[int, float], int] | None = None
-    """Where the payload can go out without the GIL (a live stage's snapshot): (a stream socket's fd, the seconds a
-    wait for room may take) -> how many bytes from the start it sent; read() serves the rest."""
 
     @property
     def nbytes(self) -> int:  # noqa: D102

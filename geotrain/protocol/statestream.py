@@ -9,10 +9,9 @@ header followed by its payload, and a TensorFrame without a header at the end. A
 holder nobody can dial, is fetched from by FetchState as before.
 
 Both ends run their part at SCHED_IDLE (background_priority): a checkpoint is not urgent, and a pipeline's cores sit
-idle between its stages' turns, so the transfer takes those first. Neither the stage's next optimizer step nor its
-compute may wait for a thread that the scheduler holds back: a source that can (a live stage's snapshot without TLS)
-sends its tensor in one call holding neither the GIL nor a lock the stage takes (protocol/_guardedsend.c); any other
-is copied out a chunk at a time under its snapshot's lock and sent outside it.
+idle between its stages' turns, so the transfer takes those first. The sender copies each chunk out of the snapshot
+under its lock and sends it outside it, so the stage's next optimizer step never waits for a thread that the scheduler
+holds back.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -61,11 +59,9 @@ def send_state(sock: socket.socket, sources: Iterable[StateSource] | None, unava
         reply(sock, grpc.StatusCode.FAILED_PRECONDITION, unavailable)
         return
     reply(sock, grpc.StatusCode.OK)
-    raw = not isinstance(sock, ssl.SSLSocket)  # a TLS socket's bytes go through its records, never straight out
     for source in sources:
         write_message(sock, pb.TensorFrame(header=framing.state_header(source, checksum=False)))
-        sent = source.send_live(sock.fileno(), SEND_IDLE_S) if raw and source.send_live is not None else 0
-        for offset in range(sent, source.nbytes, CHUNK_BYTES):
+        for offset in range(0, source.nbytes, CHUNK_BYTES):
             sock.sendall(source.read(offset, min(CHUNK_BYTES, source.nbytes - offset)))
     write_message(sock, _END)
 
