@@ -7,6 +7,7 @@ same parameters and inputs, gives the same bits: the coordinator (scheduler/veri
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -32,6 +33,13 @@ log = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
 _GROUP_BYTES = 1 << 24
+# blake3 lets go of the GIL to hash 2048 bytes or more in one call, and so do torch's numpy() and every torch op. A
+# worker that lets go of it in a node whose receiving and sending threads want it waits to take it back, far longer
+# than a small tensor's hash takes (a 2 KiB tensor's digest: some 5 us alone, 80 to 800 us beside one busy thread). A
+# tensor up to _HELD_MAX bytes is copied out with the GIL held and hashed in pieces of _HELD_PIECE bytes, under that
+# size; a larger one is hashed in place in one call, whose wait is small beside the hash.
+_HELD_PIECE = 2047
+_HELD_MAX = 1 << 16
 _EVIDENCE_DEADLINE_S = 60.0
 # How long a request for evidence waits for its step's apply here: the apply comes at once after the order the
 # verifier got it with, but a loaded node's worker may be on its last task; under the fetch's own deadline.
@@ -41,11 +49,11 @@ PARAMS_PREFIX = "params."
 
 def digest(tensor: torch.Tensor) -> bytes:
     """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
-    stage sends or receives has one, so it takes as few calls as it can: a host tensor is not copied, and the header
-    of a dtype and shape is made once)."""
+    stage sends or receives has one, so it takes as few calls as it can, none that lets go of the GIL for a small
+    tensor, and the header of a dtype and shape is made once)."""
     t = _host(tensor)
     hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
-    hasher.update(_bytes(t))
+    _update(hasher, t)
     return hasher.digest(_DIGEST_BYTES)
 
 
@@ -61,12 +69,19 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous host tensor's bytes, without a copy: through numpy where its dtype allows (a call, against
-    torch's three, for each of the dozens of tensors hashed every microbatch)."""
-    if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
-        t = t.detach().view(-1).view(torch.uint8)
-    return t.numpy().reshape(-1).view(np.uint8)
+def _update(hasher: blake3.blake3, t: torch.Tensor) -> None:
+    """Hash a contiguous host tensor's bytes on: a small one's copied out and hashed in pieces, all with the GIL held
+    (_HELD_MAX), a larger one's read through numpy without a copy. blake3 hashes a stream: the digest is the same
+    however the bytes are cut."""
+    size = t.numel() * t.element_size()
+    if size > _HELD_MAX:
+        if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
+            t = t.detach().view(-1).view(torch.uint8)
+        hasher.update(t.numpy().reshape(-1).view(np.uint8))
+        return
+    data = memoryview(ctypes.string_at(t.data_ptr(), size))
+    for at in range(0, size, _HELD_PIECE):
+        hasher.update(data[at : at + _HELD_PIECE])
 
 
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8,
@@ -75,22 +90,22 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.in
 
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     """One digest of tensors in order (None, a parameter without gradient, counts as itself): blake3 of their shapes,
-    then of each dtype's run of bytes. Every microbatch's parameter gradients, dozens of small tensors, are hashed:
-    they are flattened together, up to _GROUP_BYTES at a time, and hashed in one call, as a call per tensor costs
-    more than the hash itself."""
+    then of each dtype's run of bytes, the dtype named at the run's start and again every _GROUP_BYTES. Every
+    microbatch's parameter gradients, dozens of small tensors, are hashed: each tensor's bytes go on the one stream,
+    with no torch call (a copy into one buffer, torch.cat, lets go of the GIL; see _HELD_PIECE)."""
     hasher = blake3.blake3()
     hasher.update(repr([None if t is None else t.shape for t in tensors]).encode())
-    group: list[torch.Tensor] = []
+    run: torch.dtype | None = None  # the dtype of the run under way (None: a None ended it)
     size = 0
-    for t in [*tensors, None]:  # a last None ends the last run
-        if group and (t is None or t.dtype != group[0].dtype or size >= _GROUP_BYTES):
-            flat = _host(torch._utils._flatten_dense_tensors(group))
-            hasher.update(str(flat.dtype).encode())
-            hasher.update(_bytes(flat))
-            group, size = [], 0
-        if t is not None:
-            group.append(t)
-            size += t.numel() * t.element_size()
+    for t in tensors:
+        if t is None:
+            run = None
+            continue
+        if t.dtype != run or size >= _GROUP_BYTES:
+            hasher.update(str(t.dtype).encode())
+            run, size = t.dtype, 0
+        _update(hasher, _host(t))
+        size += t.numel() * t.element_size()
     return hasher.digest(_DIGEST_BYTES)
 
 
