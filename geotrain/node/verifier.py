@@ -52,49 +52,65 @@ def digest(tensor: torch.Tensor) -> bytes:
     stage sends or receives has one, so it takes as few calls as it can, none that lets go of the GIL for a small
     tensor, and the header of a dtype and shape is made once)."""
     t = _host(tensor)
-    hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
-    _update(hasher, t)
-    return hasher.digest(_DIGEST_BYTES)
+    return _hash([_header(t.dtype, t.shape), _part(t)])
 
 
 @functools.lru_cache(maxsize=64)
-def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    return f"{dtype}{shape}".encode()
+def _header(dtype: torch.dtype, shape: torch.Size) -> bytes:
+    return f"{dtype}{tuple(shape)}".encode()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor itself where it is a contiguous host tensor (the usual case: no torch call), else a host copy."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not tensor.is_cpu or not tensor.is_contiguous():
         return tensor.detach().cpu().contiguous()
     return tensor
 
 
-def _update(hasher: blake3.blake3, t: torch.Tensor) -> None:
-    """Hash a contiguous host tensor's bytes on: a small one's copied out and hashed in pieces, all with the GIL held
-    (_HELD_MAX), a larger one's read through numpy without a copy. blake3 hashes a stream: the digest is the same
-    however the bytes are cut."""
-    size = t.numel() * t.element_size()
-    if size > _HELD_MAX:
-        if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
-            t = t.detach().view(-1).view(torch.uint8)
-        hasher.update(t.numpy().reshape(-1).view(np.uint8))
-        return
-    data = memoryview(ctypes.string_at(t.data_ptr(), size))
-    for at in range(0, size, _HELD_PIECE):
-        hasher.update(data[at : at + _HELD_PIECE])
+def _part(t: torch.Tensor) -> bytes | np.ndarray:
+    """A contiguous host tensor's bytes: a small one's copied out with the GIL held (_HELD_MAX), a larger one's read
+    through numpy without a copy."""
+    size = t.nbytes
+    if size <= _HELD_MAX:
+        return ctypes.string_at(t.data_ptr(), size)
+    if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
+        t = t.detach().view(-1).view(torch.uint8)
+    return t.numpy().reshape(-1).view(np.uint8)
 
 
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8,
                            torch.uint8, torch.bool})
 
 
+def _hash(parts: list[bytes | np.ndarray]) -> bytes:
+    """blake3 of the parts' bytes in order: the small ones (bytes) joined and hashed in pieces under _HELD_PIECE, a
+    large one in one call. blake3 hashes a stream: the digest is the same however the bytes are cut."""
+    hasher = blake3.blake3()
+    held: list[bytes] = []
+    for part in [*parts, None]:  # a last None hashes what is held
+        if part is None or not isinstance(part, bytes):
+            data = memoryview(b"".join(held))
+            for at in range(0, len(data), _HELD_PIECE):
+                hasher.update(data[at : at + _HELD_PIECE])
+            held = []
+            if part is not None:
+                hasher.update(part)
+        else:
+            held.append(part)
+    return hasher.digest(_DIGEST_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(shapes: tuple[torch.Size | None, ...]) -> bytes:
+    return repr(list(shapes)).encode()
+
+
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     """One digest of tensors in order (None, a parameter without gradient, counts as itself): blake3 of their shapes,
     then of each dtype's run of bytes, the dtype named at the run's start and again every _GROUP_BYTES. Every
-    microbatch's parameter gradients, dozens of small tensors, are hashed: each tensor's bytes go on the one stream,
-    with no torch call (a copy into one buffer, torch.cat, lets go of the GIL; see _HELD_PIECE)."""
-    hasher = blake3.blake3()
-    hasher.update(repr([None if t is None else t.shape for t in tensors]).encode())
+    microbatch's parameter gradients, dozens of small tensors, are hashed: their bytes are copied out one by one
+    with no torch call (one copy into one buffer, torch.cat, lets go of the GIL; see _HELD_PIECE)."""
+    parts = [_shapes(tuple(None if t is None else t.shape for t in tensors))]
     run: torch.dtype | None = None  # the dtype of the run under way (None: a None ended it)
     size = 0
     for t in tensors:
@@ -102,11 +118,11 @@ def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
             run = None
             continue
         if t.dtype != run or size >= _GROUP_BYTES:
-            hasher.update(str(t.dtype).encode())
+            parts.append(str(t.dtype).encode())
             run, size = t.dtype, 0
-        _update(hasher, _host(t))
-        size += t.numel() * t.element_size()
-    return hasher.digest(_DIGEST_BYTES)
+        parts.append(_part(_host(t)))
+        size += t.nbytes
+    return _hash(parts)
 
 
 def hashes_off_worker(device: torch.device) -> bool:
