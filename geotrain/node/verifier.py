@@ -144,8 +144,6 @@ class _StepEvidence:
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
-    # (microbatch, commitment field, its tensors) received or counted, to hash once their task's results are sent
-    unhashed: list[tuple[int, str, Sequence[torch.Tensor | None]]] = field(default_factory=list)
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
     settled: bool = False  # keep() is done: what is kept of the step is known
@@ -163,6 +161,8 @@ class Evidence:
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified as each step's apply settles what it keeps
         self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
+        # (its step's entry, microbatch, commitment field, its tensors) received, sent or counted, for hash_pending
+        self._pending: list[tuple[_StepEvidence, int, str, Sequence[torch.Tensor | None]]] = []
 
     def _entry(self, epoch: int, step: int) -> _StepEvidence:
         entry = self._steps.get(step)
@@ -189,7 +189,7 @@ class Evidence:
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
                 with self._lock:
-                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", grads))
+                    self._pending.append((self._entry(epoch, key[0]), key[1], "param_grads", grads))
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -223,7 +223,7 @@ class Evidence:
             entry = self._entry(epoch, step)
             commitment = self._commitment(entry, microbatch)
             if value is None:
-                entry.unhashed.append((microbatch, name, [tensor]))
+                self._pending.append((entry, microbatch, name, [tensor]))
             else:
                 setattr(commitment, name, value)
 
@@ -231,12 +231,12 @@ class Evidence:
         """Hash what was received, sent and counted since the last call: on the worker, once a task's results are on
         their way, so that no neighbour waits for the hash; commitments() hashes what is left."""
         with self._lock:
-            work = [(entry, item) for entry in self._steps.values() for item in entry.unhashed]
-            for entry in self._steps.values():
-                entry.unhashed = []
+            work, self._pending = self._pending, []
+        if not work:
+            return
         done = [
             (entry, mb, name, digest_all(tensors) if name == "param_grads" else digest(tensors[0]))
-            for entry, (mb, name, tensors) in work
+            for entry, mb, name, tensors in work
         ]
         with self._lock:
             for entry, mb, name, value in done:
