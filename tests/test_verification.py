@@ -209,10 +209,10 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerato
     assert verifier.hashes_off_worker(torch.device("cuda")) and not verifier.hashes_off_worker(torch.device("cpu"))
 
 
-def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_sent(monkeypatch) -> None:
+def test_a_cpu_stage_hashes_what_its_tasks_received_and_counted_at_the_commit(monkeypatch) -> None:
     """Neither the tensor a task computes with, nor the parameter gradients it counts, nor what it sends is hashed
-    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them after
-    (hash_pending), and the commit report whatever is left."""
+    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them in one batch at
+    the commit (hash_pending), or after a task once PENDING_BYTES of them wait."""
     hashed: list[str] = []
     monkeypatch.setattr(verifier, "digest", lambda t, f=verifier.digest: hashed.append("one") or f(t))
     monkeypatch.setattr(verifier, "digest_all", lambda ts, f=verifier.digest_all: hashed.append("all") or f(ts))
@@ -225,8 +225,9 @@ def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_
         grad = torch.ones_like(target.forward(key, x))
         evidence.received(1, STEP, MICROBATCH, "backward", grad)
         target.backward(key, grad)
+    evidence.hash_pending(verifier.PENDING_BYTES)  # after a task: a few KiB wait for the commit
     assert hashed == []
-    evidence.hash_pending()
+    evidence.hash_pending(1)  # as after a task once that many bytes wait
     assert sorted(hashed) == ["all", "one", "one"]
     evidence.sent(1, STEP, MICROBATCH, "forward", x)  # as a sender thread commits to a tensor it sends
     assert len(hashed) == 3
