@@ -18,51 +18,34 @@ back, whether the adversary was evicted, and the final max |diff| of the paramet
 work was undone and redone honestly). Adversarial cases run at --fraction (default 0.25) to keep them short; the
 detection each fraction buys is in the README. Run under the CPU lock: python bench/verify.py [--steps 40]
 
-This version (a check told to its verifier with the step's ApplyStep and reported with the verifier's next GradNorm, no
-order or Verified call of its own; on the CPU what a stage receives, sends and counts hashed by its worker once the
-task's result is on its way; digest() without a copy or a header made per call), under the CPU lock at 0.05, --pairs 5
-three times: 0 false alarms, nobody evicted, max |diff| 0.0 in each; costs 10.0, 12.4, 6.1, 7.3, 10.9%, median 10.0%
-(e.g. 4,691.2 tokens/s against 5,214.0 off); 6.4, 13.0, 7.0, 21.9, 10.2%, median 10.2% (its last pairs beside a test
-run outside the lock); 10.1, 16.1, 13.8, 10.5, 10.4%, median 10.5%: at the 10% goal, not under it; 7.9 to 8.6 ms a
-check. A fourth run beside other load measured nothing (costs -15.5 to 14.4%). Adversaries at --steps 40 (shift_1_in_20:
-120) and 0.25: every one caught (the work of steps 0, 6, 0, 0; shift, shift_1_in_20, lazy, poison), verdicts a step
-later than before (at steps 3, 9, 3, 3, as many rolled back: a report waits for its verifier's next GradNorm), evicted,
-nobody else evicted, max |diff| 0.0.
+This version (on the CPU a stage's worker hashes its commitments of a step in one batch at the commit, where it finds
+the hashes' code and data in its caches, rather than a few after each task, whose compute evicted them; a small
+tensor's digest never lets go of the GIL: its bytes are copied out and hashed in pieces under blake3's 2048-byte
+release, and a microbatch's parameter gradients are streamed into one hash, not joined by torch.cat; the digests are
+bit for bit those of before), under the CPU lock at 0.05, --pairs 5, three invocations: costs 6.6, 4.0, 8.2, 17.7,
+9.2%, median 8.2% (e.g. 5,121.9 tokens/s against 5,576.9 off); 7.9, 7.7, 7.1, 3.7, 8.6%, median 7.7%; 6.5, 9.2,
+10.5, 0.0, 3.7%, median 6.5%: under the 10% goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each; 7.6 to 8.2
+ms a check. The version before: medians 10.7, 9.7, 9.3 and 9.8%. Adversaries at --steps 40 (shift_1_in_20: 120) and
+0.25: every one caught (the work of steps 0, 21, 0, 1: shift, shift_1_in_20, lazy, poison), verdicts at steps 3, 24,
+3, 4, as many rolled back, evicted, nobody else evicted, max |diff| 0.0.
 
-On the way: the apply and GradNorm change alone cost 11.5, 11.4, 7.6, 8.5, 10.3%, median 10.3%; with the hashes moved to
-the worker 11.5, 13.0, 9.1, 11.4, 12.8%, median 11.5%, on a machine whose runs without verification were 9% faster
-(5,429 tokens/s against 4,980): both spent 3.0 ms a step, the last version 2.5 to 3.4. Running a check's recompute right
-after its verifier's GradNorm (the workers then wait for the coordinator's decision) measured no better (median 11.1%);
-not kept. The version before: medians 13.0% (--pairs 3) and 13.7% (--pairs 5), the commitments alone (--honest-fraction
-1e-6) 4.9%.
-
-Where the rest goes: CPU, more than waits. Per-thread CPU seconds (/proc) over two pairs of 300-step runs of the version
-that recomputed after the GradNorm (startup included): the nodes spent 12.6 s with verification and 11.25 s without, the
-coordinator's process 4.2 to 4.4 s either way: the nodes' workers 0.9 s more (a check's recompute is some 1.1 ms on this
-model, twice a microbatch's forward and backward at a stage: it loads and hashes the parameters served, then hashes all
-it computed; and the 40-odd hashes a step), the threads that receive tensors 0.4 s, the evidence's gRPC calls (the
-verifier's thread, the target's handler and server thread, a client thread per call) some 0.25 s. Each of 3 nodes and
-the coordinator on 2 shared cores takes its share of the step, so that CPU is time: 2.5 to 3.4 ms of a 24 to 25 ms step
-here, at 0.6 checks a step. On a model whose microbatches take longer than these 0.5 ms a stage, the hashes and calls
-cost the same and the recompute f of the compute, so the share falls. What would cut the rest: the evidence over the raw
-tensor stream rather than a gRPC call (protocol/tensorstream.py), a recompute that neither accumulates float64 sums nor
-reloads the runtime (node/stage.py). The honest runs need limits.calls_per_s above the default 200 (TINY): at about 40
-steps/s the data head makes some 240 calls/s.
-
-The next version (digests read a tensor's bytes through numpy), under the lock, --pairs 5: costs 17.9, 14.7, 10.7, 9.8,
-10.2%, median 10.7% (e.g. 4,390.3 tokens/s against 4,914.4 off; 949 checks at 8.79 ms); 8.5, 9.7, 6.5, 11.8, 12.5%,
-median 9.7% (877 checks at 8.25 ms); beside other load (its runs without verification from 3,680 to 5,152 tokens/s) 0.4,
-15.8, 17.2, 9.3, 4.6%, median 9.3%: not clearly under the goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each;
-the adversaries caught (the work of steps 1, 1, 0, 0), verdicts at steps 4, 4, 3, 3, evicted, max |diff| 0.0. Where the
-cost lies, measured on the way (300-step runs, interleaved, under the lock): the commitments alone (verify.fraction
-1e-6: every hash and report, no check) cost some two thirds of what the checks and commitments together did (means of
-four runs each: 4,321 tokens/s, and 4,117 at 0.05, against 4,788 off), so the commitments (hashes, their bookkeeping,
-their reports) are the larger part, and the checks the smaller. In the nodes, timed per call: hash_pending's wall time
-is some 3 times its CPU time (the worker descheduled on shared cores), and its CPU 3 to 7 times that of the same hashes
-in a quiet process; the coordinator's verification (cross-check, draw, commitments, reports) some 0.2 ms a step. Tried,
-measured no better, not kept: hashing in the worker's idle time (a task at VERIFY priority) rather than after each task
-(means 4,542 against 4,571 tokens/s inline, three runs each). Next: the commitments' Python per microbatch (some 40
-hashes a step, each with its bookkeeping), and the evidence's gRPC call.
+Where the cost lies, measured in the nodes (thread CPU and wall time per call, one 300-step run at 0.05 each):
+- before this version, the worker's hashes took 1.6 ms of CPU a step over the three nodes, 74 to 102 us a call of a
+  few hashes: each call came after a task's compute and found the caches cold (outside the bench: one activation's
+  digest 25 us after a microbatch's compute, 4.4 us in a loop; a step's 20 hashes at the middle stage 0.22 ms in one
+  batch, 0.64 ms one task at a time). py-spy had also found them waiting to take back the GIL that blake3 (from 2048
+  bytes), torch.cat and torch's numpy() let go of: a 2 KiB digest beside one busy thread took 80 to 800 us.
+- batched at the commit they take 1.1 ms a step (0.25 to 0.47 ms a node, on the commit's path, in parallel);
+- a check costs 1.3 to 3.2 ms of CPU for its recompute (1.1 ms in a quiet process: the forward and backward 0.5 ms,
+  reloading the parameters and their checksum, a torch call or six per tensor, most of the rest) and 0.8 to 0.9 ms for
+  its evidence's gRPC call (the target's server side not counted), at 0.6 checks a step;
+- the rest (received, sent, keep, the commitments' report) some 0.3 ms a step.
+Each of 3 nodes and the coordinator on 2 shared cores takes its share of a step, so this CPU is time. On a model whose
+microbatches take longer than these 0.5 ms a stage, the hashes and calls cost the same and the recompute f of the
+compute, so the share falls. What would cut the rest: the evidence over the raw tensor stream rather than a gRPC call
+(protocol/tensorstream.py), a recompute that keeps the layout of the parameters it reloads and hashes them without a
+torch call per tensor. The honest runs need limits.calls_per_s above the default 200 (TINY): at about 40 steps/s the
+data head makes some 240 calls/s.
 """
 
 from __future__ import annotations

@@ -117,6 +117,29 @@ def test_a_digest_is_of_the_bytes_whatever_the_dtype_layout_or_autograd(dtype) -
     assert verifier.digest_all([x, None, x]) not in (verifier.digest_all([x, x, None]), verifier.digest_all([flipped, None, x]))
 
 
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 513, 4096, 20000])
+def test_a_digest_is_blake3_of_its_header_and_bytes_however_they_are_cut(size) -> None:
+    """Small tensors are copied out and hashed in pieces (the GIL held), large ones in one call: either way a digest is
+    blake3 of the dtype and shape, then of the bytes, as nodes of one protocol version must agree; one bit anywhere,
+    the last one included, changes it."""
+    x = torch.randn(size, generator=torch.Generator().manual_seed(size))  # 4 bytes each: 2 KiB, 80 KiB for the last
+    grads = [x, None, x.double(), x.half(), x.half()]
+    raw = [t.numpy().tobytes() for t in (x, x.double(), x.half(), x.half())]
+
+    def blake3(*parts: bytes) -> bytes:
+        return verifier.blake3.blake3(b"".join(parts)).digest(16)
+
+    assert verifier.digest(x) == blake3(f"torch.float32({size},)".encode(), raw[0])
+    shapes = repr([None if t is None else t.shape for t in grads]).encode()
+    expected = blake3(shapes, b"torch.float32", raw[0], b"torch.float64", raw[1], b"torch.float16", raw[2], raw[3])
+    assert verifier.digest_all(grads) == expected
+    if size:
+        flipped = x.clone()
+        flipped.view(torch.int32)[-1] ^= 1
+        assert verifier.digest(flipped) != verifier.digest(x)
+        assert verifier.digest_all([flipped, *grads[1:]]) != expected
+
+
 def test_an_honest_stage_recomputed_elsewhere_gives_the_same_bits() -> None:
     cfg = _config()
     with one_compute_thread():
@@ -209,10 +232,10 @@ def test_a_stages_parameter_gradients_are_hashed_off_its_worker_on_an_accelerato
     assert verifier.hashes_off_worker(torch.device("cuda")) and not verifier.hashes_off_worker(torch.device("cpu"))
 
 
-def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_sent(monkeypatch) -> None:
+def test_a_cpu_stage_hashes_what_its_tasks_received_and_counted_at_the_commit(monkeypatch) -> None:
     """Neither the tensor a task computes with, nor the parameter gradients it counts, nor what it sends is hashed
-    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them after
-    (hash_pending), and the commit report whatever is left."""
+    before the task's result is sent (a neighbour would wait for the hash): the worker hashes them in one batch at
+    the commit (hash_pending), or after a task once PENDING_BYTES of them wait."""
     hashed: list[str] = []
     monkeypatch.setattr(verifier, "digest", lambda t, f=verifier.digest: hashed.append("one") or f(t))
     monkeypatch.setattr(verifier, "digest_all", lambda ts, f=verifier.digest_all: hashed.append("all") or f(ts))
@@ -225,8 +248,9 @@ def test_a_cpu_stage_hashes_what_a_task_received_and_counted_once_its_result_is_
         grad = torch.ones_like(target.forward(key, x))
         evidence.received(1, STEP, MICROBATCH, "backward", grad)
         target.backward(key, grad)
+    evidence.hash_pending(verifier.PENDING_BYTES)  # after a task: a few KiB wait for the commit
     assert hashed == []
-    evidence.hash_pending()
+    evidence.hash_pending(1)  # as after a task once that many bytes wait
     assert sorted(hashed) == ["all", "one", "one"]
     evidence.sent(1, STEP, MICROBATCH, "forward", x)  # as a sender thread commits to a tensor it sends
     assert len(hashed) == 3

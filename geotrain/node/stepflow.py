@@ -16,7 +16,7 @@ from geotrain.config import MAX_INFLIGHT
 from geotrain.node.device import COMPUTE_DTYPES, HostTensor
 from geotrain.node.incoming import sender_of
 from geotrain.node.routing import ReplicaRouter
-from geotrain.node.verifier import Evidence, hashes_off_worker
+from geotrain.node.verifier import PENDING_BYTES, Evidence, hashes_off_worker
 from geotrain.node.worker import BACKWARD, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 
@@ -146,9 +146,10 @@ class StepFlow:
         self.evidence.watch(plan.epoch, step, runtime, self._sender if hashes_off_worker(runtime.device) else None)
 
     def _hash_evidence(self) -> None:
-        """Commit to what a task received and counted, once its result is on its way: no neighbour waits for it."""
+        """Commit to what the tasks received, sent and counted once they hold PENDING_BYTES, after a task's result is
+        on its way (no neighbour waits for it); the rest at the commit."""
         if self.evidence is not None:
-            self.evidence.hash_pending()
+            self.evidence.hash_pending(PENDING_BYTES)
 
     def _microbatch_done(self, step: int, microbatch: int, path: list[str], loss: float) -> None:
         assert self.cfg is not None and self.plan is not None

@@ -7,6 +7,7 @@ same parameters and inputs, gives the same bits: the coordinator (scheduler/veri
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -32,6 +33,18 @@ log = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
 _GROUP_BYTES = 1 << 24
+# blake3 lets go of the GIL to hash 2048 bytes or more in one call, and so do torch's numpy() and every torch op. A
+# worker that lets go of it in a node whose receiving and sending threads want it waits to take it back, far longer
+# than a small tensor's hash takes (a 2 KiB tensor's digest: some 5 us alone, 80 to 800 us beside one busy thread). A
+# tensor up to _HELD_MAX bytes is copied out with the GIL held and hashed in pieces of _HELD_PIECE bytes, under that
+# size; a larger one is hashed in place in one call, whose wait is small beside the hash.
+_HELD_PIECE = 2047
+_HELD_MAX = 1 << 16
+# On the CPU the worker hashes a step's commitments in one batch at its commit, not a few after each task: each task's
+# compute evicts the hashes' code and data from the caches, and a pass over the whole step finds them warm (a middle
+# stage's 20 hashes of a step here: 0.22 ms of CPU in one batch, 0.64 ms a few at a time). The tensors wait for it
+# (what was received is kept until the apply anyway); past this many bytes of them the worker hashes them at once.
+PENDING_BYTES = 1 << 24
 _EVIDENCE_DEADLINE_S = 60.0
 # How long a request for evidence waits for its step's apply here: the apply comes at once after the order the
 # verifier got it with, but a loaded node's worker may be on its last task; under the fetch's own deadline.
@@ -41,29 +54,30 @@ PARAMS_PREFIX = "params."
 
 def digest(tensor: torch.Tensor) -> bytes:
     """A digest of a tensor's dtype, shape and bytes: equal digests are the same tensor bit for bit (every tensor a
-    stage sends or receives has one, so it takes as few calls as it can: a host tensor is not copied, and the header
-    of a dtype and shape is made once)."""
+    stage sends or receives has one, so it takes as few calls as it can, none that lets go of the GIL for a small
+    tensor, and the header of a dtype and shape is made once)."""
     t = _host(tensor)
-    hasher = blake3.blake3(_header(t.dtype, tuple(t.shape)))
-    hasher.update(_bytes(t))
-    return hasher.digest(_DIGEST_BYTES)
+    return _hash([_header(t.dtype, t.shape), _part(t)])
 
 
 @functools.lru_cache(maxsize=64)
-def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    return f"{dtype}{shape}".encode()
+def _header(dtype: torch.dtype, shape: torch.Size) -> bytes:
+    return f"{dtype}{tuple(shape)}".encode()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor itself where it is a contiguous host tensor (the usual case: no torch call), else a host copy."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not tensor.is_cpu or not tensor.is_contiguous():
         return tensor.detach().cpu().contiguous()
     return tensor
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous host tensor's bytes, without a copy: through numpy where its dtype allows (a call, against
-    torch's three, for each of the dozens of tensors hashed every microbatch)."""
+def _part(t: torch.Tensor) -> bytes | np.ndarray:
+    """A contiguous host tensor's bytes: a small one's copied out with the GIL held (_HELD_MAX), a larger one's read
+    through numpy without a copy."""
+    size = t.nbytes
+    if size <= _HELD_MAX:
+        return ctypes.string_at(t.data_ptr(), size)
     if t.requires_grad or t.dtype not in _NUMPY_DTYPES:
         t = t.detach().view(-1).view(torch.uint8)
     return t.numpy().reshape(-1).view(np.uint8)
@@ -73,25 +87,47 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.in
                            torch.uint8, torch.bool})
 
 
+def _hash(parts: list[bytes | np.ndarray]) -> bytes:
+    """blake3 of the parts' bytes in order: the small ones (bytes) joined and hashed in pieces under _HELD_PIECE, a
+    large one in one call. blake3 hashes a stream: the digest is the same however the bytes are cut."""
+    hasher = blake3.blake3()
+    held: list[bytes] = []
+    for part in [*parts, None]:  # a last None hashes what is held
+        if part is None or not isinstance(part, bytes):
+            data = memoryview(b"".join(held))
+            for at in range(0, len(data), _HELD_PIECE):
+                hasher.update(data[at : at + _HELD_PIECE])
+            held = []
+            if part is not None:
+                hasher.update(part)
+        else:
+            held.append(part)
+    return hasher.digest(_DIGEST_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(shapes: tuple[torch.Size | None, ...]) -> bytes:
+    return repr(list(shapes)).encode()
+
+
 def digest_all(tensors: Sequence[torch.Tensor | None]) -> bytes:
     """One digest of tensors in order (None, a parameter without gradient, counts as itself): blake3 of their shapes,
-    then of each dtype's run of bytes. Every microbatch's parameter gradients, dozens of small tensors, are hashed:
-    they are flattened together, up to _GROUP_BYTES at a time, and hashed in one call, as a call per tensor costs
-    more than the hash itself."""
-    hasher = blake3.blake3()
-    hasher.update(repr([None if t is None else t.shape for t in tensors]).encode())
-    group: list[torch.Tensor] = []
+    then of each dtype's run of bytes, the dtype named at the run's start and again every _GROUP_BYTES. Every
+    microbatch's parameter gradients, dozens of small tensors, are hashed: their bytes are copied out one by one
+    with no torch call (one copy into one buffer, torch.cat, lets go of the GIL; see _HELD_PIECE)."""
+    parts = [_shapes(tuple(None if t is None else t.shape for t in tensors))]
+    run: torch.dtype | None = None  # the dtype of the run under way (None: a None ended it)
     size = 0
-    for t in [*tensors, None]:  # a last None ends the last run
-        if group and (t is None or t.dtype != group[0].dtype or size >= _GROUP_BYTES):
-            flat = _host(torch._utils._flatten_dense_tensors(group))
-            hasher.update(str(flat.dtype).encode())
-            hasher.update(_bytes(flat))
-            group, size = [], 0
-        if t is not None:
-            group.append(t)
-            size += t.numel() * t.element_size()
-    return hasher.digest(_DIGEST_BYTES)
+    for t in tensors:
+        if t is None:
+            run = None
+            continue
+        if t.dtype != run or size >= _GROUP_BYTES:
+            parts.append(str(t.dtype).encode())
+            run, size = t.dtype, 0
+        parts.append(_part(_host(t)))
+        size += t.nbytes
+    return _hash(parts)
 
 
 def hashes_off_worker(device: torch.device) -> bool:
@@ -113,8 +149,6 @@ class _StepEvidence:
     received: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (microbatch, direction) -> tensor
     commitments: dict[int, pb.MicrobatchCommitment] = field(default_factory=dict)
     grad_digests: dict[int, futures.Future] = field(default_factory=dict)  # microbatch -> its param_grads, hashing off
-    # (microbatch, commitment field, its tensors) received or counted, to hash once their task's results are sent
-    unhashed: list[tuple[int, str, Sequence[torch.Tensor | None]]] = field(default_factory=list)
     kept: frozenset[int] = frozenset()  # the microbatches drawn for checks (keep), whose evidence is served
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # host copies before the step (flat_params)
     settled: bool = False  # keep() is done: what is kept of the step is known
@@ -132,6 +166,9 @@ class Evidence:
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified as each step's apply settles what it keeps
         self._steps: OrderedDict[int, _StepEvidence] = OrderedDict()
+        # (its step's entry, microbatch, commitment field, its tensors) received, sent or counted, for hash_pending
+        self._pending: list[tuple[_StepEvidence, int, str, Sequence[torch.Tensor | None]]] = []
+        self._pending_bytes = 0
 
     def _entry(self, epoch: int, step: int) -> _StepEvidence:
         entry = self._steps.get(step)
@@ -147,7 +184,7 @@ class Evidence:
         computes `step` with, and commit to each microbatch's parameter gradients as the stage counts them. With a
         `pool` (hashes_off_worker: an accelerator) their copies to the host start behind the backward that made them
         and a thread of `pool` hashes them, so the worker neither waits for each backward nor hashes; without, the
-        worker hashes them once the backward's result is sent (hash_pending), as a hand-off to another thread costs a
+        worker hashes them with the step's other commitments (hash_pending), as a hand-off to another thread costs a
         CPU more than the hash."""
         with self._lock:
             entry = self._entry(epoch, step)
@@ -157,8 +194,10 @@ class Evidence:
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
+                size = sum(g.nbytes for g in grads if g is not None)
                 with self._lock:
-                    self._entry(epoch, key[0]).unhashed.append((key[1], "param_grads", grads))
+                    self._pending.append((self._entry(epoch, key[0]), key[1], "param_grads", grads))
+                    self._pending_bytes += size
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -173,15 +212,15 @@ class Evidence:
         return commitment
 
     def received(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
-        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); on the CPU it is
-        hashed once the task that computes with it sent its result (hash_pending), not before that task starts."""
+        """A decoded tensor this stage accepted: activations (forward) or a gradient (backward); on the CPU the
+        worker hashes it later (hash_pending), not before the task that computes with it starts."""
         with self._lock:
             self._entry(epoch, step).received[(microbatch, direction)] = tensor
         self._unhashed(epoch, step, microbatch, "received" if direction == "forward" else "received_grad", tensor)
 
     def sent(self, epoch: int, step: int, microbatch: int, direction: str, tensor: torch.Tensor) -> None:
         """A tensor this stage sends, as it goes to the codec (on a sender thread); on the CPU the worker hashes it
-        after a later task or at the commit (hash_pending), not in the send's way."""
+        later (hash_pending), not in the send's way."""
         self._unhashed(epoch, step, microbatch, "sent" if direction == "forward" else "sent_grad", tensor)
 
     def _unhashed(self, epoch: int, step: int, microbatch: int, name: str, tensor: torch.Tensor) -> None:
@@ -192,20 +231,22 @@ class Evidence:
             entry = self._entry(epoch, step)
             commitment = self._commitment(entry, microbatch)
             if value is None:
-                entry.unhashed.append((microbatch, name, [tensor]))
+                self._pending.append((entry, microbatch, name, [tensor]))
+                self._pending_bytes += tensor.nbytes
             else:
                 setattr(commitment, name, value)
 
-    def hash_pending(self) -> None:
-        """Hash what was received, sent and counted since the last call: on the worker, once a task's results are on
-        their way, so that no neighbour waits for the hash; commitments() hashes what is left."""
+    def hash_pending(self, up_to: int = 0) -> None:
+        """Hash what was received, sent and counted since the last call, unless it is under `up_to` bytes: on
+        the worker, once a task's results are on their way (no neighbour waits for the hash), with PENDING_BYTES,
+        and at the commit, with 0 (commitments())."""
         with self._lock:
-            work = [(entry, item) for entry in self._steps.values() for item in entry.unhashed]
-            for entry in self._steps.values():
-                entry.unhashed = []
+            if not self._pending or self._pending_bytes < up_to:
+                return
+            work, self._pending, self._pending_bytes = self._pending, [], 0
         done = [
             (entry, mb, name, digest_all(tensors) if name == "param_grads" else digest(tensors[0]))
-            for entry, (mb, name, tensors) in work
+            for entry, mb, name, tensors in work
         ]
         with self._lock:
             for entry, mb, name, value in done:
