@@ -25,40 +25,36 @@ finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
 
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
-This version, the defaults (374M parameters, three nodes capped at 5 GiB, 24 steps, a checkpoint every 3, the node
-of stage 1 SIGKILLed after step 7, the run rolled back to step 6's checkpoint), the lock held, warm-up steps left out:
-    {"node": "node-1", "peak_rss_bytes": 3867058176, "planned_bytes": 4101124096, "error": -0.057, "peak_in_step": 5}
-    {"node": "node-2", "peak_rss_bytes": 4583641088, "planned_bytes": 4792168448, "error": -0.044, "peak_in_step": 6}
-    {"node": "node-3", "peak_rss_bytes": 4555378688, "planned_bytes": 4798103552, "error": -0.051, "peak_in_step": 22}
-    {"node": "node-1 rejoined", "peak_rss_bytes": 4114235392, "planned_bytes": 4460843008, "error": -0.078, ...}
+This version, the defaults (374M parameters, three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, the node
+of stage 1 SIGKILLed after step 10, the run rolled back to step 6's checkpoint), the lock held, warm-up steps left out:
+    {"node": "node-1", "peak_rss_bytes": 3780739072, "planned_bytes": 4115898368, "error": -0.081, "peak_in_step": 1}
+    {"node": "node-2", "peak_rss_bytes": 3862609920, "planned_bytes": 4069785600, "error": -0.051, "peak_in_step": 9}
+    {"node": "node-3", "peak_rss_bytes": 4286021632, "planned_bytes": 4064223232, "error": 0.055, "peak_in_step": 23}
+    {"node": "node-1 rejoined", "peak_rss_bytes": 3798044672, "planned_bytes": 4115898368, "error": -0.077, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
-     "coordinator_peak_rss_bytes": 363974656, "checkpoint_bytes": 4489557473, "step_s": 5.92,
-     "checkpoint_step_s": 7.05, "checkpoint_cost": 0.192,
-     "steps_s": [8.08, 7.18, 5.92, 6.41, 6.6, 5.58, 5.54, 5.46, 5.61],
-     "checkpoint_steps_s": [7.9, 5.94, 7.74, 8.22, 6.66, 7.09, 5.51, 7.05, 5.73, 7.2, 6.45],
-     "checkpoint_write_s": [5.1, 5.0, 7.4, 6.3, 7.2, 7.6, 7.9, 4.1], "rejoin_s": 13.18, "rejoin_profile_s": 1.3,
-     "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
-Runs before the warm-up steps were left out printed checkpoint_cost 0.093 and 0.241 (the head before tpath3's and
-verify5's merges), and 0.071 on this head (its step_s 6.85: its first step took 13.6 s).
+     "coordinator_peak_rss_bytes": 358346752, "checkpoint_bytes": 4489557470, "step_s": 6.11,
+     "checkpoint_step_s": 6.9, "checkpoint_cost": 0.128,
+     "steps_s": [5.95, 7.08, 7.07, 7.08, 7.45, 6.96, 6.61, 5.3, 7.09, 5.18, 6.46, 7.04, 5.52, 6.11, 5.03, 5.37, 5.32,
+                 5.6, 5.41],
+     "checkpoint_steps_s": [6.55, 7.18, 5.52, 6.56, 6.9, 7.84, 7.39], "checkpoint_write_s": [11.1, 9.8, 14.7, 7.0, 3.4],
+     "rejoin_s": 11.96, "rejoin_profile_s": 1.29, "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node's peak within 9% of its plan. A checkpoint takes 4-9 s to write, into the step after it: the step it starts in
-takes about 1.1-2.3 s longer (+20-40%), the step it ends in nothing that shows, so the median over the steps it overlaps
-is +9% or +24% as the two kinds fall. The goal (+10%) holds for the second kind only. What the first still pays: the
-checkpoint moves 4.5 GB on the 2 cores the nodes' steps fill (the coordinator at about 0.4 s of CPU a GB: a socket
-copy, crc32, blake3 of the parameters, the copy into the O_DIRECT buffer; each node about 0.25), at the lowest CPU
-priority, which the pipeline's first phase leaves little room for; and what a holder has not sent by its next apply
-is copied to its file then (8 to 353 MB a node in a run of the session before). Before this version the same step cost +75% to +101%:
-the coordinator's page-cache writes (2.8 s of CPU a GB once written back), gRPC's framing and copies (about 1 s a GB
-at each end) and the stages fetched one after another. Writing a snapshot's file ahead of the apply measured worse
-(+2 s: the three nodes and the coordinator share one disk here), and so did the transfer at normal priority (+23%).
-Where the first step's cost lands (the coordinator's step phases logged, a later session): in the microbatch phase
-(3.2-3.8 s plain, 4.0-6.3 s while a checkpoint streams), where the nodes' own compute tasks run 50-100% longer per
-microbatch though every transfer thread is at SCHED_IDLE; the commit and apply phases barely move. Measured no better,
-so not kept: 16 MiB pieces instead of 1 MiB on the raw stream (cost 0.288), reading a snapshot only while its node's
-worker computes nothing (0.217, and the first step +2.2-2.5 s: the write took longer), glibc keeping freed memory
-(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: 0.305, and a node's peak 21% over its plan). Nodes fault in 100k to
-600k pages a second while they train (their tensors' fresh allocations); torch's huge pages for them
-(THP_MEM_ALLOC_ENABLE=1) made every step slower (step_s 8.25).
+node's peak within 9% of its plan. A checkpoint costs the steps it spans about +13% (0.131 in a run of the code before
+that still had a C sender, bench/transfer_interference.py). Its processes are in the bench's session (start()): in
+sessions of their own, as versions before started them, Linux's autogroups gave the coordinator and each node an equal
+share of the CPU whatever their threads' priorities, so the transfer at SCHED_IDLE took a full share whenever its
+process had nothing else to run: writes of 4-9 s into the step after the checkpoint, which took +1.1-4.7 s;
+checkpoint_cost from 0.07 to 0.45 run to run (a checkpoint every 3 steps). In one session the transfer takes only what the
+pipeline leaves idle: writes of 7-18 s, over 2-3 steps. What those steps still pay: what a holder has not sent by its
+next apply goes to its file on the apply's path (262-745 MB a node, 0.35-1.0 s, in this run: the three nodes' spills
+and the coordinator's writes share one disk), and the transfer's work beside the compute, which costs it even at the
+lowest priority (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The raw state stream carries no
+crc32 (neither end passes over the bytes for it), nor does the spill compute one. Measured no better, so not kept:
+16 MiB pieces instead of 1 MiB on the raw stream, reading a snapshot only while its node's worker computes nothing,
+glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: a node's peak 21% over its plan), torch's
+huge pages (THP_MEM_ALLOC_ENABLE=1: every step slower), a holder's C sender without the GIL (0.452 in sessions of
+their own, 0.131 in one). Writing a snapshot's file ahead of the apply, and the transfer at normal priority, measured
+worse before that (+2 s, +23%).
 """
 
 from __future__ import annotations

@@ -10,11 +10,25 @@ runnable threads are at SCHED_IDLE still takes a full session's share.
 
 Prints one JSON line per --variant and repeat: transfer_s, compute_lost_s (the two computing processes' seconds past
 their pace alone, summed over the transfer), lost_s_per_gb, their slowdown while it ran, and the CPU seconds per GB of
-the holder (its whole process: making the state included) and of the coordinator. Variants: `shared` (every
+the holder and of the coordinator while it ran. Variants: `shared` (every
 process in this one's session, as bench/scale.py and local nodes start them), `own` (each in a session of its own, as
 processes started from separate terminals are).
 
 Run under the CPU lock: flock /work/cpu.lock python bench/transfer_interference.py [--gb 1] [--repeat 2]
+
+This version, the defaults, the lock held (a 2-vCPU VM):
+    {"variant": "shared", "transfer_s": 3.04, "compute_lost_s": 0.439, "lost_s_per_gb": 0.408, "slowdown": 0.105,
+     "holder_cpu_s_per_gb": 0.426, "coordinator_cpu_s_per_gb": 0.381}
+    {"variant": "own", "transfer_s": 1.44, "compute_lost_s": 0.505, "lost_s_per_gb": 0.47, "slowdown": 0.301, ...}
+    {"variant": "shared", "transfer_s": 2.91, "compute_lost_s": 0.237, "lost_s_per_gb": 0.221, "slowdown": 0.057,
+     "holder_cpu_s_per_gb": 0.453, "coordinator_cpu_s_per_gb": 0.383}
+    {"variant": "own", "transfer_s": 1.5, "compute_lost_s": 0.511, "lost_s_per_gb": 0.475, "slowdown": 0.292, ...}
+and two runs before, with the holder's CPU then counted from its start: shared 0.303 and 0.285 s lost a GB (slowdown
+7.5%), own 0.537 and 0.569 (32-37%). In sessions of their own the transfer runs twice as fast on CPU the computing
+processes wanted, and their slowdown is four times as large. What one session still costs (0.22-0.41 s a GB) the transfer's
+work costs the compute though it runs only where a CPU would idle: the two CPUs are not independent. A
+holder's C sender that took neither the GIL nor a lock (a later-dropped protocol/_guardedsend.c) measured worse here
+than python's chunked copy: 0.31-0.41 s lost a GB against 0.17-0.28, three runs each.
 """
 
 from __future__ import annotations
@@ -75,10 +89,12 @@ def holder(own: bool, gb: float, ports: mp.Queue, done: mp.Queue) -> None:
         ports.put(server.getsockname()[1])
         conn, _ = server.accept()
         statestream.background_priority()
+        cpu = time.process_time()
         statestream.send_state(conn, snapshot.sources(), "")
+        cpu = time.process_time() - cpu
         conn.close()
         snapshot.close()
-    done.put((sum(t.numel() * 4 for _, t in items), time.process_time()))
+    done.put((sum(t.numel() * 4 for _, t in items), cpu))
 
 
 def coordinator(own: bool, port: int, work: str, times: mp.Queue) -> None:
