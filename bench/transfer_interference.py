@@ -25,8 +25,8 @@ This version, the defaults, the lock held (a 2-vCPU VM):
     {"variant": "own", "transfer_s": 1.5, "compute_lost_s": 0.511, "lost_s_per_gb": 0.475, "slowdown": 0.292, ...}
 and two runs before, with the holder's CPU then counted from its start: shared 0.303 and 0.285 s lost a GB (slowdown
 7.5%), own 0.537 and 0.569 (32-37%). In sessions of their own the transfer runs twice as fast on CPU the computing
-processes wanted, and their slowdown is four times as large. What one session still costs (0.22-0.41 s a GB) the transfer's
-work costs the compute though it runs only where a CPU would idle: the two CPUs are not independent. A
+processes wanted, and their slowdown is four times as large. What one session still costs (0.22-0.41 s a GB) the
+transfer's work costs the compute though it runs only where a CPU would idle: the two CPUs are not independent. A
 holder's C sender that took neither the GIL nor a lock (a later-dropped protocol/_guardedsend.c) measured worse here
 than python's chunked copy: 0.31-0.41 s lost a GB against 0.17-0.28, three runs each.
 """
