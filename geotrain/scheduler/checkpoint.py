@@ -286,7 +286,7 @@ class StageFileWriter(framing.StateSink):
         return write
 
     def end(self, header: pb.TensorHeader) -> None:  # noqa: D102
-        if header.crc32:  # a raw stream's carry none
+        if header.crc32:  # a raw stream's headers carry none
             self._crcs[header.name] = header.crc32
 
     def finish(self) -> str:
