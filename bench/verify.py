@@ -25,8 +25,8 @@ release, and a microbatch's parameter gradients are streamed into one hash, not 
 bit for bit those of before), under the CPU lock at 0.05, --pairs 5, three invocations: costs 6.6, 4.0, 8.2, 17.7,
 9.2%, median 8.2% (e.g. 5,121.9 tokens/s against 5,576.9 off); 7.9, 7.7, 7.1, 3.7, 8.6%, median 7.7%; 6.5, 9.2,
 10.5, 0.0, 3.7%, median 6.5%: under the 10% goal; 0 false alarms, nobody evicted, max |diff| 0.0 in each; 7.6 to 8.2
-ms a check. On the merged head, whose local nodes share the bench's session (localnodes.py: every run faster, off
-runs 6,420 to 6,767 tokens/s against 5,189 to 5,813 before): 3.8, 10.3, 6.8, 8.9, 5.8%, median 6.8%, 6.2 ms a check.
+ms a check. On the merged head, whose local nodes share the bench's session (localnodes.py), off runs 6,420 to
+6,767 tokens/s against 5,189 to 5,813 on the branch before it (the session, likely; one run): 3.8, 10.3, 6.8, 8.9, 5.8%, median 6.8%, 6.2 ms a check.
 The version before: medians 10.7, 9.7, 9.3 and 9.8%. Adversaries at --steps 40 (shift_1_in_20: 120) and
 0.25: every one caught (the work of steps 0, 21, 0, 1: shift, shift_1_in_20, lazy, poison), verdicts at steps 3, 24,
 3, 4, as many rolled back, evicted, nobody else evicted, max |diff| 0.0.
