@@ -2,7 +2,10 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
+# 17: a raw state stream's TensorHeader carries no crc32 (0) and its receiver checks none (statestream.py); a header's
+#    crc32 of 0 is not checksummed (framing.StateReceiver): a coordinator of 16 would refuse a holder of 17's state
+#    as corrupt, and every checkpoint with it
 # 16: a raw tensor stream's TensorHeader carries no crc32 (0) and its receiver checks none (tensorstream.py): a
 #    plaintext receiver of 15 would refuse every tensor of a sender of 16 as corrupt; Stage.OpenStateStream (a
 #    node of 15 answers UNIMPLEMENTED, and is fetched from by FetchState as before); a verifier takes its checks
