@@ -39,11 +39,11 @@ of stage 1 SIGKILLed after step 10, the run rolled back to step 6's checkpoint),
      "checkpoint_steps_s": [6.55, 7.18, 5.52, 6.56, 6.9, 7.84, 7.39], "checkpoint_write_s": [11.1, 9.8, 14.7, 7.0, 3.4],
      "rejoin_s": 11.96, "rejoin_profile_s": 1.29, "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node's peak within 9% of its plan. A checkpoint costs the steps it spans about +13% (0.131 in a run of the code before
-that still had a C sender, bench/transfer_interference.py). Its processes are in the bench's session (start()): in
-sessions of their own, as versions before started them, Linux's autogroups gave the coordinator and each node an equal
-share of the CPU whatever their threads' priorities, so the transfer at SCHED_IDLE took a full share whenever its
-process had nothing else to run: writes of 4-9 s into the step after the checkpoint, which took +1.1-4.7 s;
+node's peak within 9% of its plan. A checkpoint costs the steps it spans +13-14% (0.143 in a second run of this head,
+node-2 at +11.2% of its plan there; 0.131 with a C sender since dropped). Its processes are in the bench's session
+(start()): in sessions of their own, as versions before started them, Linux's autogroups gave the coordinator and each
+node an equal share of the CPU whatever their threads' priorities, so the transfer at SCHED_IDLE took a full share
+whenever its process had nothing else to run: writes of 4-9 s into the step after the checkpoint, which took +1.1-4.7 s;
 checkpoint_cost from 0.07 to 0.45 run to run (a checkpoint every 3 steps). In one session the transfer takes only what
 the pipeline leaves idle: writes of 7-18 s, over 2-3 steps. What those steps still pay: what a holder has not sent by its
 next apply goes to its file on the apply's path (262-745 MB a node, 0.35-1.0 s, in this run: the three nodes' spills
