@@ -45,8 +45,8 @@ node-2 at +11.2% of its plan there; 0.131 with a C sender since dropped). Its pr
 node an equal share of the CPU whatever their threads' priorities, so the transfer at SCHED_IDLE took a full share
 whenever its process had nothing else to run: writes of 4-9 s into the step after the checkpoint, which took +1.1-4.7 s;
 checkpoint_cost from 0.07 to 0.45 run to run (a checkpoint every 3 steps). In one session the transfer takes only what
-the pipeline leaves idle: writes of 7-18 s, over 2-3 steps. What those steps still pay: what a holder has not sent by its
-next apply goes to its file on the apply's path (262-745 MB a node, 0.35-1.0 s, in this run: the three nodes' spills
+the pipeline leaves idle: writes of 7-18 s, over 2-3 steps. What those steps still pay: what a holder has not sent by
+its next apply goes to its file on the apply's path (262-745 MB a node, 0.35-1.0 s, in this run: the three nodes' spills
 and the coordinator's writes share one disk), and the transfer's work beside the compute, which costs it even at the
 lowest priority (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The raw state stream carries no
 crc32 (neither end passes over the bytes for it), nor does the spill compute one. Measured no better, so not kept:
