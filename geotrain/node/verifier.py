@@ -92,16 +92,20 @@ def _hash(parts: list[bytes | np.ndarray]) -> bytes:
     large one in one call. blake3 hashes a stream: the digest is the same however the bytes are cut."""
     hasher = blake3.blake3()
     held: list[bytes] = []
-    for part in [*parts, None]:  # a last None hashes what is held
-        if part is None or not isinstance(part, bytes):
-            data = memoryview(b"".join(held))
-            for at in range(0, len(data), _HELD_PIECE):
-                hasher.update(data[at : at + _HELD_PIECE])
-            held = []
-            if part is not None:
-                hasher.update(part)
-        else:
+
+    def hash_held() -> None:
+        data = memoryview(b"".join(held))
+        for at in range(0, len(data), _HELD_PIECE):
+            hasher.update(data[at : at + _HELD_PIECE])
+        held.clear()
+
+    for part in parts:
+        if isinstance(part, bytes):
             held.append(part)
+        else:
+            hash_held()
+            hasher.update(part)
+    hash_held()
     return hasher.digest(_DIGEST_BYTES)
 
 
@@ -194,10 +198,8 @@ class Evidence:
 
         def counted(key: MicrobatchKey, grads: Sequence[torch.Tensor | None]) -> None:
             if pool is None:
-                size = sum(g.nbytes for g in grads if g is not None)
                 with self._lock:
-                    self._pending.append((self._entry(epoch, key[0]), key[1], "param_grads", grads))
-                    self._pending_bytes += size
+                    self._defer(self._entry(epoch, key[0]), key[1], "param_grads", grads)
                 return
             copies = [None if g is None else runtime.copies.to_host_async(g) for g in grads]
             hashed = pool.submit(lambda: digest_all([None if c is None else c.wait() for c in copies]))
@@ -231,10 +233,14 @@ class Evidence:
             entry = self._entry(epoch, step)
             commitment = self._commitment(entry, microbatch)
             if value is None:
-                self._pending.append((entry, microbatch, name, [tensor]))
-                self._pending_bytes += tensor.nbytes
+                self._defer(entry, microbatch, name, [tensor])
             else:
                 setattr(commitment, name, value)
+
+    def _defer(self, entry: _StepEvidence, microbatch: int, name: str, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Leave a commitment's tensors to hash_pending (call under the lock)."""
+        self._pending.append((entry, microbatch, name, tensors))
+        self._pending_bytes += sum(t.nbytes for t in tensors if t is not None)
 
     def hash_pending(self, up_to: int = 0) -> None:
         """Hash what was received, sent and counted since the last call, unless it is under `up_to` bytes: on
