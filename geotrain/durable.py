@@ -1,6 +1,6 @@
 """Files on disk that survive a power cut: fsync of a file or a directory, for what is written under a temporary
 name and renamed when whole (the coordinator's checkpoints, `geotrain export`'s directory), and large files written
-past the page cache (SequentialFile).
+past the page cache (SequentialFile front to back, ScratchFile piece by piece).
 
 The scheduler and the node both write such files and neither may import the other, so this sits beside config.py at
 the top of the package and imports nothing of ours.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,63 @@ class SequentialFile:
         for fd in (self.fd, self._direct):
             if fd is not None:
                 os.close(fd)
+
+
+class AlignedBuffer:
+    """A page-aligned buffer (as O_DIRECT needs) that numpy fills without holding the GIL."""
+
+    def __init__(self, nbytes: int) -> None:
+        assert nbytes % DIRECT_ALIGN == 0
+        self._buffer = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._buffer)
+        self.array = np.frombuffer(self._buffer, np.uint8)
+
+    def fill(self, data: np.ndarray) -> int:
+        """Copy `data` (bytes, at most the buffer's) to the buffer's start, zeroing what is left of the block it ends
+        in; its length."""
+        n = len(data)
+        np.copyto(self.array[:n], data)
+        self.array[n : _whole_blocks(n)] = 0
+        return n
+
+
+class ScratchFile:
+    """An unlinked file in `directory`, gone with its descriptors, written in pieces at block-aligned regions past the
+    page cache where the file system allows it (O_DIRECT, as SequentialFile: through the cache a GB costs seconds of
+    CPU and memory the process is not planned for). Regions come from reserve() (callers serialise it); each writer
+    brings its own AlignedBuffer, so pieces of different regions may be written from different threads at once. `fd`
+    reads them back."""
+
+    def __init__(self, directory: str) -> None:
+        self.fd, path = tempfile.mkstemp(dir=directory or None)
+        try:
+            self._direct: int | None = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError:  # tmpfs and some others refuse O_DIRECT: the page cache it is
+            self._direct = None
+        finally:
+            os.unlink(path)
+        self._end = 0
+
+    def reserve(self, nbytes: int) -> int:
+        """The offset of a region of `nbytes` no one else writes."""
+        offset = self._end
+        self._end += _whole_blocks(nbytes)
+        return offset
+
+    def write(self, offset: int, buffer: AlignedBuffer, n: int) -> None:
+        """Write the buffer's first n bytes at `offset` (a multiple of DIRECT_ALIGN inside a reserved region), the zeros
+        that fill their last block with them."""
+        _pwrite_all(self.fd if self._direct is None else self._direct, buffer.view[: _whole_blocks(n)], offset)
+
+    def close(self) -> None:
+        """Close the file: its space is freed."""
+        for fd in (self.fd, self._direct):
+            if fd is not None:
+                os.close(fd)
+
+
+def _whole_blocks(nbytes: int) -> int:
+    return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -230,6 +230,57 @@ def test_a_snapshot_serves_its_step_after_the_stage_changed_and_costs_no_file_un
     assert transfer_memory_bytes(2) == 2 * transfer_memory_bytes(1) < 64 * framing.CHUNK_BYTES
 
 
+def _write_ahead(snapshot: StateSnapshot) -> threading.Thread:
+    """The snapshot's writer ahead on a thread of its own, as Snapshots.open starts it (it lowers its thread's
+    priority)."""
+    thread = threading.Thread(target=snapshot.write_ahead)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+def test_what_was_written_ahead_costs_the_stage_s_change_nothing_and_is_served_from_the_file(tmp_path):
+    cfg = _cfg()
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    before = {k: v.clone() for k, v in runtime.full_state()}
+    snapshot = StateSnapshot(runtime.full_state(), str(tmp_path))
+    sources = snapshot.sources()
+    first = next(sources)  # the transfer is at the first tensor: the writer ahead stops short of it
+    _write_ahead(snapshot).join(10)
+    names = sorted(before)
+    assert snapshot.preserve() == before[names[0]].numel() * before[names[0]].element_size()
+    with torch.no_grad():
+        for p in runtime.parameters():
+            p.mul_(-3.0)
+    got = framing.read_state(framing.state_stream([first, *sources]))
+    assert all(torch.equal(got[k], v) for k, v in before.items())
+    snapshot.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_ahead_racing_the_stage_s_change_or_the_close_serves_the_committed_state(tmp_path):
+    cfg = _cfg()
+    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
+    for round_ in range(20):
+        before = {k: v.clone() for k, v in runtime.full_state()}
+        snapshot = StateSnapshot(runtime.full_state(), str(tmp_path))
+        writer = _write_ahead(snapshot)
+        if round_ % 2:  # the transfer ended (or failed) while the writer wrote
+            snapshot.close()
+            writer.join(10)
+            assert not writer.is_alive() and snapshot._spill is None
+            continue
+        snapshot.preserve()
+        with torch.no_grad():
+            for p in runtime.parameters():
+                p.add_(1.0)
+        got = framing.read_state(framing.state_stream(snapshot.sources()))
+        writer.join(10)
+        assert all(torch.equal(got[k], v) for k, v in before.items())
+        snapshot.close()
+    assert not list(tmp_path.iterdir())  # the spill files were never linked in the directory
+
+
 @pytest.mark.timeout(30)
 def test_incoming_state_of_another_shape_or_dtype_or_name_is_refused_with_a_clear_status():
     cfg = _cfg()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +23,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from geotrain.durable import SequentialFile
+from geotrain.durable import AlignedBuffer, ScratchFile
 from geotrain.node.stage import StageRuntime
-from geotrain.protocol import framing
+from geotrain.protocol import framing, statestream
 
 log = logging.getLogger(__name__)
 
@@ -64,44 +63,50 @@ class HeldStates:
         self._held = {k: r for k, r in self._held.items() if r.applied_step + 1 == steps_done}
 
 
-SPILL_BUFFER_BYTES = 4 * framing.CHUNK_BYTES
-"""The buffer a snapshot's spill file is written through (durable.SequentialFile)."""
-TRANSFER_BUFFER_BYTES = 4 * framing.CHUNK_BYTES + SPILL_BUFFER_BYTES
+TRANSFER_BUFFER_BYTES = 6 * framing.CHUNK_BYTES
 """Host memory one state transfer in flight holds beyond the stage's own tensors: the chunk being read, those gRPC
-holds behind it, and the spill's buffer."""
+holds behind it, and the chunks the snapshot's writer ahead and its preserve() copy through to the file."""
 
 
 def transfer_memory_bytes(transfers: int = 1) -> int:
     """Host bytes a node holds for state snapshots and transfer buffers while `transfers` state transfers run at once
     (serving or loading), beyond its stage's own state: a snapshot keeps the tensors it has not sent yet in a file,
     not in memory, once the stage changes them (StateSnapshot.preserve), and a stage loading its state takes each
-    chunk straight into its own tensors. The file's pages are the kernel's page cache, which it reclaims."""
+    chunk straight into its own tensors. The file is written past the page cache."""
     return transfers * TRANSFER_BUFFER_BYTES
 
 
 class StateSnapshot:
     """The state of a stage at one committed step, served tensor by tensor while the stage may move on (a checkpoint
     is written while the run trains): each tensor is read from the live stage itself until the stage is about to
-    change it (preserve(), under the state lock, before an optimizer step or a load), and the tensors not sent by
-    then from copies in a file (in `spill_dir`, deleted when closed). So the snapshot costs no memory, and a file
-    only when the next step comes before the transfer ends. Tensors are served in name order (the coordinator
-    computes the stage's checksum as they pass)."""
+    change it (preserve(), under the state lock, before an optimizer step or a load), and from a copy in a file (in
+    `spill_dir`, deleted when closed) after. The copies are made by write_ahead() on a thread at the lowest CPU
+    priority, last tensor first, while the transfer sends from the first: what they have not covered between them
+    when the stage changes, preserve() copies on the optimizer step's path. So the snapshot costs no memory, and its
+    file costs the step nothing when the next step is far enough away. Tensors are served in name order (the
+    coordinator computes the stage's checksum as they pass)."""
 
     def __init__(self, items: list[tuple[str, torch.Tensor]], spill_dir: str) -> None:
         self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
         self._meta = [(t.dtype, tuple(t.shape)) for _, t in self._items]
         self._lock = threading.Lock()
         self._sent = 0  # tensors before this index were sent: no one needs them again
+        self._changed = False  # the stage may have changed its tensors: the copies are the snapshot's
         self._copies: dict[int, int] = {}  # index -> its offset in the spill file
         self._spill_dir = spill_dir
-        self._spill: SequentialFile | None = None
+        self._spill: ScratchFile | None = None
+        self._writing = False  # write_ahead is writing to the file outside the lock: it closes the file if closed
         self._chunk = np.empty(framing.CHUNK_BYTES, np.uint8)  # what _read hands out
         self._closed = False
 
     @property
     def nbytes(self) -> int:
         """The bytes of the state."""
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self._meta)
+        return sum(self._size(i) for i in range(len(self._meta)))
+
+    def _size(self, i: int) -> int:
+        dtype, shape = self._meta[i]
+        return math.prod(shape) * dtype.itemsize
 
     def sources(self) -> Iterator[framing.StateSource]:
         """The tensors as a state transfer sends them (framing.state_stream)."""
@@ -119,22 +124,25 @@ class StateSnapshot:
         assert tensor is not None
         return framing.flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
 
+    def _live_part(self, i: int, at: int, n: int) -> np.ndarray:
+        part = self._live(i)[at : at + n]
+        return part.numpy() if part.device.type == "cpu" else part.cpu().numpy()
+
     def _crc32(self, i: int) -> int:
         """Tensor i's crc32 (a gRPC header's), computed outside the lock (a stage's optimizer step waits for it): if
         the stage was about to change the tensor meanwhile, preserve() kept it first and its copy's is the one."""
         with self._lock:
-            if i in self._copies:
+            if self._changed:
                 return self._copy_crc32(i)
             flat = self._live(i)
         crc = framing.tensor_crc32(flat)
         with self._lock:
-            return self._copy_crc32(i) if i in self._copies else crc
+            return self._copy_crc32(i) if self._changed else crc
 
     def _copy_crc32(self, i: int) -> int:
         """The crc32 of tensor i's copy in the spill file (under the lock)."""
         assert self._spill is not None
-        dtype, shape = self._meta[i]
-        crc, size = 0, math.prod(shape) * dtype.itemsize
+        crc, size = 0, self._size(i)
         for at in range(0, size, framing.CHUNK_BYTES):
             data = os.pread(self._spill.fd, min(framing.CHUNK_BYTES, size - at), self._copies[i] + at)
             crc = framing.crc32(data, crc)
@@ -145,50 +153,81 @@ class StateSnapshot:
         change it once the lock is let go), into a buffer numpy fills without holding the GIL (the reader may run at
         the lowest CPU priority: held back by the scheduler, it must not hold back the node's other threads)."""
         with self._lock:
-            if i in self._copies:
+            if self._changed:
                 assert self._spill is not None
                 return os.pread(self._spill.fd, n, self._copies[i] + at)
-            flat = self._live(i)[at : at + n]
             out = self._chunk[:n]
-            np.copyto(out, flat.numpy() if flat.device.type == "cpu" else flat.cpu().numpy())
+            np.copyto(out, self._live_part(i, at, n))
             return memoryview(out)
 
-    def preserve(self) -> None:
-        """Copy the tensors not yet sent to the spill file: the stage is about to change them (call under the state
-        lock, which every change of the stage's tensors holds). The file is written past the page cache, which would
-        count against the node's memory and cost far more CPU in the step it delays (durable.SequentialFile)."""
+    def write_ahead(self) -> None:
+        """Copy the tensors the transfer has not reached to the spill file, last first, until the transfer reaches
+        them, the stage changes or the snapshot closes (a thread's whole work, at the lowest CPU priority). Each piece
+        is taken under the lock and written outside it, so the optimizer step's preserve() never waits for a disk."""
+        statestream.background_priority()
+        buffer = AlignedBuffer(framing.CHUNK_BYTES)
+        for i in reversed(range(len(self._items))):
+            with self._lock:
+                if self._closed or self._changed or i <= self._sent:
+                    return
+                spill, size = self._file(), self._size(i)
+                offset = spill.reserve(size)
+                self._writing = True
+            try:
+                for at in range(0, size, framing.CHUNK_BYTES):
+                    with self._lock:
+                        if self._closed or self._changed:
+                            return
+                        n = buffer.fill(self._live_part(i, at, framing.CHUNK_BYTES))
+                    spill.write(offset + at, buffer, n)
+            finally:
+                with self._lock:
+                    self._writing = False
+                    if self._closed:
+                        self._close_file()
+            with self._lock:
+                self._copies.setdefault(i, offset)
+
+    def _file(self) -> ScratchFile:
+        if self._spill is None:
+            self._spill = ScratchFile(self._spill_dir)
+        return self._spill
+
+    def preserve(self) -> int:
+        """Copy the tensors neither sent nor written ahead to the spill file: the stage is about to change them (call
+        under the state lock, which every change of the stage's tensors holds). The bytes it copied."""
         with self._lock:
+            if self._closed or self._changed:
+                return 0
+            self._changed = True
             unsent = [i for i in range(self._sent, len(self._items)) if i not in self._copies]
-            if self._closed or not unsent:
-                return
-            assert self._spill is None  # the first call copies every tensor not sent: none is left for another
-            fd, path = tempfile.mkstemp(dir=self._spill_dir or None)
-            os.close(fd)
-            self._spill = SequentialFile(path, 0, SPILL_BUFFER_BYTES)
-            os.unlink(path)  # the file lives as long as the snapshot holds it open
-            offset, started = 0, time.monotonic()
+            ahead = sum(self._size(i) for i in self._copies if i >= self._sent)
+            started, buffer = time.monotonic(), AlignedBuffer(framing.CHUNK_BYTES)
             for i in unsent:  # no crc32 here, on the optimizer step's path: a gRPC header asks it of the file
-                flat = self._live(i)
-                for at in range(0, flat.numel(), framing.CHUNK_BYTES):
-                    part = flat[at : at + framing.CHUNK_BYTES]
-                    self._spill.write(memoryview(part.numpy() if part.device.type == "cpu" else part.cpu().numpy()))
-                self._copies[i] = offset
-                self._items[i] = (self._items[i][0], None)
-                offset += flat.numel()
-            self._spill.finish()
+                size = self._size(i)
+                self._copies[i] = offset = self._file().reserve(size)
+                for at in range(0, size, framing.CHUNK_BYTES):
+                    self._file().write(offset + at, buffer, buffer.fill(self._live_part(i, at, framing.CHUNK_BYTES)))
+            self._items = [(name, None) for name, _ in self._items]
+            copied = sum(self._size(i) for i in unsent)
             log.info(
-                "the stage changes before its snapshot was sent: %.0f MB of it kept in a file (%.2f s)", offset / 1e6,
-                time.monotonic() - started,
+                "the stage changes before its snapshot was sent: %.0f MB of it were written ahead, %.0f MB kept in a "
+                "file now (%.2f s)", ahead / 1e6, copied / 1e6, time.monotonic() - started,
             )
+            return copied
 
     def close(self) -> None:
-        """The transfer ended: let go of the tensors and the file."""
+        """The transfer ended: let go of the tensors and the file (once write_ahead lets go of it)."""
         with self._lock:
             self._closed = True
             self._items = [(name, None) for name, _ in self._items]
-            if self._spill is not None:
-                self._spill.close()
-                self._spill = None
+            if not self._writing:
+                self._close_file()
+
+    def _close_file(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
 
 
 class Snapshots:
@@ -204,6 +243,7 @@ class Snapshots:
         snapshot = StateSnapshot(runtime.full_state(), self._spill_dir)
         with self._lock:
             self._open.append((runtime, snapshot))
+        threading.Thread(target=snapshot.write_ahead, name="snapshot-write-ahead", daemon=True).start()
         return snapshot
 
     def close(self, snapshot: StateSnapshot) -> None:
