@@ -520,6 +520,19 @@ def test_two_nodes_swapping_stages_each_fetch_the_state_the_other_held(make_agen
     assert a.state_snapshot(1, (cut, total)) is None
 
 
+@pytest.mark.timeout(60)
+def test_a_node_whose_layers_a_plan_splits_anew_keeps_no_copy_of_them(make_agent):
+    a, b = make_agent("node-a", _FakeCoordinator()), make_agent("node-b", _FakeCoordinator())
+    total = a.cfg.model.total_layers
+    cut = total // 2
+    a._apply_plan(_plan(1, 0, total, [(0, cut, a), (cut, total, b)]))
+    a.runtime.load_full_state(dict(a.runtime.full_state()), 1)  # it holds step 1, committed
+    # The new cut leaves no stage of a's layers: every stage loads from the checkpoint the coordinator writes first.
+    a._apply_plan(_plan(2, 1, total, [(0, cut - 1, a), (cut - 1, total, b)]))
+    assert (a.runtime.start, a.runtime.end) == (0, cut - 1)
+    assert a.state_snapshot(1, (0, cut)) is None and a.held.get((0, cut), 1) is None
+
+
 @pytest.mark.timeout(30)
 def test_fetch_state_goes_only_to_plan_keys_and_refuses_an_empty_layer_range(make_agent):
     import grpc

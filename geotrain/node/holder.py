@@ -34,6 +34,11 @@ def _unreachable(stage: pb.StageAssignment, position: int) -> bool:
     return position < len(stage.unreachable) and stage.unreachable[position]
 
 
+def _has_stage(plan: pb.Plan, runtime: StageRuntime) -> bool:
+    """Whether `plan` has a stage of exactly the runtime's layers."""
+    return any((s.layer_start, s.layer_end) == (runtime.start, runtime.end) for s in plan.stages)
+
+
 def _keys(plan: pb.Plan) -> dict[str, bytes]:
     """Each plan node's public key, by node id."""
     return {n: k for s in plan.stages for n, k in zip(s.node_ids, s.public_keys)}
@@ -81,8 +86,11 @@ class StageHolder:
             if self.runtime is not None and (self.runtime.start, self.runtime.end) == layers:
                 self.runtime.reset_step()  # the new epoch redoes the uncommitted step from scratch
             else:
-                if self.runtime is not None and self.runtime is not self._loading:
-                    # Whoever takes these layers over may still fetch them from here.
+                if self.runtime is not None and self.runtime is not self._loading and _has_stage(plan, self.runtime):
+                    # Whoever takes these layers over may still fetch them from here. Layers the plan splits anew
+                    # load from a checkpoint the coordinator writes before it sends the plan (scheduler.recovery
+                    # sources): a copy of them would only have this node hold two stages, which it is not planned
+                    # for.
                     self.held.keep(self.runtime, plan.steps_done)
                 # Step 0 is each layer's initialisation from the seed; later steps come with a LoadState order,
                 # unless this node still holds the layers at the committed step from an earlier plan. Layers that a
