@@ -231,8 +231,7 @@ def test_a_snapshot_serves_its_step_after_the_stage_changed_and_costs_no_file_un
 
 
 def _write_ahead(snapshot: StateSnapshot) -> threading.Thread:
-    """The snapshot's writer ahead on a thread of its own, as Snapshots.open starts it (it lowers its thread's
-    priority)."""
+    """The snapshot's writer ahead on a thread of its own, as Snapshots.open starts it."""
     thread = threading.Thread(target=snapshot.write_ahead)
     thread.start()
     return thread

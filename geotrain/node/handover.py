@@ -25,7 +25,7 @@ import torch
 
 from geotrain.durable import AlignedBuffer, ScratchFile
 from geotrain.node.stage import StageRuntime
-from geotrain.protocol import framing, statestream
+from geotrain.protocol import framing
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,10 @@ class StateSnapshot:
     """The state of a stage at one committed step, served tensor by tensor while the stage may move on (a checkpoint
     is written while the run trains): each tensor is read from the live stage itself until the stage is about to
     change it (preserve(), under the state lock, before an optimizer step or a load), and from a copy in a file (in
-    `spill_dir`, deleted when closed) after. The copies are made by write_ahead() on a thread at the lowest CPU
-    priority, last tensor first, while the transfer sends from the first: what they have not covered between them
-    when the stage changes, preserve() copies on the optimizer step's path. So the snapshot costs no memory, and its
-    file costs the step nothing when the next step is far enough away. Tensors are served in name order (the
-    coordinator computes the stage's checksum as they pass)."""
+    `spill_dir`, deleted when closed) after. The copies are made by write_ahead() on a thread of their own, last
+    tensor first, while the transfer sends from the first: what they have not covered between them when the stage
+    changes, preserve() copies on the optimizer step's path. So the snapshot costs no memory, and its file costs the
+    step little. Tensors are served in name order (the coordinator computes the stage's checksum as they pass)."""
 
     def __init__(self, items: list[tuple[str, torch.Tensor]], spill_dir: str) -> None:
         self._items: list[tuple[str, torch.Tensor | None]] = sorted(items, key=lambda item: item[0])
@@ -162,9 +161,11 @@ class StateSnapshot:
 
     def write_ahead(self) -> None:
         """Copy the tensors the transfer has not reached to the spill file, last first, until the transfer reaches
-        them, the stage changes or the snapshot closes (a thread's whole work, at the lowest CPU priority). Each piece
-        is taken under the lock and written outside it, so the optimizer step's preserve() never waits for a disk."""
-        statestream.background_priority()
+        them, the stage changes or the snapshot closes (a thread's whole work). Each piece is taken under the lock
+        and written outside it, so the optimizer step's preserve() never waits for a disk. It runs at the thread's
+        own priority, not the transfer's lowest: its CPU is one copy per byte, the disk does the rest, and behind a
+        busy pipeline it would not be done when the stage changes (half a GB a node left for preserve in
+        bench/scale.py)."""
         buffer = AlignedBuffer(framing.CHUNK_BYTES)
         for i in reversed(range(len(self._items))):
             with self._lock:
