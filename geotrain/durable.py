@@ -108,14 +108,14 @@ class AlignedBuffer:
 class ScratchFile:
     """An unlinked file in `directory`, gone with its descriptors, written in pieces at block-aligned regions past the
     page cache where the file system allows it (O_DIRECT, as SequentialFile: through the cache a GB costs seconds of
-    CPU and memory the process is not planned for). Regions come from reserve() (callers serialise it); each writer
-    brings its own AlignedBuffer, so pieces of different regions may be written from different threads at once. `fd`
-    reads them back."""
+    CPU, and memory the process is not planned for, which its memory cgroup then reclaims in its allocations) and
+    read back the same way. Regions come from reserve() (callers serialise it); each writer or reader brings its own
+    AlignedBuffer, so pieces of different regions may be written from different threads at once."""
 
     def __init__(self, directory: str) -> None:
-        self.fd, path = tempfile.mkstemp(dir=directory or None)
+        self._fd, path = tempfile.mkstemp(dir=directory or None)
         try:
-            self._direct: int | None = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            self._direct: int | None = os.open(path, os.O_RDWR | os.O_DIRECT)
         except OSError:  # tmpfs and some others refuse O_DIRECT: the page cache it is
             self._direct = None
         finally:
@@ -131,11 +131,23 @@ class ScratchFile:
     def write(self, offset: int, buffer: AlignedBuffer, n: int) -> None:
         """Write the buffer's first n bytes at `offset` (a multiple of DIRECT_ALIGN inside a reserved region), the zeros
         that fill their last block with them."""
-        _pwrite_all(self.fd if self._direct is None else self._direct, buffer.view[: _whole_blocks(n)], offset)
+        _pwrite_all(self._fd if self._direct is None else self._direct, buffer.view[: _whole_blocks(n)], offset)
+
+    def read(self, offset: int, buffer: AlignedBuffer, n: int) -> memoryview:
+        """The n bytes written at `offset` (a multiple of DIRECT_ALIGN inside a region), read into the buffer: a view
+        of it."""
+        fd, wanted = (self._fd, n) if self._direct is None else (self._direct, _whole_blocks(n))
+        got = 0
+        while got < wanted:
+            read = os.preadv(fd, [buffer.view[got:wanted]], offset + got)
+            if not read:
+                raise EOFError(f"the scratch file ends {wanted - got} bytes short of what was written at {offset}")
+            got += read
+        return buffer.view[:n]
 
     def close(self) -> None:
         """Close the file: its space is freed."""
-        for fd in (self.fd, self._direct):
+        for fd in (self._fd, self._direct):
             if fd is not None:
                 os.close(fd)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -95,7 +94,7 @@ class StateSnapshot:
         self._spill_dir = spill_dir
         self._spill: ScratchFile | None = None
         self._writing = False  # write_ahead is writing to the file outside the lock: it closes the file if closed
-        self._chunk = np.empty(framing.CHUNK_BYTES, np.uint8)  # what _read hands out
+        self._chunk = AlignedBuffer(framing.CHUNK_BYTES)  # what _read hands out
         self._closed = False
 
     @property
@@ -143,7 +142,7 @@ class StateSnapshot:
         assert self._spill is not None
         crc, size = 0, self._size(i)
         for at in range(0, size, framing.CHUNK_BYTES):
-            data = os.pread(self._spill.fd, min(framing.CHUNK_BYTES, size - at), self._copies[i] + at)
+            data = self._spill.read(self._copies[i] + at, self._chunk, min(framing.CHUNK_BYTES, size - at))
             crc = framing.crc32(data, crc)
         return crc
 
@@ -154,10 +153,8 @@ class StateSnapshot:
         with self._lock:
             if self._changed:
                 assert self._spill is not None
-                return os.pread(self._spill.fd, n, self._copies[i] + at)
-            out = self._chunk[:n]
-            np.copyto(out, self._live_part(i, at, n))
-            return memoryview(out)
+                return self._spill.read(self._copies[i] + at, self._chunk, n)
+            return self._chunk.view[: self._chunk.fill(self._live_part(i, at, n))]
 
     def write_ahead(self) -> None:
         """Copy the tensors the transfer has not reached to the spill file, last first, until the transfer reaches
