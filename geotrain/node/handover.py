@@ -202,10 +202,10 @@ class StateSnapshot:
             ahead = sum(self._size(i) for i in self._copies if i >= self._sent)
             started, buffer = time.monotonic(), AlignedBuffer(framing.CHUNK_BYTES)
             for i in unsent:  # no crc32 here, on the optimizer step's path: a gRPC header asks it of the file
-                size = self._size(i)
-                self._copies[i] = offset = self._file().reserve(size)
+                spill, size = self._file(), self._size(i)
+                self._copies[i] = offset = spill.reserve(size)
                 for at in range(0, size, framing.CHUNK_BYTES):
-                    self._file().write(offset + at, buffer, buffer.fill(self._live_part(i, at, framing.CHUNK_BYTES)))
+                    spill.write(offset + at, buffer, buffer.fill(self._live_part(i, at, framing.CHUNK_BYTES)))
             self._items = [(name, None) for name, _ in self._items]
             copied = sum(self._size(i) for i in unsent)
             log.info(
