@@ -8,8 +8,10 @@ checksum at the end. Nothing from the wire is unpickled.
 Activations and gradients (the Forward and Backward calls) skip protobuf's copies of a chunk's data: `wire_chunks`
 serializes a chunk with one copy of the data, from the encoded tensor into the message, and `parse_chunk` leaves the
 data a view of the received message, its other fields parsed by protobuf. Protobuf would copy the data into its
-message and out again on each side, and the tensor path's CPU was mostly such copies (bench/tensor_path.py). A reader
-given `into` copies an uncompressed tensor's chunks straight into the tensor the receiver keeps, its decode.
+message and out again on each side, and the tensor path's CPU was mostly such copies (bench/tensor_path.py). The
+messages that carry a chunk on the links of nodes behind NAT (a ReverseDown, a RelayChunk) are built around it the
+same way (nested_chunk) and read with `carrier_parser`. A reader given `into` copies an uncompressed tensor's chunks
+straight into the tensor the receiver keeps, its decode.
 
 The checksum is zlib's CRC-32, computed by zlib-ng (carry-less multiplies: 0.012 ms per MiB here against zlib
 1.2.13's 0.18, which was a third of the raw tensor stream's CPU), and it is checked under TLS too: TLS covers one hop,
