@@ -278,16 +278,20 @@ def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing(socket_io
         assert not node.receiver.taken
 
 
+_F32, _NONE, _INVALID = pb.DTYPE_FLOAT32, pb.CODEC_NONE, grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "header, code",
     [
-        (pb.TensorHeader(dtype=99, shape=list(SHAPE), payload_bytes=1024), grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=[1] * 9, payload_bytes=4), grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, shape=list(SHAPE), payload_bytes=(1 << 20) + 1),
+        (pb.TensorHeader(dtype=99, shape=list(SHAPE), codec=_NONE, payload_bytes=1024), _INVALID),
+        (pb.TensorHeader(dtype=_F32, shape=[1] * 9, codec=_NONE, payload_bytes=4), _INVALID),
+        (pb.TensorHeader(dtype=_F32, shape=list(SHAPE), codec=_NONE, payload_bytes=(1 << 20) + 1),
          grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (pb.TensorHeader(dtype=_F32, shape=list(SHAPE), payload_bytes=1024), _INVALID),
     ],
-    ids=["unknown-dtype", "rank-9", "over-the-limit"],
+    ids=["unknown-dtype", "rank-9", "over-the-limit", "no-codec"],
 )
 def test_a_malformed_header_ends_the_stream_with_its_payload_unread(socket_io, header, code):
     with receiving_node() as node, bare_stream(node) as sock:

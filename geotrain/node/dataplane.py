@@ -287,7 +287,8 @@ class DataPlane:
             assert self._key is not None
             header = encoded.checked_header  # the relay's signature covers it: the crc32 goes end to end
             chunks = lambda: relay_chunks(self._key, self._node_id(), peer, direction, ref, header, payload)  # noqa: E731
-            call = lambda: self._tensor_call(route.relay_address, "relay")(chunks(), timeout=deadline)  # noqa: E731
+            relay = self._tensor_call(route.relay_address, "relay")
+            call = lambda: relay(chunks(), timeout=deadline)  # noqa: E731
         else:
             call = lambda: self._send_direct(peer, address, direction, ref, encoded, deadline)  # noqa: E731
         if self._use_streams and (reversed_link or route is not None):
