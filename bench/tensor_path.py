@@ -136,7 +136,10 @@ No difference outside the noise: the C calls take out some 10 Python calls per t
 above raw is spread over the rest (the plan's checks, the tensor's creation and its finiteness pass, the data plane's
 bookkeeping), and on one core geotrain-tcp already costs what raw costs. perf (as above, one run of each, in turns):
 main's code 731 us of CPU per message (the interpreter 155, the socket module 5), this 706 (the interpreter 143, the
-C calls 2), 0.024 ms per MiB less, about 5% of raw's CPU.
+C calls 2), 0.024 ms per MiB less, about 5% of raw's CPU. The bench as it is, main's code and this in turns, three
+invocations each, lock held: main geotrain-tcp 0.713, 0.696, 0.717 against raw 0.517, 0.449, 0.518 (1.38x, 1.55x,
+1.38x); this 0.714, 0.692, 0.687 against 0.483, 0.495, 0.519 (1.48x, 1.40x, 1.32x). Under 1.5x in six invocations of
+this head out of six, by 0.02-0.18x: not the margin the issue asks, since raw's runs alone spread by 0.07 ms.
 The links of nodes behind NAT, not paths of this bench (one process, lock held, the median of three runs of 300): a
 reverse link's 1 MiB delivery parsed and read into a new tensor took 0.389 ms of CPU parsed by protobuf, 0.182 now
 (framing.carrier_parser leaves the chunk's data where gRPC put it); a relay call's chunks for 1 MiB, the signature's
