@@ -1,5 +1,6 @@
-/* A raw tensor stream's socket calls without TLS (protocol/tensorstream.py): a payload received in full, a frame and
- * its payload sent in full, each one C call that releases the GIL for its system calls.
+/* A raw tensor stream's socket calls without TLS (protocol/tensorstream.py): a payload received in full, a message (a
+ * frame, a reply) read, and a sender's frame, payload and reply, each one C call that releases the GIL for its system
+ * calls.
  *
  * Python's socket methods make one system call per Python call, and a tensor's receive or send is a loop of them
  * with its checks in the interpreter, run cache-cold after each payload's copy (bench/tensor_path.py). These do what
