@@ -1,7 +1,9 @@
-"""Builds geotrain's one C extension, geotrain.compression._blockquant; the rest of the metadata is in pyproject.toml.
+"""Builds geotrain's C extensions, geotrain.compression._blockquant and geotrain.protocol._streamio; the rest of the
+metadata is in pyproject.toml.
 
-The extension is optional: where it cannot be built (no C compiler), installation goes on, the int8 codec runs on
-torch ops, writing the same bytes, slower, and a received tensor's finiteness check is torch's sum.
+Both are optional: where they cannot be built (no C compiler), installation goes on, the int8 codec runs on torch
+ops, writing the same bytes, slower, a received tensor's finiteness check is torch's sum, and a raw tensor stream's
+sockets are read and written by python's socket methods.
 """
 
 from setuptools import Extension, setup
@@ -24,6 +26,9 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("geotrain.compression._blockquant", ["geotrain/compression/_blockquant.c"], optional=True)],
+    ext_modules=[
+        Extension("geotrain.compression._blockquant", ["geotrain/compression/_blockquant.c"], optional=True),
+        Extension("geotrain.protocol._streamio", ["geotrain/protocol/_streamio.c"], optional=True),
+    ],
     cmdclass={"build_ext": BuildExt},
 )

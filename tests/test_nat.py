@@ -353,13 +353,16 @@ def relayed_pair(token: str, relay_class: type[ReverseSender] = ReverseSender) -
 
     receiver = ReverseReceiver(token, lambda: "receiver", None, receiver_key, deliver, lambda: 0.2)
     receiver.follow({"relay": (f"127.0.0.1:{port}", relay_key.public)}, {"relay": {"sender": sender_key.public}})
-    stub = rpc.StageStub(make_channel(f"127.0.0.1:{port}", token, lambda: "sender", key=sender_key))
+    # relay_chunks are serialized already, as the data plane sends them.
+    relay = make_channel(f"127.0.0.1:{port}", token, lambda: "sender", key=sender_key).stream_unary(
+        "/geotrain.v1.Stage/Relay", request_serializer=None, response_deserializer=pb.Ack.FromString
+    )
 
     def send(microbatch: int, key: NodeKey = sender_key) -> bytes:
         payload = bytes(range(256)) * 8192
         header = framing.make_header("", torch.float32, (len(payload) // 4,), pb.CODEC_NONE, payload)
         ref = pb.MicrobatchRef(microbatch=microbatch, path=["sender"])
-        stub.Relay(relay_chunks(key, "sender", "receiver", "forward", ref, header, payload), timeout=10)
+        relay(relay_chunks(key, "sender", "receiver", "forward", ref, header, payload), timeout=10)
         return payload
 
     try:

@@ -60,6 +60,31 @@ def test_a_chunk_nested_by_its_parts_is_the_message_that_carries_it():
         expected.CopyFrom(fields)
         expected.chunk.CopyFrom(chunk)
         assert pb.ReverseDown.FromString(nested) == expected
+        # Read back with the chunk's data left in place: the message's fields as protobuf reads them.
+        carried = framing.carrier_parser(pb.ReverseDown)(nested)
+        fields_read = (carried.seq, carried.direction, carried.last, carried.origin, carried.signature)
+        assert fields_read == (9, pb.DIRECTION_BACKWARD, True, "node-2", b"s")
+        assert carried.chunk.data.obj is nested and bytes(carried.chunk.data) == chunk.data  # a view, not a copy
+        expected.chunk.ClearField("data")
+        assert carried.chunk.fields == expected.chunk
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"\x22\x05abc",  # the chunk longer than the message
+        b"\x22\x00\x22\x00",  # the chunk twice
+        b"\x22\x02\x08\x01",  # a malformed chunk (a varint field)
+        b"\x10",  # seq cut off
+        b"\x13",  # a group (wire type 3): protobuf writes none
+        b"\x0a\x02\xff",  # proof longer than the message
+        b"\x32\x01\xff",  # an origin that is not UTF-8: protobuf refuses it
+        b"\x29\x00\x00\x00",  # a 64-bit field cut off
+    ],
+)
+def test_malformed_carriers_of_a_chunk_are_refused(message):
+    with pytest.raises(ValueError):
+        framing.carrier_parser(pb.ReverseDown)(message)
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,10 @@ has it, and calls when the stream port cannot be reached."""
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import struct
+import sysconfig
 import threading
 import time
 import zlib
@@ -27,18 +29,38 @@ from geotrain.node.servicer import StageServicer, add_stage_service, all_finite,
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol import geotrain_pb2_grpc as rpc
+from geotrain.protocol import tensorstream
 from geotrain.protocol.auth import RefusalLog, new_token
 from geotrain.protocol.framing import FrameError
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.limits import LimitValues, PeerLimits
 from geotrain.protocol.tensorstream import (
-    NoStream, TensorStreamClient, TensorStreamServer, _Connection, read_message, write_message,
+    MAX_FRAME_BYTES, NoStream, TensorStreamClient, TensorStreamServer, _Connection, read_message, write_message,
 )
 from geotrain.protocol.tls import TlsFiles, init_run_tls
 from geotrain.protocol.transport import StatusError, make_channel, make_server
 
 SHAPE = (2, 8, 16)
 REF = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=3, path=["sender"])
+
+
+@pytest.fixture(params=["c", "python"])
+def socket_io(request) -> Iterator[None]:
+    """A stream's plain sockets read and written by _streamio's C ("c") or by python's socket methods ("python", as
+    where the extension is not built): each test that takes this runs both ways, and must pass alike."""
+    if request.param == "c" and tensorstream._streamio is None:
+        pytest.skip("geotrain.protocol._streamio is not built")
+    with mock.patch.object(tensorstream, "_streamio", tensorstream._streamio if request.param == "c" else None):
+        yield
+
+
+@pytest.mark.timeout(30)
+def test_the_stream_s_c_extension_is_built_where_a_compiler_is() -> None:
+    # setup.py builds it optionally: without this, a broken build would silently leave every stream in python.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) on this machine")
+    assert tensorstream._streamio is not None
 
 
 @dataclass
@@ -146,7 +168,7 @@ def _status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
 
 
 @pytest.mark.timeout(30)
-def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would():
+def test_a_tensor_stream_delivers_as_a_call_would_and_refuses_as_one_would(socket_io):
     with receiving_node() as node, sending_plane(node) as plane:
         tensor = torch.randn(SHAPE)
         _send(plane, node, tensor)
@@ -207,7 +229,7 @@ def test_the_finiteness_check_finds_nan_and_inf_and_passes_finite_values_whose_s
 
 
 @pytest.mark.timeout(30)
-def test_a_header_the_plan_does_not_expect_is_refused_before_its_payload_is_sent():
+def test_a_header_the_plan_does_not_expect_is_refused_before_its_payload_is_sent(socket_io):
     with receiving_node() as node, bare_stream(node) as sock:
         payload = _frame(sock, torch.randn(2, 8, 17))
         code, detail = _status(sock)  # answered while the payload has not left the sender
@@ -245,7 +267,7 @@ def test_a_stream_s_header_carries_no_crc32_and_none_is_checked_but_calls_keep_t
 
 
 @pytest.mark.timeout(30)
-def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing():
+def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing(socket_io):
     with receiving_node() as node, bare_stream(node) as sock:
         payload = _frame(sock, torch.randn(SHAPE))
         sock.sendall(payload[: len(payload) // 2])
@@ -256,8 +278,58 @@ def test_a_tensor_stream_cut_mid_tensor_is_data_loss_and_takes_nothing():
         assert not node.receiver.taken
 
 
+_F32, _NONE, _INVALID = pb.DTYPE_FLOAT32, pb.CODEC_NONE, grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.timeout(30)
-def test_a_tensor_stream_silent_mid_tensor_is_ended_after_idle_stream_s_but_may_idle_between_tensors():
+@pytest.mark.parametrize(
+    "header, code",
+    [
+        (pb.TensorHeader(dtype=99, shape=list(SHAPE), codec=_NONE, payload_bytes=1024), _INVALID),
+        (pb.TensorHeader(dtype=_F32, shape=[1] * 9, codec=_NONE, payload_bytes=4), _INVALID),
+        (pb.TensorHeader(dtype=_F32, shape=list(SHAPE), codec=_NONE, payload_bytes=(1 << 20) + 1),
+         grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (pb.TensorHeader(dtype=_F32, shape=list(SHAPE), payload_bytes=1024), _INVALID),
+    ],
+    ids=["unknown-dtype", "rank-9", "over-the-limit", "no-codec"],
+)
+def test_a_malformed_header_ends_the_stream_with_its_payload_unread(socket_io, header, code):
+    with receiving_node() as node, bare_stream(node) as sock:
+        write_message(sock, pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF, header=header))
+        assert _status(sock)[0] == code
+        assert sock.recv(1) == b""  # closed: what followed the header is never read
+        assert not node.receiver.taken
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_that_is_not_a_frame_or_too_long_to_be_one_ends_the_stream(socket_io):
+    with receiving_node() as node:
+        with bare_stream(node) as sock:
+            sock.sendall(struct.pack("<I", 5) + b"\xff\xff\xff\xff\xff")  # no protobuf message
+            assert sock.recv(1) == b""
+        with bare_stream(node) as sock:
+            # A length over the limit: closed with nothing more read, though the bytes it announced never come.
+            sock.sendall(struct.pack("<I", MAX_FRAME_BYTES + 1))
+            assert sock.recv(1) == b""
+        with bare_stream(node) as sock:  # the length's own 4 bytes cut short
+            sock.sendall(b"\x01\x00")
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(1) == b""
+        assert not node.receiver.taken
+        # A sender reading the same from a receiver: FrameError and Closed, alike both ways.
+        left, right = socket.socketpair()
+        with left, right:
+            right.sendall(struct.pack("<I", MAX_FRAME_BYTES + 1))
+            with pytest.raises(FrameError, match=f"a message of {MAX_FRAME_BYTES + 1} bytes"):
+                read_message(left, pb.TensorStreamReply)
+            right.sendall(struct.pack("<I", 10) + b"abc")
+            right.shutdown(socket.SHUT_WR)
+            with pytest.raises(tensorstream.Closed, match="the stream ended 7 bytes short"):
+                read_message(left, pb.TensorStreamReply)
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_stream_silent_mid_tensor_is_ended_after_idle_stream_s_but_may_idle_between_tensors(socket_io):
     with receiving_node(idle_stream_s=0.3) as node, bare_stream(node) as sock:
         time.sleep(0.6)  # between tensors a kept connection waits as long as it likes
         sock.sendall(_frame(sock, torch.ones(SHAPE)))
@@ -271,7 +343,7 @@ def test_a_tensor_stream_silent_mid_tensor_is_ended_after_idle_stream_s_but_may_
 
 
 @pytest.mark.timeout(30)
-def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_answers():
+def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_answers(socket_io):
     frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
     for payload, what in ((bytes(64 << 20), "a payload it never reads"), (b"x", "a reply it never sends")):
         with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -285,7 +357,7 @@ def test_a_sender_gives_up_at_its_deadline_on_a_receiver_that_neither_reads_nor_
 
 
 @pytest.mark.timeout(30)
-def test_a_sender_writes_the_frame_then_the_payload_whatever_part_the_socket_takes_at_once():
+def test_a_sender_writes_the_frame_then_the_payload_whatever_part_the_socket_takes_at_once(socket_io):
     frame = pb.TensorFrame(direction=pb.DIRECTION_FORWARD, ref=REF).SerializeToString()
     payload = memoryview(torch.arange(1 << 20, dtype=torch.float32).numpy())  # 4 MiB, as the none codec gives it
     with socket.create_server(("127.0.0.1", 0)) as listener:

@@ -167,7 +167,8 @@ class DataPlane:
         self._key = key  # signs every stream at its open: the receiver accepts tensors only from the plan's sender
         self._lock = threading.Lock()
         self._stubs: dict[str, rpc.StageStub] = {}
-        # address -> direction -> its call, which sends framing.wire_chunks as they are (no protobuf copies)
+        # address -> direction (or "relay") -> its call, which sends serialized chunks as they are (framing.wire_chunks,
+        # reverse.relay_chunks: no protobuf copies)
         self._tensor_calls: dict[str, dict[str, grpc.StreamUnaryMultiCallable]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         # (peer, address, direction) -> (codec name, its state): a new codec on a link starts afresh. Each link's
@@ -208,11 +209,16 @@ class DataPlane:
                         f"/geotrain.v1.Stage/{method}", request_serializer=None,
                         response_deserializer=pb.Ack.FromString,
                     )
-                    for direction, method in (("forward", "Forward"), ("backward", "Backward"))
+                    for direction, method in (("forward", "Forward"), ("backward", "Backward"), ("relay", "Relay"))
                 }
                 # Last: a stub read without the lock promises its tensor calls.
                 self._stubs[address] = rpc.StageStub(channel)
             return self._stubs[address]
+
+    def _tensor_call(self, address: str, name: str) -> grpc.StreamUnaryMultiCallable:
+        """The call that sends serialized chunks to the peer at `address`: "forward", "backward" or "relay"."""
+        self.stub(address)
+        return self._tensor_calls[address][name]
 
     def take_turn(self, peer: str, address: str, direction: str) -> Turn:
         """The next place among the encodes of the link to `peer` in `direction` (call in the order the tensors are
@@ -281,7 +287,8 @@ class DataPlane:
             assert self._key is not None
             header = encoded.checked_header  # the relay's signature covers it: the crc32 goes end to end
             chunks = lambda: relay_chunks(self._key, self._node_id(), peer, direction, ref, header, payload)  # noqa: E731
-            call = lambda: self.stub(route.relay_address).Relay(chunks(), timeout=deadline)  # noqa: E731
+            relay = self._tensor_call(route.relay_address, "relay")
+            call = lambda: relay(chunks(), timeout=deadline)  # noqa: E731
         else:
             call = lambda: self._send_direct(peer, address, direction, ref, encoded, deadline)  # noqa: E731
         if self._use_streams and (reversed_link or route is not None):
@@ -325,7 +332,7 @@ class DataPlane:
                 else:
                     log.debug("a tensor to %s goes by a call: %s", peer, e)
         chunks = framing.wire_chunks(encoded.checked_header, encoded.payload, ref)
-        self._tensor_calls[address][direction](chunks, timeout=deadline)
+        self._tensor_call(address, direction)(chunks, timeout=deadline)
         return False
 
     def _say(self, peer: str, streamed: bool, line: str, level: int = logging.INFO) -> None:

@@ -35,6 +35,17 @@ class IncomingChecks:
     """The StageHandler's checks of incoming tensors (a part of Agent)."""
 
     _policies: dict[str, CodecPolicy]  # traffic kind -> its codec policy, from the run config
+    # The plan and run config the shape below was computed for, and the shape their tensors have on the wire.
+    _boundary: tuple[pb.Plan, object, list[int]] | None = None
+
+    def _boundary_shape(self, plan: pb.Plan) -> list[int]:
+        """The shape every activation and gradient has on the wire under `plan`: the run's model and microbatch size
+        decide it, so it is computed once per plan (and config), not for each tensor."""
+        cfg, known = self.cfg, self._boundary
+        if known is None or known[0] is not plan or known[1] is not cfg:
+            shape = list(family_of(cfg.model).boundary_shape(cfg.model, cfg.train.microbatch_size))
+            known = self._boundary = (plan, cfg, shape)
+        return known[2]
 
     def check_incoming(
         self, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader, signer: bytes | None
@@ -77,9 +88,8 @@ class IncomingChecks:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this node sent step {ref.step} microbatch {ref.microbatch} to no {sender}, or has its gradient",
             )
-        shape = list(family_of(cfg.model).boundary_shape(cfg.model, cfg.train.microbatch_size))
         check_activation_header(
-            header, shape, WIRE_DTYPES[cfg.train.precision], self._policies[kind].accepted_ids,
+            header, self._boundary_shape(plan), WIRE_DTYPES[cfg.train.precision], self._policies[kind].accepted_ids,
             self.options.max_tensor_bytes,
         )
 

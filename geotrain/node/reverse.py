@@ -37,8 +37,9 @@ import grpc
 
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
-from geotrain.protocol import geotrain_pb2_grpc as rpc
-from geotrain.protocol.framing import DIRECTION_NAMES, DIRECTIONS, Buffer, FrameError, ReceivedTensor
+from geotrain.protocol.framing import (
+    DIRECTION_NAMES, DIRECTIONS, Buffer, FrameError, ReceivedTensor, WireCarrier, WireChunk,
+)
 from geotrain.protocol.identity import NodeKey, verify
 from geotrain.protocol.transport import StatusError, TlsFiles, make_channel, status_code
 
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _NONCE_BYTES = 32
 _RECONNECT_MAX_S = 2.0
 _CHUNK_FIELD = pb.ReverseDown.DESCRIPTOR.fields_by_name["chunk"].number
+_RELAY_CHUNK_FIELD = pb.RelayChunk.DESCRIPTOR.fields_by_name["chunk"].number
+# A delivery's chunk data is left where gRPC received it, until the receiver copies it into its tensor.
+_parse_down = framing.carrier_parser(pb.ReverseDown)
 
 
 def serialize_down(down: pb.ReverseDown | bytes) -> bytes:
@@ -54,7 +58,7 @@ def serialize_down(down: pb.ReverseDown | bytes) -> bytes:
     them with one copy of the tensor's bytes), the opening proof as a message."""
     return down if isinstance(down, bytes) else down.SerializeToString()
 
-Deliver = Callable[[str, Iterator[pb.TensorChunk], bytes, str, Callable[[ReceivedTensor], None] | None], None]
+Deliver = Callable[[str, Iterator[WireChunk], bytes, str, Callable[[ReceivedTensor], None] | None], None]
 """(direction, one tensor's chunks, the sender's key, its address, a check of the whole tensor before it is decoded
 or None) -> None: read, check and take the tensor as the Stage service would (StageServicer.receive); FrameError when
 it is refused."""
@@ -80,13 +84,14 @@ def relayed_message(
 def relay_chunks(
     key: NodeKey, sender: str, receiver: str, direction: str, ref: pb.MicrobatchRef, header: pb.TensorHeader,
     payload: Buffer,
-) -> Iterator[pb.RelayChunk]:
-    """A Stage.Relay call's stream: one tensor for `receiver`, signed by `sender`'s key."""
+) -> Iterator[bytes]:
+    """A Stage.Relay call's stream, serialized (a request_serializer of None sends it as it is): one tensor for
+    `receiver`, signed by `sender`'s key, each chunk's data copied once (framing.nested_chunk)."""
     wire = DIRECTIONS[direction]
     signature = key.sign(relayed_message(sender, receiver, wire, ref, header, payload))
-    for i, chunk in enumerate(framing.chunk_tensor(header, payload, ref)):
-        yield pb.RelayChunk(receiver=receiver, direction=wire, signature=signature, chunk=chunk) if i == 0 else (
-            pb.RelayChunk(chunk=chunk))
+    for i, (head, data) in enumerate(framing.wire_chunk_parts(header, payload, ref)):
+        fields = pb.RelayChunk(receiver=receiver, direction=wire, signature=signature) if i == 0 else pb.RelayChunk()
+        yield framing.nested_chunk(fields.SerializeToString(), _RELAY_CHUNK_FIELD, head, data)
 
 
 class _Replayed(Exception):
@@ -97,7 +102,7 @@ class _RelayedCheck:
     """The check of one relayed tensor before it is decoded: its origin's signature over it, and that this node has
     not taken it already."""
 
-    def __init__(self, receiver: ReverseReceiver, relay: str, origin: str, key: bytes, first: pb.ReverseDown) -> None:
+    def __init__(self, receiver: ReverseReceiver, relay: str, origin: str, key: bytes, first: WireCarrier) -> None:
         self._receiver, self._relay, self._origin, self._key = receiver, relay, origin, key
         self.direction, self.signature = first.direction, first.signature
         self.ref: pb.MicrobatchRef | None = None  # the tensor's, once its signature held
@@ -256,17 +261,17 @@ class _Deliveries:
     """The deliveries of a Reverse stream, one iterator of chunks each; a delivery read only in part (refused at its
     header) is skipped to its end before the next."""
 
-    def __init__(self, downs: Iterator[pb.ReverseDown]) -> None:
+    def __init__(self, downs: Iterator[WireCarrier]) -> None:
         self._downs = downs
 
-    def __iter__(self) -> Iterator[tuple[pb.ReverseDown, Iterator[pb.TensorChunk]]]:
+    def __iter__(self) -> Iterator[tuple[WireCarrier, Iterator[WireChunk]]]:
         for first in self._downs:
             chunks = self._chunks(first)
             yield first, chunks
             for _ in chunks:  # what the receiver did not read
                 pass
 
-    def _chunks(self, first: pb.ReverseDown) -> Iterator[pb.TensorChunk]:
+    def _chunks(self, first: WireCarrier) -> Iterator[WireChunk]:
         down = first
         yield down.chunk
         while not down.last:
@@ -333,7 +338,10 @@ class _Link:
 
         channel = make_channel(self.address, r.token, r.node_id, r.tls, r.key)
         try:
-            self._call = call = rpc.StageStub(channel).Reverse(ups())
+            self._call = call = channel.stream_stream(
+                "/geotrain.v1.Stage/Reverse", request_serializer=pb.ReverseUp.SerializeToString,
+                response_deserializer=_parse_down,
+            )(ups())
             if self._stopped.is_set():
                 return False
             downs = iter(call)
@@ -354,7 +362,7 @@ class _Link:
                 self._call.cancel()
             channel.close()
 
-    def _take(self, first: pb.ReverseDown, chunks: Iterator[pb.TensorChunk]) -> pb.ReverseAck:
+    def _take(self, first: WireCarrier, chunks: Iterator[WireChunk]) -> pb.ReverseAck:
         """Take one delivery as the Stage service takes a call (a relayed one as its origin's, once its signature
         holds); the ack says what its status would have been."""
         seq, name = first.seq, DIRECTION_NAMES.get(first.direction)

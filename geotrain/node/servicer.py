@@ -327,8 +327,8 @@ class _Handlers:
 
 def add_stage_service(servicer: StageServicer, server: grpc.Server) -> None:
     """Serve `servicer` on `server`: Forward and Backward read their chunks with framing.parse_chunk (a chunk's data
-    left where it arrived), Reverse sends deliveries serialized already (reverse.serialize_down), the other methods
-    as generated."""
+    left where it arrived), Relay its RelayChunks likewise (framing.carrier_parser), Reverse sends deliveries
+    serialized already (reverse.serialize_down), the other methods as generated."""
     handlers = _Handlers()
     rpc.add_StageServicer_to_server(servicer, handlers)
     for name in ("Forward", "Backward"):
@@ -338,6 +338,10 @@ def add_stage_service(servicer: StageServicer, server: grpc.Server) -> None:
         )
     handlers.methods["Reverse"] = grpc.stream_stream_rpc_method_handler(
         servicer.Reverse, request_deserializer=pb.ReverseUp.FromString, response_serializer=serialize_down
+    )
+    handlers.methods["Relay"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Relay, request_deserializer=framing.carrier_parser(pb.RelayChunk),
+        response_serializer=pb.Ack.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, handlers.methods),))
     server.add_registered_method_handlers(handlers.service, handlers.methods)

@@ -8,8 +8,10 @@ checksum at the end. Nothing from the wire is unpickled.
 Activations and gradients (the Forward and Backward calls) skip protobuf's copies of a chunk's data: `wire_chunks`
 serializes a chunk with one copy of the data, from the encoded tensor into the message, and `parse_chunk` leaves the
 data a view of the received message, its other fields parsed by protobuf. Protobuf would copy the data into its
-message and out again on each side, and the tensor path's CPU was mostly such copies (bench/tensor_path.py). A reader
-given `into` copies an uncompressed tensor's chunks straight into the tensor the receiver keeps, its decode.
+message and out again on each side, and the tensor path's CPU was mostly such copies (bench/tensor_path.py). The
+messages that carry a chunk on the links of nodes behind NAT (a ReverseDown, a RelayChunk) are built around it the
+same way (nested_chunk) and read with `carrier_parser`. A reader given `into` copies an uncompressed tensor's chunks
+straight into the tensor the receiver keeps, its decode.
 
 The checksum is zlib's CRC-32, computed by zlib-ng (carry-less multiplies: 0.012 ms per MiB here against zlib
 1.2.13's 0.18, which was a third of the raw tensor stream's CPU), and it is checked under TLS too: TLS covers one hop,
@@ -29,7 +31,7 @@ import blake3
 import grpc
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from zlib_ng import zlib_ng
 
 from geotrain.protocol import geotrain_pb2 as pb
@@ -186,33 +188,92 @@ class WireChunk:
         return self.fields.HasField(name)
 
 
-def parse_chunk(message: bytes) -> WireChunk:
+def _fields(view: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """Each field of a serialized message: its tag, where it starts, where its value starts and where it ends;
+    ValueError when the message is malformed (a field cut off, or of a wire type protobuf no longer writes)."""
+    pos = 0
+    while pos < len(view):
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        wire = tag & 7
+        if wire == _VARINT:
+            value, (_, end) = pos, _read_varint(view, pos)
+        elif wire == _LENGTH_DELIMITED:
+            length, value = _read_varint(view, pos)
+            end = value + length
+        elif wire in _FIXED:
+            value, end = pos, pos + _FIXED[wire]
+        else:
+            raise ValueError(f"field {tag >> 3} of wire type {wire}")
+        if end > len(view):
+            raise ValueError(f"field {tag >> 3} longer than its message")
+        yield tag, start, value, end
+        pos = end
+
+
+_VARINT = 0
+_FIXED = {1: 8, 5: 4}  # wire type -> its bytes: 64- and 32-bit
+
+
+def parse_chunk(message: Buffer) -> WireChunk:
     """A serialized TensorChunk read with its data left in place (a request_deserializer); ValueError when it is
     malformed. Fields are length-delimited (ref, header, data): any other wire type, or data twice, is refused."""
     view = memoryview(message)
     others: list[memoryview] = []
     data = None
-    pos = 0
-    while pos < len(view):
-        start = pos
-        tag, pos = _read_varint(view, pos)
+    for tag, start, value, end in _fields(view):
         if tag & 7 != _LENGTH_DELIMITED:
             raise ValueError(f"TensorChunk field {tag >> 3} of wire type {tag & 7}")
-        length, pos = _read_varint(view, pos)
-        if length > len(view) - pos:
-            raise ValueError("TensorChunk field longer than its message")
         if tag == _DATA_TAG:
             if data is not None:
                 raise ValueError("TensorChunk carries data twice")
-            data = view[pos : pos + length]
+            data = view[value:end]
         else:
-            others.append(view[start : pos + length])
-        pos += length
+            others.append(view[start:end])
     try:
         fields = pb.TensorChunk.FromString(b"".join(others))  # ref and header: small
     except DecodeError as e:
         raise ValueError(f"malformed TensorChunk: {e}") from None
     return WireChunk(fields, data if data is not None else view[:0])
+
+
+@dataclass(frozen=True)
+class WireCarrier:
+    """A message from the wire that carries a TensorChunk as its field `chunk` (a ReverseDown, a RelayChunk), that
+    chunk read by parse_chunk (its data a view of the received message), its other fields by protobuf: it reads as the
+    message itself."""
+
+    fields: Message
+    chunk: WireChunk
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fields, name)
+
+
+def carrier_parser(kind: type[Message]) -> Callable[[bytes], WireCarrier]:
+    """A deserializer of `kind`, whose field `chunk` is a TensorChunk, that leaves the chunk's data in place: the one
+    copy left is the receiver's into its tensor, where protobuf's parse and the field's read made two more (a
+    reverse link's or a relay's tensors, which go by gRPC). ValueError when the message is malformed."""
+    chunk_tag = (kind.DESCRIPTOR.fields_by_name["chunk"].number << 3) | _LENGTH_DELIMITED
+
+    def parse(message: bytes) -> WireCarrier:
+        view = memoryview(message)
+        others: list[memoryview] = []
+        chunk = None
+        for tag, start, value, end in _fields(view):
+            if tag != chunk_tag:
+                others.append(view[start:end])
+            elif chunk is not None:
+                raise ValueError(f"{kind.__name__} carries its chunk twice")
+            else:
+                chunk = parse_chunk(view[value:end])
+        try:
+            fields = kind.FromString(b"".join(others))
+        except DecodeError as e:
+            raise ValueError(f"malformed {kind.__name__}: {e}") from None
+        return WireCarrier(fields, chunk if chunk is not None else WireChunk(pb.TensorChunk(), view[:0]))
+
+    return parse
 
 
 _CODECS = frozenset(pb.Codec.values()) - {pb.CODEC_UNSPECIFIED}  # once: Codec.values() makes a list each call

@@ -62,6 +62,13 @@ from geotrain.protocol.limits import PeerLimits, TokenBuckets
 from geotrain.protocol.tls import RUN_TLS_NAME, TlsFiles, ssl_context
 from geotrain.protocol.transport import StatusError, status_code
 
+try:
+    # A plain socket's receive and send in one C call each (setup.py builds it where a C compiler is found); else
+    # python's socket methods, in the loops below.
+    from geotrain.protocol import _streamio
+except ImportError:
+    _streamio = None
+
 log = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
@@ -84,6 +91,7 @@ _LENGTH = struct.Struct("<I")
 _OK = grpc.StatusCode.OK.value[0]
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 class Closed(Exception):
@@ -93,8 +101,24 @@ class Closed(Exception):
 def recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
     """Fill `view` from sock; Closed at the end of the stream. With idle_ok, timeouts before the first byte are waited
     out (a kept connection between tensors); any other raises socket.timeout. A socket without TLS is asked for all
-    of it at once (MSG_WAITALL: on a blocking socket, one system call however many segments the bytes came in)."""
-    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # python's ssl takes no flags
+    of it at once (MSG_WAITALL: on a blocking socket, one system call however many segments the bytes came in), in
+    one C call where _streamio is built."""
+    if _in_c(sock):
+        filled = _streamio.recv_exact(sock.fileno(), view, idle_ok)
+    else:  # python's ssl takes no flags
+        filled = _recv_loop(sock, view, idle_ok, 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL)
+    if filled < len(view):
+        raise Closed(f"the stream ended {len(view) - filled} bytes short" if filled else "the stream ended")
+
+
+def _in_c(sock: socket.socket) -> bool:
+    """Whether _streamio reads `sock`: built, and the socket blocks (bounded by the kernel's timeouts, where a python
+    timeout makes it non-blocking) without TLS (whose records python's ssl reads)."""
+    return _streamio is not None and sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket)
+
+
+def _recv_loop(sock: socket.socket, view: memoryview, idle_ok: bool, flags: int) -> int:
+    """recv_into's python: the bytes filled, fewer only where the stream ended."""
     filled, n = 0, len(view)
     while filled < n:
         try:
@@ -104,8 +128,9 @@ def recv_into(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> N
                 continue
             raise socket.timeout("timed out") from None
         if not got:
-            raise Closed(f"the stream ended {n - filled} bytes short" if filled else "the stream ended")
+            break
         filled += got
+    return filled
 
 
 def _tune(sock: socket.socket) -> None:
@@ -151,15 +176,35 @@ _OK_REPLY = _framed(pb.TensorStreamReply(code=_OK))
 
 
 def read_message(sock: socket.socket, kind: type[M], idle_ok: bool = False) -> M:
-    """Read one length-prefixed message of `kind`; FrameError when it is too long or malformed."""
-    prefix = bytearray(_LENGTH.size)
-    recv_into(sock, memoryview(prefix), idle_ok)
-    (length,) = _LENGTH.unpack(prefix)
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {length} bytes on a tensor stream")
-    data = bytearray(length)
-    if length:  # an OK reply is empty
-        recv_into(sock, memoryview(data))
+    """Read one length-prefixed message of `kind`; FrameError when it is too long or malformed. One C call where
+    _streamio reads the socket (as recv_into's)."""
+    if _in_c(sock):
+        data = _from_c(_streamio.recv_message, sock.fileno(), MAX_FRAME_BYTES, idle_ok)
+    else:
+        prefix = bytearray(_LENGTH.size)
+        recv_into(sock, memoryview(prefix), idle_ok)
+        (length,) = _LENGTH.unpack(prefix)
+        if length > MAX_FRAME_BYTES:
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {length} bytes on a tensor stream")
+        data = bytearray(length)
+        if length:  # an OK reply is empty
+            recv_into(sock, memoryview(data))
+    return _parse(kind, data)
+
+
+def _from_c(read: Callable[..., T], *args: object) -> T:
+    """`read(*args)`, a _streamio call that reads a message, raising what read_message's python raises: Closed at the
+    stream's end, FrameError for a length over the limit."""
+    try:
+        return read(*args)
+    except EOFError as e:
+        raise Closed(str(e)) from None
+    except ValueError as e:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+def _parse(kind: type[M], data: Buffer) -> M:
+    """A message of `kind` from its bytes; FrameError when they are not one."""
     try:
         return kind.FromString(data)
     except DecodeError as e:
@@ -419,20 +464,28 @@ class NoStream(Exception):
 
 class _Connection:
     """One open tensor stream at the sender, used by one send at a time. Without TLS its socket blocks, bounded by
-    the kernel's timeouts (bound_calls), so that a tensor is one system call out and one back."""
+    the kernel's timeouts (bound_calls), so that a tensor is one system call out and one back: with _streamio, the
+    two in one C call."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._plain = not isinstance(sock, ssl.SSLSocket)
+        self._exchange = not isinstance(sock, ssl.SSLSocket) and _streamio is not None
+        if self._exchange:
+            sock.settimeout(None)  # blocking, bounded by the kernel's timeouts that exchange sets before each call
         self._timeout = 0.0  # what the socket's operations are bounded by now; 0: not yet set
 
     def send(self, frame: bytes, payload: Buffer, deadline: float) -> pb.TensorStreamReply:
         """Write one tensor and read its reply by `deadline` (time.monotonic, within a tenth of the time left);
         socket.timeout past it, OSError or Closed when the connection broke."""
         sock = self.sock
-        self._bound(deadline)
         head = _LENGTH.pack(len(frame)) + frame
-        if not self._plain:  # python's ssl has no sendmsg
+        if self._exchange:
+            data, self._timeout = _from_c(
+                _streamio.exchange, sock.fileno(), head, payload, deadline, self._timeout, MAX_FRAME_BYTES
+            )
+            return _parse(pb.TensorStreamReply, data)
+        self._bound(deadline)
+        if isinstance(sock, ssl.SSLSocket):  # python's ssl has no sendmsg
             sock.sendall(head)
             sock.sendall(payload)
         else:  # frame and payload in one system call, which returns short only at the timeout
