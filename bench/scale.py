@@ -27,34 +27,34 @@ Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/s
 
 This version, the defaults (374M parameters, three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, the node
 of stage 1 SIGKILLed after step 10, the run rolled back to step 6's checkpoint), the lock held, warm-up steps left out:
-    {"node": "node-1", "peak_rss_bytes": 3780739072, "planned_bytes": 4115898368, "error": -0.081, "peak_in_step": 1}
-    {"node": "node-2", "peak_rss_bytes": 3862609920, "planned_bytes": 4069785600, "error": -0.051, "peak_in_step": 9}
-    {"node": "node-3", "peak_rss_bytes": 4286021632, "planned_bytes": 4064223232, "error": 0.055, "peak_in_step": 23}
-    {"node": "node-1 rejoined", "peak_rss_bytes": 3798044672, "planned_bytes": 4115898368, "error": -0.077, ...}
+    {"node": "node-1", "peak_rss_bytes": 4887187456, "planned_bytes": 4435058688, "error": 0.102, "peak_in_step": 6}
+    {"node": "node-2", "peak_rss_bytes": 3581382656, "planned_bytes": 3727106048, "error": -0.039, "peak_in_step": 6}
+    {"node": "node-3", "peak_rss_bytes": 4263501824, "planned_bytes": 4069785600, "error": 0.048, "peak_in_step": 6}
+    {"node": "node-2 rejoined", "peak_rss_bytes": 3763314688, "planned_bytes": 3727106048, "error": 0.01, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
-     "coordinator_peak_rss_bytes": 358346752, "checkpoint_bytes": 4489557470, "step_s": 6.11,
-     "checkpoint_step_s": 6.9, "checkpoint_cost": 0.128,
-     "steps_s": [5.95, 7.08, 7.07, 7.08, 7.45, 6.96, 6.61, 5.3, 7.09, 5.18, 6.46, 7.04, 5.52, 6.11, 5.03, 5.37, 5.32,
-                 5.6, 5.41],
-     "checkpoint_steps_s": [6.55, 7.18, 5.52, 6.56, 6.9, 7.84, 7.39], "checkpoint_write_s": [11.1, 9.8, 14.7, 7.0, 3.4],
-     "rejoin_s": 11.96, "rejoin_profile_s": 1.29, "run_exit": 0, "max_abs_diff": 0.0, "oom_killed": 0, ...}
+     "coordinator_peak_rss_bytes": 358060032, "checkpoint_bytes": 4489557471, "step_s": 6.5,
+     "checkpoint_step_s": 6.94, "checkpoint_cost": 0.068,
+     "steps_s": [8.11, 7.13, 8.46, 7.04, 7.1, 7.82, 6.04, 6.43, 5.95, 6.26, 6.09, 6.07, 6.5, 5.96, 6.59, 6.79, 6.43],
+     "checkpoint_steps_s": [8.6, 7.32, 6.94, 6.01, 7.03, 6.36, 7.26, 6.85, 6.45],
+     "checkpoint_write_s": [11.4, 12.7, 10.1, 15.3, 5.6], "rejoin_s": 15.03, "rejoin_profile_s": 1.82, "run_exit": 0,
+     "max_abs_diff": 0.0, "oom_killed": 0, ...}
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node's peak within 9% of its plan. A checkpoint costs the steps it spans +13-14% (0.143 in a second run of this head,
-node-2 at +11.2% of its plan there; 0.131 with a C sender since dropped). Its processes are in the bench's session
-(start()): in sessions of their own, as versions before started them, Linux's autogroups gave the coordinator and each
-node an equal share of the CPU whatever their threads' priorities, so the transfer at SCHED_IDLE took a full share
-whenever its process had nothing else to run: writes of 4-9 s into the step after the checkpoint, which took +1.1-4.7 s;
-checkpoint_cost from 0.07 to 0.45 run to run (a checkpoint every 3 steps). In one session the transfer takes only what
-the pipeline leaves idle: writes of 7-18 s, over 2-3 steps. What those steps still pay: what a holder has not sent by
-its next apply goes to its file on the apply's path (262-745 MB a node, 0.35-1.0 s, in this run: the three nodes' spills
-and the coordinator's writes share one disk), and the transfer's work beside the compute, which costs it even at the
-lowest priority (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The raw state stream carries no
-crc32 (neither end passes over the bytes for it), nor does the spill compute one. Measured no better, so not kept:
-16 MiB pieces instead of 1 MiB on the raw stream, reading a snapshot only while its node's worker computes nothing,
-glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: a node's peak 21% over its plan), torch's
-huge pages (THP_MEM_ALLOC_ENABLE=1: every step slower), a holder's C sender without the GIL (0.452 in sessions of
-their own, 0.131 in one). Writing a snapshot's file ahead of the apply, and the transfer at normal priority, measured
-worse before that (+2 s, +23%).
+node's peak within 11% of its plan. A checkpoint costs the steps it spans +6.8% here, +6.2% in a second run of this head
+(0.062; nodes within 10% of plan, rejoin 14.2 s) and +3.3% for the version before it (its file read through the page
+cache). The step times of plain steps spread by up to 50% within one run (5.3-9.7 s), so one run's medians move by
+several points: the head before this change printed 0.053 the same hour, 0.128 and 0.143 the session before. What those
+steps paid then was mostly the snapshot's file written on the apply's path: what a holder had not sent by its next apply
+(262-1,056 MB a node, 0.35-1.54 s). Now a thread writes the unsent tensors to the file from the last back while the
+transfer sends from the first, and the apply copies only what neither reached: nothing in half the checkpoints, 206-582
+MB (0.3-0.75 s) in the others, where the shared disk (three nodes' files and the coordinator's) was the limit. The file
+is read back past the page cache: read through it, it filled the memory cgroups of nodes planned near their cap, which
+then reclaimed in the nodes' own allocations (failcnt 2,613 and 10,770 in one run). What is left is that copy and the
+transfer's work beside the compute (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The writer at
+the lowest priority left more to the apply (0.104, 237-582 MB in two of four checkpoints); the coordinator's receivers
+at normal priority measured no better (0.116). Earlier findings: in sessions of their own (start_new_session), Linux's
+autogroups gave every process an equal share of the CPU whatever its threads' priorities (checkpoint_cost 0.07 to 0.45);
+16 MiB pieces on the raw stream, reading a snapshot only while its node computes nothing, glibc keeping freed memory,
+torch's huge pages and a holder's C sender without the GIL measured no better.
 """
 
 from __future__ import annotations
