@@ -44,6 +44,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,9 +56,17 @@ from types import ModuleType
 from geotrain.config import load_config
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("geotrain", "geotrain_best", "torch_pipelining", "hivemind")
+SYSTEMS = ("geotrain", "geotrain_best", "torch_gpipe", "torch_1f1b", "hivemind")
+OTHERS = ("torch_gpipe", "torch_1f1b", "hivemind")
+TORCH_SCHEDULES = {"torch_gpipe": "ScheduleGPipe", "torch_1f1b": "Schedule1F1B"}
 TORCH_MASTER_PORT = 29500
 READY_TIMEOUT_S = 120.0
+# Steps each system runs to measure its pace: a large model's step takes seconds on 2 cores.
+PACE_STEPS = {"small": 20, "large": 6}
+# Validation passes' steps to the target (time_to_target.py's TARGET_VAL_LOSS, or the large model's), by config;
+# every one is a function of the config's math, the same on any links (see the docstring).
+STEPS_TO_TARGET: dict[str, dict[str, int]] = {"small": {"none": 100, "rank8": 40, "rank32": 40, "int8": 100},
+                                              "large": {}}
 
 
 def _time_to_target() -> ModuleType:
@@ -76,20 +85,22 @@ def _time_to_target() -> ModuleType:
 ttt = _time_to_target()
 
 
-def worker_settings(steps: int) -> list[str]:
+def worker_settings(steps: int, size: str = "small") -> list[str]:
     """The settings of the run config torch pipelining and hivemind train: time_to_target's model and batch."""
-    return [*ttt.MODEL, *ttt.TRAIN, f"run.steps={steps}"]
+    return [*ttt.size_settings(size), f"run.steps={steps}"]
 
 
 # -- workers: one process per rank or peer, started by the bench in a region (or on loopback) -------------------------
 
 
-def torch_rank(rank: int, master: str, settings: list[str]) -> None:
-    """Rank `rank` of the GPipe pipeline; the last rank prints {"seconds": [...], "losses": [...]}."""
+def torch_rank(rank: int, master: str, schedule_name: str, settings: list[str]) -> None:
+    """Rank `rank` of the pipeline under `schedule_name` (of torch.distributed.pipelining); the last rank prints
+    {"seconds": [...], "losses": [...]}."""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from geotrain.node.data import local_tokens
     from geotrain.node.model import loss_fn
@@ -107,7 +118,7 @@ def torch_rank(rank: int, master: str, settings: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     # scale_grads (the default) divides the summed gradients by the microbatches: geotrain's mean over them.
-    schedule = ScheduleGPipe(stage, n_microbatches=t.microbatches, loss_fn=loss_fn)
+    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=t.microbatches, loss_fn=loss_fn)
     seconds, losses = [], []
     for step in range(steps):
         batches = [corpus.batch(seed=cfg.run.seed, step=step, microbatch=mb, size=t.microbatch_size,
@@ -155,7 +166,7 @@ def hivemind_peer(rank: int, listen_ip: str, settings: list[str], initial_peers:
                                                    weight_decay=t.weight_decay),
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: t.lr_at(epoch, steps) / t.lr),
         batch_size_per_step=len(mine) * t.microbatch_size, target_batch_size=t.microbatches * t.microbatch_size,
-        matchmaking_time=1.0, averaging_timeout=60.0, average_state_every=10**9, verbose=False,
+        matchmaking_time=1.0, averaging_timeout=600.0, average_state_every=10**9, verbose=False,
     )
     first_epoch_at, losses = None, []
     while optimizer.local_epoch < steps:
@@ -208,7 +219,7 @@ class Places:
     def __exit__(self, *exc: object) -> None:
         for proc in self._local:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: hivemind's p2pd and helpers with it
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's group: hivemind's p2pd and helpers with it
             except ProcessLookupError:
                 pass
             proc.wait()
@@ -227,13 +238,15 @@ class Places:
             return self.wan.spawn(rank, name, ["env", "GLOO_SOCKET_IFNAME=wan", *cmd], pipe=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+            # A process group of its own (killpg ends its forks), in this session: Linux gives each session an
+            # equal share of the CPU, so workers in sessions of their own would take more than the bench's rivals.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, process_group=0)
         self._local.append(proc)
         return proc
 
     def label(self) -> str:
         """What a line's "links" says of these places."""
-        return ttt.links_label("namespaces") if self.wan is not None else "loopback: no emulation (namespaces need root)"
+        return ttt.links_label("namespaces" if self.wan is not None else "loopback")
 
 
 def _result(proc: subprocess.Popen, timeout_s: float, what: str) -> dict:
@@ -255,11 +268,11 @@ def _result(proc: subprocess.Popen, timeout_s: float, what: str) -> dict:
     return found[0]
 
 
-def run_torch(links: str, settings: list[str], timeout_s: float) -> dict:
-    """Measured step times and losses of the GPipe pipeline training the run config of `settings`."""
+def run_torch(links: str, settings: list[str], timeout_s: float, schedule: str = "ScheduleGPipe") -> dict:
+    """Measured step times and losses of the pipeline under `schedule` training the run config of `settings`."""
     with Places(links) as places:
         master = f"{places.ip(0)}:{TORCH_MASTER_PORT}"
-        ranks = [places.start(r, f"torch-{r}", ["torch-rank", str(r), master, json.dumps(settings)])
+        ranks = [places.start(r, f"torch-{r}", ["torch-rank", str(r), master, schedule, json.dumps(settings)])
                  for r in range(ttt.STAGES)]
         result = _result(ranks[-1], timeout_s, "the last torch pipelining rank")
         result["links"] = places.label()
@@ -283,32 +296,96 @@ def run_hivemind(links: str, settings: list[str], timeout_s: float) -> dict:
         return result
 
 
-def geotrain_line(system: str, config: str, steps: int, links: str, target: float) -> tuple[dict, dict]:
-    """(JSON line, time_to_target figures) of one geotrain run of `config`."""
-    summary = ttt.train(ttt.CONFIGS[config], steps, links)
-    fig = ttt.figures(config, ttt.CONFIGS[config], summary, links, target)
-    return {"system": system, "config": config, "links": fig["links"], "tokens_per_s": fig["tokens_per_s"],
-            "seconds_to_target": fig["seconds_to_target"], "steps_to_target": fig["steps_to_target"],
-            "target_val_loss": target, "tensor_transport": fig["tensor_transport"]}, fig
-
-
 # What carries each other system's tensors: its only transport, fixed by how the workers are built.
-TRANSPORTS = {"torch_pipelining": "gloo TCP (torch.distributed)", "hivemind": "hivemind all-reduce over libp2p"}
+TRANSPORTS = {"torch_gpipe": "gloo TCP (torch.distributed)", "torch_1f1b": "gloo TCP (torch.distributed)",
+              "hivemind": "hivemind all-reduce over libp2p"}
 
 
-def projected_line(system: str, step_seconds: list[float], losses: list[float], links_label: str,
-                   reference_steps: int | None, reference: str) -> dict:
-    """A line for a system that ran a few steps: its pace, and its time to target at geotrain's steps."""
+def pace_line(system: str, step_seconds: list[float], size: str, links_label: str) -> dict:
+    """What every line says: the system, model and links, and its pace over the steps measured."""
     mean_s = sum(step_seconds) / len(step_seconds)
-    tokens_per_step = ttt.tokens_per_step()
-    return {
-        "system": system, "links": links_label, "tensor_transport": TRANSPORTS[system],
-        "tokens_per_s": round(tokens_per_step / mean_s, 1),
-        "seconds_to_target": None if reference_steps is None else round(reference_steps * mean_s, 1),
-        "seconds_to_target_from": f"{reference}'s steps_to_target ({reference_steps}) x this system's mean step "
-                                  f"seconds ({mean_s:.3f}) over {len(step_seconds)} steps",
-        "loss_first": round(losses[0], 4) if losses else None, "loss_last": round(losses[-1], 4) if losses else None,
-    }
+    return {"system": system, "model": ttt.SIZES[size], "links": links_label, "step_s": round(mean_s, 4),
+            "steps_measured": len(step_seconds), "tokens_per_s": round(ttt.tokens_per_step(size) / mean_s, 1)}
+
+
+def geotrain_line(system: str, config: str, steps: int, links: str, size: str) -> dict:
+    """The line of one geotrain run of `config` under the default plan, its pace from commit to commit."""
+    summary = ttt.train(ttt.CONFIGS[config], steps, links, size=size, eval_every=0)
+    return {**pace_line(system, summary["step_s"], size, ttt.links_label(links)), "config": config,
+            "tensor_transport": ttt.tensor_transport(summary), "stages": summary["stages"], "nodes": summary["nodes"],
+            "averaging_bytes_per_step": round(summary["averaging_bytes"] / summary["steps"])}
+
+
+def other_line(system: str, step_seconds: list[float], losses: list[float], size: str, links_label: str) -> dict:
+    """The line of one run of torch pipelining or hivemind: its pace, and its losses to compare with geotrain's."""
+    return {**pace_line(system, step_seconds, size, links_label), "tensor_transport": TRANSPORTS[system],
+            "loss_first": round(losses[0], 4) if losses else None,
+            "loss_last": round(losses[-1], 4) if losses else None}
+
+
+def math_of(line: dict) -> str:
+    """The configuration whose steps to target a line's system takes: its own for geotrain, none's for the others
+    (they train none's math)."""
+    return line.get("config", "none")
+
+
+def with_target(line: dict, steps_to_target: dict[str, int]) -> dict:
+    """The line with its time to target: the steps its math needs times its mean step seconds."""
+    steps = steps_to_target.get(math_of(line))
+    return {**line, "steps_to_target": steps,
+            "seconds_to_target": None if steps is None else round(steps * line["step_s"], 1),
+            "seconds_to_target_from": f"{math_of(line)}'s steps_to_target x this run's mean step seconds"}
+
+
+def cell_lines(records: list[dict], steps_to_target: dict[str, int]) -> list[dict]:
+    """One line per system (and geotrain configuration) of the runs in `records` (one cell: a model and links): the
+    median and spread of its time to target, then a verdict line comparing geotrain with the best of the others."""
+    groups: dict[tuple[str, str | None], list[dict]] = {}
+    for line in records:
+        groups.setdefault((line["system"], line.get("config")), []).append(line)
+    out = []
+    for (system, config), runs in groups.items():
+        paces = [r["step_s"] for r in runs]
+        steps = steps_to_target.get(math_of(runs[0]))
+        seconds = [round(steps * p, 1) for p in paces] if steps is not None else []
+        out.append({
+            "system": system, **({"config": config} if config else {}), "model": runs[0]["model"],
+            "links": runs[0]["links"], "tensor_transport": " / ".join(sorted({r["tensor_transport"] for r in runs})),
+            "runs": len(runs), "step_s_median": round(statistics.median(paces), 4), "step_s_runs": paces,
+            "steps_to_target": steps,
+            "seconds_to_target_median": round(statistics.median(seconds), 1) if seconds else None,
+            "seconds_to_target_spread": [min(seconds), max(seconds)] if seconds else None,
+        })
+    return [*out, verdict(out)]
+
+
+def verdict(lines: list[dict]) -> dict:
+    """geotrain's default (config none) and its best configuration against the best of the others, by median time
+    to target (ratios above 1: geotrain sooner)."""
+    timed = [line for line in lines if line["seconds_to_target_median"] is not None]
+    others = [line for line in timed if line["system"] in OTHERS]
+    ours = [line for line in timed if line["system"] not in OTHERS]
+    if not others or not ours:
+        return {"verdict": "needs geotrain and another system with steps to target"}
+    best_other = min(others, key=lambda line: line["seconds_to_target_median"])
+    default = next((line for line in ours if line["system"] == "geotrain"), None)
+    best = min(ours, key=lambda line: line["seconds_to_target_median"])
+
+    def ratio(line: dict | None) -> float | None:
+        other = best_other["seconds_to_target_median"]
+        return None if line is None else round(other / line["seconds_to_target_median"], 2)
+
+    return {"verdict": {"model": best_other["model"], "links": best_other["links"]},
+            "best_other": best_other["system"], "geotrain_default_vs_best_other": ratio(default),
+            "geotrain_best": best.get("config"), "geotrain_best_vs_best_other": ratio(best)}
+
+
+def parse_steps(text: str) -> dict[str, int]:
+    """--steps-to-target: CONFIG=STEPS,..."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or p[0] not in ttt.CONFIGS or not p[1].isdigit() for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected CONFIG=STEPS,... with configs of {', '.join(ttt.CONFIGS)}")
+    return {name: int(steps) for name, steps in pairs}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -316,54 +393,69 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", type=ttt.names_in(SYSTEMS, "system(s)"), default=list(SYSTEMS),
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default all)")
-    p.add_argument("--best", choices=list(ttt.CONFIGS), default="int8",
-                   help="the configuration of time_to_target.py's table that is geotrain's best (default int8)")
-    p.add_argument("--steps", type=int, default=ttt.STEPS, help=f"geotrain's steps per run (default {ttt.STEPS})")
-    p.add_argument("--other-steps", type=int, default=20,
-                   help="steps torch pipelining and hivemind run, to measure their pace (default 20)")
-    p.add_argument("--target", type=float, default=ttt.TARGET_VAL_LOSS, help="target validation loss")
-    p.add_argument("--links", choices=ttt.LINKS, help="namespaces (needs root) or emulator (default: namespaces if root)")
+    p.add_argument("--best", type=ttt.names_in(ttt.CONFIGS, "configuration(s)"), default=["rank8"],
+                   help="the configurations of time_to_target.py's table that are geotrain's best (default rank8)")
+    p.add_argument("--size", choices=list(ttt.SIZES), default="small", help="the model (default small)")
+    p.add_argument("--links", choices=("loopback", "namespaces"),
+                   help="loopback, or namespaces (needs root; the default where it can build them)")
+    p.add_argument("--pace-steps", type=int, help="steps each system runs (default: small 20, large 6)")
+    p.add_argument("--steps-to-target", type=parse_steps, default={},
+                   help="CONFIG=STEPS,...: validation steps to the target, over the size's STEPS_TO_TARGET")
+    p.add_argument("--record", type=Path,
+                   help="append each run's line to this JSONL file, then print the cell's medians over it")
+    p.add_argument("--summarize", action="store_true", help="run nothing: print the cell's medians of --record")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each system's run may take")
-    p.add_argument("--reference-steps", type=int,
-                   help="geotrain none's steps_to_target (time_to_target.py's line), when --systems leaves it out")
     return p
 
 
 def worker(argv: list[str]) -> None:
     """The workers' subcommands (SETTINGS: the run config's settings as a JSON list): torch-rank RANK MASTER
-    SETTINGS; hivemind-peer RANK IP SETTINGS [INITIAL_PEER...]."""
-    kind, rank, where, settings, *peers = argv
-    if kind == "torch-rank":
-        torch_rank(int(rank), where, json.loads(settings))
+    SCHEDULE SETTINGS; hivemind-peer RANK IP SETTINGS [INITIAL_PEER...]."""
+    if argv[0] == "torch-rank":
+        _, rank, master, schedule, settings = argv
+        torch_rank(int(rank), master, schedule, json.loads(settings))
     else:
-        hivemind_peer(int(rank), where, json.loads(settings), peers)
+        _, rank, ip, settings, *peers = argv
+        hivemind_peer(int(rank), ip, json.loads(settings), peers)
+
+
+def run_system(system: str, config: str | None, args: argparse.Namespace, links: str, steps: int) -> dict:
+    """One run of a system; its line without the target."""
+    if config is not None:
+        return geotrain_line(system, config, steps, links, args.size)
+    settings = worker_settings(steps, args.size)
+    if system in TORCH_SCHEDULES:
+        result = run_torch(links, settings, args.timeout, TORCH_SCHEDULES[system])
+        # The first step (gloo's connections, the first allocations) left out, as geotrain's first commit is.
+        return other_line(system, result["seconds"][1:], result["losses"], args.size, result["links"])
+    result = run_hivemind(links, settings, args.timeout)
+    seconds = [result["seconds"] / result["epochs"]] * result["epochs"]  # its global steps after the first
+    return other_line(system, seconds, result["losses"], args.size, result["links"])
 
 
 def main() -> None:
-    """Run each chosen system and print one JSON line each."""
+    """Run each chosen system once and print its line; with --record, then the cell's medians."""
     if sys.argv[1:2] and sys.argv[1] in ("torch-rank", "hivemind-peer"):
         worker(sys.argv[1:])
         return
     args = parser().parse_args()
-    links = args.links or ttt.default_links()
-    reference_steps = args.reference_steps  # geotrain none's steps to target, the others' projection
-    if "geotrain" in args.systems:
-        line, fig = geotrain_line("geotrain", "none", args.steps, links, args.target)
-        reference_steps = fig["steps_to_target"]
+    links = args.links or ("namespaces" if ttt.default_links() == "namespaces" else "loopback")
+    steps_to_target = {**STEPS_TO_TARGET[args.size], **args.steps_to_target}
+    steps = args.pace_steps or PACE_STEPS[args.size]
+    runs = [("geotrain", "none")] if "geotrain" in args.systems else []
+    runs += [("geotrain_best", c) for c in args.best] if "geotrain_best" in args.systems else []
+    runs += [(s, None) for s in OTHERS if s in args.systems]
+    for system, config in [] if args.summarize else runs:
+        line = with_target(run_system(system, config, args, links, steps), steps_to_target)
         print(json.dumps(line), flush=True)
-    if "geotrain_best" in args.systems:
-        line, _ = geotrain_line("geotrain_best", args.best, args.steps, links, args.target)
-        print(json.dumps(line), flush=True)
-    reference = "geotrain none" if reference_steps is not None else "no geotrain none run reaching the target"
-    if "torch_pipelining" in args.systems:
-        result = run_torch(links, worker_settings(args.other_steps), args.timeout)
-        print(json.dumps(projected_line("torch_pipelining", result["seconds"], result["losses"], result["links"],
-                                        reference_steps, reference)), flush=True)
-    if "hivemind" in args.systems:
-        result = run_hivemind(links, worker_settings(args.other_steps), args.timeout)
-        seconds = [result["seconds"] / result["epochs"]] * result["epochs"]
-        print(json.dumps(projected_line("hivemind", seconds, result["losses"], result["links"], reference_steps,
-                                        reference)), flush=True)
+        if args.record:
+            with args.record.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+    if args.record:
+        cell = (ttt.SIZES[args.size], ttt.links_label(links))
+        records = [json.loads(x) for x in args.record.read_text().splitlines() if x.strip()]
+        for line in cell_lines([r for r in records if (r["model"], r["links"]) == cell], steps_to_target):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
