@@ -217,7 +217,7 @@ def to_target(summary: dict, target: float) -> tuple[int | None, float | None]:
 
 def late_target(summary: dict, steps: int) -> float:
     """The validation loss of the first pass at or after 90% of a run of `steps` steps: the issue's late target."""
-    return next(val_loss for done, val_loss, _ in summary["validation"] if done >= 0.9 * steps)
+    return round(next(val_loss for done, val_loss, _ in summary["validation"] if done >= 0.9 * steps), 4)
 
 
 def tokens_per_step(size: str = "small") -> int:

@@ -361,21 +361,24 @@ def cell_lines(records: list[dict], steps_to_target: dict[str, int]) -> list[dic
 
 def verdict(lines: list[dict]) -> dict:
     """geotrain's default (config none) and its best configuration against the best of the others, by median time
-    to target (ratios above 1: geotrain sooner)."""
-    timed = [line for line in lines if line["seconds_to_target_median"] is not None]
-    others = [line for line in timed if line["system"] in OTHERS]
-    ours = [line for line in timed if line["system"] not in OTHERS]
+    to target (ratios above 1: geotrain sooner); without steps to target, by median step seconds among the lines that
+    train none's math (for those the ratio of times to target is that of their step times, whatever the steps)."""
+    key = "seconds_to_target_median"
+    if not all(line[key] is not None for line in lines):
+        key = "step_s_median"
+        lines = [line for line in lines if math_of(line) == "none"]
+    others = [line for line in lines if line["system"] in OTHERS]
+    ours = [line for line in lines if line["system"] not in OTHERS]
     if not others or not ours:
-        return {"verdict": "needs geotrain and another system with steps to target"}
-    best_other = min(others, key=lambda line: line["seconds_to_target_median"])
+        return {"verdict": "needs geotrain and another system"}
+    best_other = min(others, key=lambda line: line[key])
     default = next((line for line in ours if line["system"] == "geotrain"), None)
-    best = min(ours, key=lambda line: line["seconds_to_target_median"])
+    best = min(ours, key=lambda line: line[key])
 
     def ratio(line: dict | None) -> float | None:
-        other = best_other["seconds_to_target_median"]
-        return None if line is None else round(other / line["seconds_to_target_median"], 2)
+        return None if line is None else round(best_other[key] / line[key], 2)
 
-    return {"verdict": {"model": best_other["model"], "links": best_other["links"]},
+    return {"verdict": {"model": best_other["model"], "links": best_other["links"]}, "compared_by": key,
             "best_other": best_other["system"], "geotrain_default_vs_best_other": ratio(default),
             "geotrain_best": best.get("config"), "geotrain_best_vs_best_other": ratio(best)}
 

@@ -156,9 +156,14 @@ def test_the_others_take_nones_steps_and_the_cell_compares_medians():
     assert [(x["system"], x["runs"], x["seconds_to_target_median"], x["seconds_to_target_spread"]) for x in lines] == [
         ("geotrain", 3, 10.0, [9.0, 12.0]), ("geotrain_best", 3, 4.0, [4.0, 4.4]), ("hivemind", 3, 15.0, [10.0, 20.0]),
         ("torch_gpipe", 3, 30.0, [30.0, 30.0])]
-    assert verdict == {"verdict": {"model": "m", "links": "l"}, "best_other": "hivemind",
-                       "geotrain_default_vs_best_other": 1.5, "geotrain_best": "rank8",
+    assert verdict == {"verdict": {"model": "m", "links": "l"}, "compared_by": "seconds_to_target_median",
+                       "best_other": "hivemind", "geotrain_default_vs_best_other": 1.5, "geotrain_best": "rank8",
                        "geotrain_best_vs_best_other": 3.75}
+    # No steps to target for rank8: the lines of none's math, by step seconds.
+    *_, verdict = versus.cell_lines(records, {})
+    assert (verdict["compared_by"], verdict["best_other"], verdict["geotrain_default_vs_best_other"]) == (
+        "step_s_median", "hivemind", 1.5)
+    assert verdict["geotrain_best"] == "none"
 
 
 @pytest.mark.cluster
