@@ -449,7 +449,12 @@ def main() -> None:
     runs += [("geotrain_best", c) for c in args.best] if "geotrain_best" in args.systems else []
     runs += [(s, None) for s in OTHERS if s in args.systems]
     for system, config in [] if args.summarize else runs:
-        line = with_target(run_system(system, config, args, links, steps), steps_to_target)
+        try:
+            line = with_target(run_system(system, config, args, links, steps), steps_to_target)
+        except (RuntimeError, subprocess.SubprocessError) as e:  # one system's failed run: the others still run
+            print(json.dumps({"system": system, "config": config, "model": ttt.SIZES[args.size],
+                              "links": ttt.links_label(links), "failed": str(e)[-500:]}), flush=True)
+            continue
         print(json.dumps(line), flush=True)
         if args.record:
             with args.record.open("a") as f:
