@@ -2,26 +2,32 @@
 exact training reaches, not by its bytes.
 
 Three regions of one node each (two for the replica configurations) under the planner's default plan (the replica
-configurations: three stages of even layers), joined by 50 Mbit/s, 50 ms links: the namespace WAN of deploy/wan/netwan.py where this
-runs as root (tbf rate limits, and the router delays every packet between regions), else `geotrain demo --uplink
-50/50` (every node's traffic through one emulated 50 Mbit/s, 50 ms uplink); each line says which, key "links". The
-model is a byte GPT of 2.7M parameters (6 blocks of width 192); every configuration trains the same steps on the
-same tokens per step, with a validation pass every EVAL_EVERY steps.
+configurations: three stages of even layers), joined by 50 Mbit/s, 50 ms links: the namespace WAN of
+deploy/wan/netwan.py where this runs as root (tbf rate limits, and the router delays every packet between regions),
+else `geotrain demo --uplink 50/50` (every node's traffic through one emulated 50 Mbit/s, 50 ms uplink), or with
+--links loopback `geotrain demo` unshaped; each line says which, key "links". The model (--size, SIZES) is a byte
+GPT of 2.7M parameters (6 blocks of width 192), or one of 50.7M (bench/versus.py's large); every configuration
+trains the same steps on the same tokens per step, with a validation pass every EVAL_EVERY steps (--eval-every).
 
 The target is TARGET_VAL_LOSS: the validation loss the uncompressed run (config none) reached at step TARGET_STEP
 (120 of 150) on this bench's links, measured once and fixed here, so every configuration chases the same number.
 Each validation pass samples its windows anew by step (the same windows for every configuration at a step), so the
 curve is noisy: none's run went below its step-120 figure first at step 100 (2.818).
+That target is early: a constrained configuration (boundary_rank, top-k) that learns fast at first and then stalls
+reaches it sooner than exact training. --late sets the late target instead: none runs first (at least 1,000 steps),
+and the target is its validation loss at the first pass at or after 90% of the run (late_target); each
+configuration's steps and seconds to it and its val_loss_at_equal_tokens at the end of the long run tell whether
+its bytes saved are worth the capacity it costs (--target with that figure runs the others in later invocations).
 
 One JSON line per configuration: config, links, steps_to_target and seconds_to_target (the first validation pass at
 or below the target, and the training seconds of the committed steps until then; null if the run never got there),
 boundary_bytes_per_token (activation and gradient bytes on the wire across every stage boundary per token trained,
-from the nodes' own link counters; they also count the validation passes' activations, forward only, 12,288 tokens
-a pass, so codec none shows 3,679 where training alone sends 3,072 and headers), averaging_bytes_per_step (replica averaging's bytes per step as the run reports
-them; 0 with one replica per stage, which averages nothing), val_loss_at_equal_tokens (the last validation pass: every
-configuration trains the same tokens), tokens_per_s, tensor_transport (what carried the activations and
-gradients, measured: the share of their bytes the nodes counted as sent over raw tensor streams, the rest by gRPC
-calls).
+from the nodes' own link counters; they also count the validation passes' activations, forward only, 12,288 tokens a
+pass, so codec none shows 3,679 where training alone sends 3,072 and headers), averaging_bytes_per_step (replica
+averaging's bytes per step as the run reports them; 0 with one replica per stage, which averages nothing),
+val_loss_at_equal_tokens (the last validation pass: every configuration trains the same tokens), tokens_per_s,
+tensor_transport (what carried the activations and gradients, measured: the share of their bytes the nodes counted
+as sent over raw tensor streams, the rest by gRPC calls).
 
 Configurations (CONFIGS): none, int8, auto, rank8 and rank32 (`model.boundary_rank`), and 2 replicas per stage
 averaging every step or DiLoCo-style every REPLICA_SYNC_EVERY steps (`compression.replica_sync`). The WAN places a
@@ -30,7 +36,8 @@ emulator shapes geotrain's data plane but not hivemind's traffic. averaging_byte
 all-reduces' messages (no DHT traffic, no state downloads): every_step sends float64 gradients every step, diloco a
 sync of int16 pseudo-gradients, a quarter of float64's bytes, at steps H, 2H, ... (node.diloco): over N steps
 4N / floor((N - 1) / H) times fewer bytes a step, 44x for 100 steps at H = 10.
-Run: sudo python bench/time_to_target.py [--configs none,int8,auto] [--steps N] [--links namespaces|emulator]
+Run: sudo python bench/time_to_target.py [--configs none,int8,auto] [--steps N] [--links namespaces|emulator|loopback]
+[--size small|large] [--late | --target LOSS] [--eval-every N]
 
 Measured on a 2-core machine, namespaces, 150 steps: none 100 steps, 171.1 s to target, 3,673 B/token, 2.7557 at
 equal tokens; rank8 40 steps, 32.5 s (5.3x sooner), 153 B/token (24x fewer), 2.4764; rank32 40 steps, 41.2 s, 611
@@ -38,10 +45,10 @@ B/token, 2.4952. Earlier, loaded: int8 100 steps, 140.4 s, 973 B/token, 2.7538; 
 B/token, 2.8888 (its top-k costs loss). Replicas, namespaces, 100 steps (loaded): replicas_every_step 100 steps,
 606.5 s to target, 44.5 MB averaged a step, 2.8405 at equal tokens; replicas_diloco 100 steps, 186.8 s (3.2x
 sooner), 1.0 MB a step (44x fewer), 2.8808 (1.4% above every_step); with plain averaging as the outer step
-(replica_sync_lr=1, replica_sync_momentum=0) 2.8801, no better: DiLoCo's 0.7 and 0.9 stay. Before the int16 grid (float64 syncs, emulator):
-4.0 MB a step (11x, H times fewer: the count was right, the scheme sent a full float64 copy), 3.0114. Under diloco
-which replica trains on which microbatch follows measured timings, so its loss differs from run to run; one run
-each does not tell the grid's share of the change.
+(replica_sync_lr=1, replica_sync_momentum=0) 2.8801, no better: DiLoCo's 0.7 and 0.9 stay. Before the int16 grid
+(float64 syncs, emulator): 4.0 MB a step (11x, H times fewer: the count was right, the scheme sent a full float64
+copy), 3.0114. Under diloco which replica trains on which microbatch follows measured timings, so its loss differs
+from run to run; one run each does not tell the grid's share of the change.
 """
 
 from __future__ import annotations

@@ -1,40 +1,142 @@
 """geotrain against the tools a user would otherwise pick, on the same links, model, data and tokens per step.
 
-The links, model, data and target of bench/time_to_target.py (3 regions joined by 50 Mbit/s, 50 ms; a 2.7M-parameter
-byte GPT; 3,072 tokens a step). Systems:
-- geotrain (config none) and geotrain's best configuration (--best, a config of time_to_target.py's table): the
-  default plan (the planner's choice of pipeline, data parallelism or hybrid), through time_to_target.py's own run.
-- torch pipelining: `torch.distributed.pipelining`'s GPipe schedule over gloo, 3 ranks, one per region, each with
-  the layers geotrain's uniform placement gives its stage (the same layers, built by the same model zoo and seed),
-  the step's 6 microbatches as GPipe's microbatches (gradients averaged over them), the global gradient-norm clip
-  through one all-reduce, and geotrain's AdamW and learning-rate schedule: the same training as geotrain's.
+A cell is a model size and a link setting, each run of the bench one run of every system in it:
+- models (time_to_target.SIZES): "small", the 2.7M-parameter byte GPT of time_to_target.py, 3,072 tokens a step;
+  "large", a 50.7M-parameter byte GPT (16 blocks of width 512), 768 tokens a step, whose float32 gradients (203 MB)
+  cost a replica far more than a step's activations at a stage boundary (1.6 MB each way);
+- links: loopback (every process on 127.0.0.1, unshaped), or namespaces (root: time_to_target.py's 3 regions, tbf
+  50 Mbit/s, the router delaying every packet between regions 50 ms one way, so gloo's and libp2p's ports see the
+  same links as geotrain's).
+Systems:
+- geotrain (config none) and geotrain_best (--best: configs of time_to_target.py's table), the default plan (the
+  planner's choice of pipeline, data parallelism or hybrid; its "stages" and "nodes" are in the line), a checkpoint
+  only at the end.
+- torch_gpipe and torch_1f1b: `torch.distributed.pipelining`'s ScheduleGPipe and Schedule1F1B over gloo, 3 ranks,
+  one per region, each with the layers geotrain's uniform placement gives its stage (same model zoo, same seed), the
+  step's 6 microbatches as the schedule's microbatches (gradients averaged over them), the global gradient-norm clip
+  through one all-reduce, and geotrain's AdamW and learning-rate schedule: the same training as geotrain none's (the
+  losses in their lines are equal).
 - hivemind: `hivemind.Optimizer` data parallelism, 3 peers (one per region) each with the whole model and 2 of the
   step's 6 microbatches, a global batch of all 6 (target_batch_size), gradients averaged by hivemind's all-reduce
-  every global step; AdamW with the same schedule but no gradient clip (hivemind.Optimizer has no place for one);
-  parameters are not averaged (they stay equal: same start, same averaged gradients), matchmaking_time 1 s.
-In namespaces (root) every system crosses the same links: tbf shapes each region's link and the router delays every
-packet between regions (a TUN device; there is no netem), so gloo's and libp2p's own ports see the latency too.
-Without root torch pipelining and hivemind run on loopback, unshaped, and their lines say so.
+  every global step; AdamW with the same schedule but no gradient clip (hivemind.Optimizer has no place for one).
+Every process a run starts is in the bench's session (a process group of its own, process_group=0): Linux gives
+each session an equal share of the CPU, so processes in sessions of their own would have weighed unequally.
 
-One JSON line per system: system, links, tensor_transport (for geotrain measured by its nodes, as in
-time_to_target.py's lines; torch pipelining's and hivemind's have one each), tokens_per_s (tokens trained per second
-of the steps measured), seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against
-time_to_target's target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the
-steps geotrain (none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch
-pipelining trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare),
-hivemind nearly (no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
+How each line's seconds_to_target is obtained (its "seconds_to_target_from" says so): steps_to_target x the mean
+step seconds its run measured. Each system runs --pace-steps steps (small 20 on loopback, 15 on namespaces; large
+8); its mean step: geotrain's from one commit to the next (the coordinator's metrics.jsonl: the optimizer step and
+every control message counted, the first step and any with a validation pass left out), torch's schedule.step plus
+the clip's all-reduce and the optimizer (the first step left out), hivemind's global steps after its first.
+steps_to_target is that of the line's math, from validation runs of time_to_target.py (STEPS_TO_TARGET, or
+--steps-to-target): geotrain none, both torch schedules and hivemind train none's math, so theirs is none's
+(hivemind's true count is higher: no clip, and its loss after 20 steps is above the others', so its projection
+favours it); rank8 and int8 their own. Validation windows are a function of the step and these configs are exact,
+so their steps to target are the same on any links: one loopback run serves both settings. For the large model no
+validation run fitted the lock, so its cell compares by step seconds: between systems that train the same math the
+ratio of times to target is the ratio of step times, whatever the steps. A run of every system took ~2 minutes for
+the small model on loopback, ~3.3 on namespaces, ~2.5 for the large model on loopback without hivemind.
+--record FILE appends each run's line; the bench then prints the cell's lines over every run recorded (median and
+spread), and a verdict: geotrain's default and its best against the best of the others (above 1: geotrain sooner).
+Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
+[--pace-steps N] [--record FILE] [--summarize]
 
-Measured in one run of this script (`--best rank8`, namespaces, 2 cores, the CPU lock held; torch and hivemind 20
-steps each, projected at geotrain none's 100 steps): geotrain none 1,784.9 tokens/s, 168.4 s to target (100 steps);
-geotrain rank8 3,534.9 tokens/s, 32.2 s (40 steps); torch pipelining 884.1 tokens/s, 347.5 s (3.475 s a step; its
-losses are geotrain none's: 5.4921 at step 1, 3.2036 at step 20); hivemind 1,824.8 tokens/s, 168.3 s (1.683 s a
-step), but its loss after 20 steps was 3.5329 against torch pipelining's 3.2036 (no clip, peers' shares of a global
-step uneven), so its real time to target is longer. geotrain's best reaches the target 10.8x sooner than torch
-pipelining, geotrain none 2.06x. (rank8 is a boundary-rank model: its capacity cost is in time_to_target.py's
-val_loss_at_equal_tokens; an earlier run with int8, the same model as torch's, took 140.4 s, 2.7x sooner.)
-Those figures predate tensor_transport; a short check since (--systems geotrain,torch_pipelining --steps 10
---other-steps 3, namespaces, lock held): geotrain none 1,501.7 tokens/s with "tensor_transport": "raw tensor
-stream" (every byte its nodes sent, as they counted), torch pipelining 889.3 tokens/s over gloo.
+Measured on a 2-core machine shared with other work, each run under the CPU lock, three runs a cell where they fit
+(the early target, 2.8986: none's and int8's 100 steps, rank8's 40; int8's 100 is an older run's):
+- small, loopback (3 runs):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.3945, "step_s_runs": [0.4253, 0.3916, 0.3945], "steps_to_target": 100,
+    "seconds_to_target_median": 39.5, "seconds_to_target_spread": [39.2, 42.5]}
+  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.32, "step_s_runs": [0.3165, 0.32, 0.3221], "steps_to_target": 40,
+    "seconds_to_target_median": 12.8, "seconds_to_target_spread": [12.7, 12.9]}
+  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.4057, "step_s_runs": [0.4055, 0.4057, 0.418], "steps_to_target": 100,
+    "seconds_to_target_median": 40.6, "seconds_to_target_spread": [40.6, 41.8]}
+  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 3, "step_s_median": 0.3906, "step_s_runs": [0.3895, 0.4051, 0.3906], "steps_to_target": 100,
+    "seconds_to_target_median": 39.1, "seconds_to_target_spread": [39.0, 40.5]}
+  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 3, "step_s_median": 0.3715, "step_s_runs": [0.3706, 0.3715, 0.3725], "steps_to_target": 100,
+    "seconds_to_target_median": 37.1, "seconds_to_target_spread": [37.1, 37.2]}
+  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "hivemind all-reduce over libp2p",
+    "runs": 3, "step_s_median": 2.0889, "step_s_runs": [2.0108, 2.1253, 2.0889], "steps_to_target": 100,
+    "seconds_to_target_median": 208.9, "seconds_to_target_spread": [201.1, 212.5]}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)", "links": "loopback: every process on 127.0.0.1,
+    unshaped"}, "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.94, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 2.9}
+- small, namespaces (3 runs):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
+    "step_s_median": 0.6628, "step_s_runs": [0.6299, 0.6628, 0.7788], "steps_to_target": 100,
+    "seconds_to_target_median": 66.3, "seconds_to_target_spread": [63.0, 77.9]}
+  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
+    "runs": 3, "step_s_median": 0.7373, "step_s_runs": [0.6846, 0.7604, 0.7373], "steps_to_target": 40,
+    "seconds_to_target_median": 29.5, "seconds_to_target_spread": [27.4, 30.4]}
+  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
+    "step_s_median": 0.6549, "step_s_runs": [0.6549, 0.6285, 1.0111], "steps_to_target": 100,
+    "seconds_to_target_median": 65.5, "seconds_to_target_spread": [62.8, 101.1]}
+  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3,
+    "step_s_median": 2.753, "step_s_runs": [2.7213, 2.753, 2.8205], "steps_to_target": 100,
+    "seconds_to_target_median": 275.3, "seconds_to_target_spread": [272.1, 282.1]}
+  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3,
+    "step_s_median": 3.1441, "step_s_runs": [3.1441, 3.1418, 3.1987], "steps_to_target": 100,
+    "seconds_to_target_median": 314.4, "seconds_to_target_spread": [314.2, 319.9]}
+  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way", "tensor_transport": "hivemind all-reduce over libp2p", "runs": 3,
+    "step_s_median": 0.9849, "step_s_runs": [0.9901, 0.9489, 0.9849], "steps_to_target": 100,
+    "seconds_to_target_median": 98.5, "seconds_to_target_spread": [94.9, 99.0]}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way"}, "compared_by": "seconds_to_target_median", "best_other": "hivemind",
+    "geotrain_default_vs_best_other": 1.49, "geotrain_best": "rank8", "geotrain_best_vs_best_other": 3.34}
+- large, loopback (1 run; hivemind's failed, below):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 1,
+    "step_s_median": 2.2851, "step_s_runs": [2.2851], "steps_to_target": null, "seconds_to_target_median": null,
+    "seconds_to_target_spread": null}
+  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 1, "step_s_median": 1.7666, "step_s_runs": [1.7666], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 1, "step_s_median": 1.622, "step_s_runs": [1.622], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)", "links": "loopback: every process on 127.0.0.1,
+    unshaped"}, "compared_by": "step_s_median", "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71,
+    "geotrain_best": "none", "geotrain_best_vs_best_other": 0.71}
+- large, namespaces: not run in this session (the lock's budget); hivemind on the large model neither (below).
+Verdicts, per cell (geotrain's default against the best of torch pipelining and hivemind; the goals: >= 1.0x, and
+geotrain's best >= 2x):
+- small, loopback: 0.94x (torch_1f1b; GPipe 39.1 s, geotrain 39.5 s): the default plan (3 stages, the pipeline the
+  planner priced at 0.42 s a step; one stage of 3 replicas ran 2,816 tokens/s in the last session's run, 2.6x slower)
+  is right, and its pipeline is GPipe's pace, 6% behind 1F1B. Best: rank8 2.9x, by reaching the early target in 40
+  steps: at the late target (time_to_target.py, 1,000 steps) rank8 never gets there, so geotrain's best there is
+  none's 0.94x.
+- small, namespaces: 1.49x hivemind: the planner put the whole model on one node ("stages": 1, nothing sent, nothing
+  averaged: 0.66 s a step), where torch pipelining must cross the links (2.75 s GPipe, 3.14 s 1F1B) and hivemind
+  averages every step (0.98 s). Best: rank8 3.34x at the early target (2 stages); at the late target none's 1.49x.
+  The same ratios hold at the late target for none, torch and hivemind (each is none's steps x its step).
+- large, loopback: 0.71x torch_1f1b (geotrain 2.29 s a step, GPipe 1.77, 1F1B 1.62), one run: the 3-stage pipeline
+  again, but its steps are slower. Its metrics.jsonl: dispatch to gradient norms (the coordinator's step_s) 1.94-1.99
+  s, so ~0.3 s a step from the norms to the next commit (the apply order, the optimizer, parameter checksums, their
+  reports), and each node idle 9-40% of the step. A fix belongs to the step protocol and data plane (apply while the
+  next step's first microbatches flow; a 1F1B order within the window), not this bench.
+- hivemind, large, loopback: failed: its all-reduce received 50% of the tensors, peers fell behind, their state
+  downloads timed out and two peers ended; stopped after 7 minutes (the line above is the cell without it).
+The train.inflight that time_to_target.py fixes at 6 is not the plan's default (auto): one run each, loopback, small:
+auto (the plan's window 5) 0.4117 s a step, 6: 0.4364 (both noisier than the 3-run cell above).
+Earlier figures (one run each, every process in a session of its own, the early target; namespaces, default plan then
+3 pipeline stages): geotrain none 168.4 s to target, rank8 32.2 s, torch pipelining (GPipe) 347.5 s, hivemind 168.3 s.
 """
 
 from __future__ import annotations
@@ -63,8 +165,10 @@ TORCH_MASTER_PORT = 29500
 READY_TIMEOUT_S = 120.0
 # Steps each system runs to measure its pace: a large model's step takes seconds on 2 cores.
 PACE_STEPS = {"small": 20, "large": 6}
-# Validation passes' steps to the target (time_to_target.py's TARGET_VAL_LOSS, or the large model's), by config;
-# every one is a function of the config's math, the same on any links (see the docstring).
+# Validation passes' steps to time_to_target.py's TARGET_VAL_LOSS by config, a function of the config's math alone,
+# the same on any links (see the docstring): none's 100 measured again on loopback (passes every 25 steps), rank8's
+# 40 on namespaces (every 10; the loopback run crossed it by step 50), int8's in an older run. None for the large
+# model: no validation run of it fitted the lock.
 STEPS_TO_TARGET: dict[str, dict[str, int]] = {"small": {"none": 100, "rank8": 40, "rank32": 40, "int8": 100},
                                               "large": {}}
 
@@ -198,7 +302,7 @@ def _whole(runtime, x):
     return x
 
 
-# -- the bench: start the workers in the regions, collect their lines ---------------------------------------------------
+# -- the bench: start the workers in the regions, collect their lines --------------------------------------------------
 
 
 class Places:
