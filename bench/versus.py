@@ -23,18 +23,19 @@ Every process a run starts is in the bench's session (a process group of its own
 each session an equal share of the CPU, so processes in sessions of their own would have weighed unequally.
 
 How each line's seconds_to_target is obtained (its "seconds_to_target_from" says so): steps_to_target x the mean
-step seconds its run measured. Each system runs --pace-steps steps (small 20 on loopback, 15 on namespaces; large
-8); its mean step: geotrain's from one commit to the next (the coordinator's metrics.jsonl: the optimizer step and
-every control message counted, the first step and any with a validation pass left out), torch's schedule.step plus
-the clip's all-reduce and the optimizer (the first step left out), hivemind's global steps after its first.
-steps_to_target is that of the line's math, from validation runs of time_to_target.py (STEPS_TO_TARGET, or
---steps-to-target): geotrain none, both torch schedules and hivemind train none's math, so theirs is none's
-(hivemind's true count is higher: no clip, and its loss after 20 steps is above the others', so its projection
-favours it); rank8 and int8 their own. Validation windows are a function of the step and these configs are exact,
-so their steps to target are the same on any links: one loopback run serves both settings. For the large model no
-validation run fitted the lock, so its cell compares by step seconds: between systems that train the same math the
-ratio of times to target is the ratio of step times, whatever the steps. A run of every system took ~2 minutes for
-the small model on loopback, ~3.3 on namespaces, ~2.5 for the large model on loopback without hivemind.
+step seconds its run measured. Each system runs --pace-steps steps (small 20 on loopback, 15 on namespaces; large 8
+on loopback, 6 on namespaces); its mean step: geotrain's from one commit to the next (the coordinator's
+metrics.jsonl: the optimizer step and every control message counted, the first step and any with a validation pass
+left out), torch's schedule.step plus the clip's all-reduce and the optimizer (the first step left out), hivemind's
+global steps after its first. steps_to_target is that of the line's math, from validation runs of time_to_target.py
+(STEPS_TO_TARGET, or --steps-to-target): geotrain none, both torch schedules and hivemind train none's math, so
+theirs is none's (hivemind's true count is higher: no clip, and its loss after 20 steps is above the others', so its
+projection favours it); rank8 and int8 their own. Validation windows are a function of the step and these configs
+are exact, so their steps to target are the same on any links: one loopback run serves both settings. For the large
+model no validation run fitted the lock, so its cell compares by step seconds: between systems that train the same
+math the ratio of times to target is the ratio of step times, whatever the steps. A run of every system took ~2
+minutes for the small model on loopback, ~3.3 on namespaces, ~2.5 for the large model on loopback and ~3.5 on
+namespaces (without hivemind).
 --record FILE appends each run's line; the bench then prints the cell's lines over every run recorded (median and
 spread), and a verdict: geotrain's default and its best against the best of the others (above 1: geotrain sooner).
 Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
@@ -114,7 +115,22 @@ Measured on a 2-core machine shared with other work, each run under the CPU lock
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)", "links": "loopback: every process on 127.0.0.1,
     unshaped"}, "compared_by": "step_s_median", "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71,
     "geotrain_best": "none", "geotrain_best_vs_best_other": 0.71}
-- large, namespaces: not run in this session (the lock's budget); hivemind on the large model neither (below).
+- large, namespaces (1 run, 6 steps each, 4-5 measured; hivemind left out: on loopback it failed, below):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
+    "runs": 1, "step_s_median": 2.9007, "step_s_runs": [2.9007], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1,
+    "step_s_median": 3.6391, "step_s_runs": [3.6391], "steps_to_target": null, "seconds_to_target_median": null,
+    "seconds_to_target_spread": null}
+  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1,
+    "step_s_median": 3.877, "step_s_runs": [3.877], "steps_to_target": null, "seconds_to_target_median": null,
+    "seconds_to_target_spread": null}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
+    router delay 50 ms one way"}, "compared_by": "step_s_median", "best_other": "torch_gpipe",
+    "geotrain_default_vs_best_other": 1.25, "geotrain_best": "none", "geotrain_best_vs_best_other": 1.25}
 Verdicts, per cell (geotrain's default against the best of torch pipelining and hivemind; the goals: >= 1.0x, and
 geotrain's best >= 2x):
 - small, loopback: 0.94x (torch_1f1b; GPipe 39.1 s, geotrain 39.5 s): the default plan (3 stages, the pipeline the
@@ -131,6 +147,8 @@ geotrain's best >= 2x):
   s, so ~0.3 s a step from the norms to the next commit (the apply order, the optimizer, parameter checksums, their
   reports), and each node idle 9-40% of the step. A fix belongs to the step protocol and data plane (apply while the
   next step's first microbatches flow; a 1F1B order within the window), not this bench.
+- large, namespaces: 1.25x torch_gpipe (geotrain 2.90 s a step on 2 stages, GPipe 3.64, 1F1B 3.88), one run;
+  torch's last loss is geotrain's (4.4537), the same math.
 - hivemind, large, loopback: failed: its all-reduce received 50% of the tensors, peers fell behind, their state
   downloads timed out and two peers ended; stopped after 7 minutes (the line above is the cell without it).
 The train.inflight that time_to_target.py fixes at 6 is not the plan's default (auto): one run each, loopback, small:
