@@ -68,9 +68,10 @@ Measured on a 2-core machine shared with other work, each run under the CPU lock
     "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "hivemind all-reduce over libp2p",
     "runs": 3, "step_s_median": 2.0889, "step_s_runs": [2.0108, 2.1253, 2.0889], "steps_to_target": 100,
     "seconds_to_target_median": 208.9, "seconds_to_target_spread": [201.1, 212.5]}
-  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)", "links": "loopback: every process on 127.0.0.1,
-    unshaped"}, "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.94, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 2.9}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped"}, "best_other": "torch_1f1b",
+    "geotrain_default_vs_best_other": 0.94, "geotrain_best": "rank8", "geotrain_best_vs_best_other": 2.9}
+    (printed before verdicts named what they compare by: seconds_to_target_median)
 - small, namespaces (3 runs):
   {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
@@ -112,9 +113,10 @@ Measured on a 2-core machine shared with other work, each run under the CPU lock
     "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
     "runs": 1, "step_s_median": 1.622, "step_s_runs": [1.622], "steps_to_target": null,
     "seconds_to_target_median": null, "seconds_to_target_spread": null}
-  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)", "links": "loopback: every process on 127.0.0.1,
-    unshaped"}, "compared_by": "step_s_median", "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71,
-    "geotrain_best": "none", "geotrain_best_vs_best_other": 0.71}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.71}
 - large, namespaces (1 run, 6 steps each, 4-5 measured; hivemind left out: on loopback it failed, below):
   {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
