@@ -85,21 +85,25 @@ Measured on a 2-core machine shared with other work, each run under the CPU lock
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
     "step_s_median": 0.6549, "step_s_runs": [0.6549, 0.6285, 1.0111], "steps_to_target": 100,
     "seconds_to_target_median": 65.5, "seconds_to_target_spread": [62.8, 101.1]}
-  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3,
-    "step_s_median": 2.753, "step_s_runs": [2.7213, 2.753, 2.8205], "steps_to_target": 100,
-    "seconds_to_target_median": 275.3, "seconds_to_target_spread": [272.1, 282.1]}
-  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3,
-    "step_s_median": 3.1441, "step_s_runs": [3.1441, 3.1418, 3.1987], "steps_to_target": 100,
-    "seconds_to_target_median": 314.4, "seconds_to_target_spread": [314.2, 319.9]}
-  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way", "tensor_transport": "hivemind all-reduce over libp2p", "runs": 3,
-    "step_s_median": 0.9849, "step_s_runs": [0.9901, 0.9489, 0.9849], "steps_to_target": 100,
-    "seconds_to_target_median": 98.5, "seconds_to_target_spread": [94.9, 99.0]}
-  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way"}, "compared_by": "seconds_to_target_median", "best_other": "hivemind",
-    "geotrain_default_vs_best_other": 1.49, "geotrain_best": "rank8", "geotrain_best_vs_best_other": 3.34}
+  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 2.753,
+    "step_s_runs": [2.7213, 2.753, 2.8205], "steps_to_target": 100, "seconds_to_target_median": 275.3,
+    "seconds_to_target_spread": [272.1, 282.1]}
+  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 3.1441,
+    "step_s_runs": [3.1441, 3.1418, 3.1987], "steps_to_target": 100, "seconds_to_target_median": 314.4,
+    "seconds_to_target_spread": [314.2, 319.9]}
+  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "hivemind all-reduce over libp2p", "runs": 3, "step_s_median": 0.9849,
+    "step_s_runs": [0.9901, 0.9489, 0.9849], "steps_to_target": 100, "seconds_to_target_median": 98.5,
+    "seconds_to_target_spread": [94.9, 99.0]}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.49, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.34}
 - large, loopback (1 run; hivemind's failed, below):
   {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 1,
@@ -122,17 +126,18 @@ Measured on a 2-core machine shared with other work, each run under the CPU lock
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
     "runs": 1, "step_s_median": 2.9007, "step_s_runs": [2.9007], "steps_to_target": null,
     "seconds_to_target_median": null, "seconds_to_target_spread": null}
-  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1,
-    "step_s_median": 3.6391, "step_s_runs": [3.6391], "steps_to_target": null, "seconds_to_target_median": null,
-    "seconds_to_target_spread": null}
-  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way", "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1,
-    "step_s_median": 3.877, "step_s_runs": [3.877], "steps_to_target": null, "seconds_to_target_median": null,
-    "seconds_to_target_spread": null}
-  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)", "links": "namespaces: tbf 50 Mbit/s,
-    router delay 50 ms one way"}, "compared_by": "step_s_median", "best_other": "torch_gpipe",
-    "geotrain_default_vs_best_other": 1.25, "geotrain_best": "none", "geotrain_best_vs_best_other": 1.25}
+  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.6391, "step_s_runs": [3.6391],
+    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.877, "step_s_runs": [3.877],
+    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.25, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.25}
 Verdicts, per cell (geotrain's default against the best of torch pipelining and hivemind; the goals: >= 1.0x, and
 geotrain's best >= 2x):
 - small, loopback: 0.94x (torch_1f1b; GPipe 39.1 s, geotrain 39.5 s): the default plan (3 stages, the pipeline the
