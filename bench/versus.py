@@ -144,7 +144,7 @@ geotrain's best >= 2x):
   planner priced at 0.42 s a step; one stage of 3 replicas ran 2,816 tokens/s in the last session's run, 2.6x slower)
   is right, and its pipeline is GPipe's pace, 6% behind 1F1B. Best: rank8 2.9x, by reaching the early target in 40
   steps: at the late target (time_to_target.py, 1,000 steps) rank8 never gets there, so geotrain's best there is
-  none's 0.94x.
+  none's 0.94x (int8's 1,000-step run outlasted its lock hold, 440 s, and printed nothing).
 - small, namespaces: 1.49x hivemind: the planner put the whole model on one node ("stages": 1, nothing sent, nothing
   averaged: 0.66 s a step), where torch pipelining must cross the links (2.75 s GPipe, 3.14 s 1F1B) and hivemind
   averages every step (0.98 s). Best: rank8 3.34x at the early target (2 stages); at the late target none's 1.49x.
