@@ -1,40 +1,167 @@
 """geotrain against the tools a user would otherwise pick, on the same links, model, data and tokens per step.
 
-The links, model, data and target of bench/time_to_target.py (3 regions joined by 50 Mbit/s, 50 ms; a 2.7M-parameter
-byte GPT; 3,072 tokens a step). Systems:
-- geotrain (config none) and geotrain's best configuration (--best, a config of time_to_target.py's table): the
-  default plan (the planner's choice of pipeline, data parallelism or hybrid), through time_to_target.py's own run.
-- torch pipelining: `torch.distributed.pipelining`'s GPipe schedule over gloo, 3 ranks, one per region, each with
-  the layers geotrain's uniform placement gives its stage (the same layers, built by the same model zoo and seed),
-  the step's 6 microbatches as GPipe's microbatches (gradients averaged over them), the global gradient-norm clip
-  through one all-reduce, and geotrain's AdamW and learning-rate schedule: the same training as geotrain's.
+A cell is a model size and a link setting, each run of the bench one run of every system in it:
+- models (time_to_target.SIZES): "small", the 2.7M-parameter byte GPT of time_to_target.py, 3,072 tokens a step;
+  "large", a 50.7M-parameter byte GPT (16 blocks of width 512), 768 tokens a step, whose float32 gradients (203 MB)
+  cost a replica far more than a step's activations at a stage boundary (1.6 MB each way);
+- links: loopback (every process on 127.0.0.1, unshaped), or namespaces (root: time_to_target.py's 3 regions, tbf
+  50 Mbit/s, the router delaying every packet between regions 50 ms one way, so gloo's and libp2p's ports see the
+  same links as geotrain's).
+Systems:
+- geotrain (config none) and geotrain_best (--best: configs of time_to_target.py's table), the default plan (the
+  planner's choice of pipeline, data parallelism or hybrid; its "stages" and "nodes" are in the line), a checkpoint
+  only at the end.
+- torch_gpipe and torch_1f1b: `torch.distributed.pipelining`'s ScheduleGPipe and Schedule1F1B over gloo, 3 ranks,
+  one per region, each with the layers geotrain's uniform placement gives its stage (same model zoo, same seed), the
+  step's 6 microbatches as the schedule's microbatches (gradients averaged over them), the global gradient-norm clip
+  through one all-reduce, and geotrain's AdamW and learning-rate schedule: the same training as geotrain none's (the
+  losses in their lines are equal).
 - hivemind: `hivemind.Optimizer` data parallelism, 3 peers (one per region) each with the whole model and 2 of the
   step's 6 microbatches, a global batch of all 6 (target_batch_size), gradients averaged by hivemind's all-reduce
-  every global step; AdamW with the same schedule but no gradient clip (hivemind.Optimizer has no place for one);
-  parameters are not averaged (they stay equal: same start, same averaged gradients), matchmaking_time 1 s.
-In namespaces (root) every system crosses the same links: tbf shapes each region's link and the router delays every
-packet between regions (a TUN device; there is no netem), so gloo's and libp2p's own ports see the latency too.
-Without root torch pipelining and hivemind run on loopback, unshaped, and their lines say so.
+  every global step; AdamW with the same schedule but no gradient clip (hivemind.Optimizer has no place for one).
+Every process a run starts is in the bench's session (a process group of its own, process_group=0): Linux gives
+each session an equal share of the CPU, so processes in sessions of their own would have weighed unequally.
 
-One JSON line per system: system, links, tensor_transport (for geotrain measured by its nodes, as in
-time_to_target.py's lines; torch pipelining's and hivemind's have one each), tokens_per_s (tokens trained per second
-of the steps measured), seconds_to_target. geotrain's seconds_to_target is measured (its validation passes against
-time_to_target's target); torch pipelining and hivemind run only --other-steps steps, and theirs is projected: the
-steps geotrain (none) needed, each at the system's measured mean step time, said in "seconds_to_target_from": torch
-pipelining trains exactly what geotrain none trains (its loss_first and loss_last are in the line to compare),
-hivemind nearly (no clip). Run: sudo python bench/versus.py [--steps N] [--other-steps N] [--best int8] [--systems ...]
+How each line's seconds_to_target is obtained (its "seconds_to_target_from" says so): steps_to_target x the mean
+step seconds its run measured. Each system runs --pace-steps steps (small 20 on loopback, 15 on namespaces; large 8
+on loopback, 6 on namespaces); its mean step: geotrain's from one commit to the next (the coordinator's
+metrics.jsonl: the optimizer step and every control message counted, the first step and any with a validation pass
+left out), torch's schedule.step plus the clip's all-reduce and the optimizer (the first step left out), hivemind's
+global steps after its first. steps_to_target is that of the line's math, from validation runs of time_to_target.py
+(STEPS_TO_TARGET, or --steps-to-target): geotrain none, both torch schedules and hivemind train none's math, so
+theirs is none's (hivemind's true count is higher: no clip, and its loss after 20 steps is above the others', so its
+projection favours it); rank8 and int8 their own. Validation windows are a function of the step and these configs
+are exact, so their steps to target are the same on any links: one loopback run serves both settings. For the large
+model no validation run fitted the lock, so its cell compares by step seconds: between systems that train the same
+math the ratio of times to target is the ratio of step times, whatever the steps. A run of every system took ~2
+minutes for the small model on loopback, ~3.3 on namespaces, ~2.5 for the large model on loopback and ~3.5 on
+namespaces (without hivemind).
+--record FILE appends each run's line; the bench then prints the cell's lines over every run recorded (median and
+spread), and a verdict: geotrain's default and its best against the best of the others (above 1: geotrain sooner).
+Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
+[--pace-steps N] [--record FILE] [--summarize]
 
-Measured in one run of this script (`--best rank8`, namespaces, 2 cores, the CPU lock held; torch and hivemind 20
-steps each, projected at geotrain none's 100 steps): geotrain none 1,784.9 tokens/s, 168.4 s to target (100 steps);
-geotrain rank8 3,534.9 tokens/s, 32.2 s (40 steps); torch pipelining 884.1 tokens/s, 347.5 s (3.475 s a step; its
-losses are geotrain none's: 5.4921 at step 1, 3.2036 at step 20); hivemind 1,824.8 tokens/s, 168.3 s (1.683 s a
-step), but its loss after 20 steps was 3.5329 against torch pipelining's 3.2036 (no clip, peers' shares of a global
-step uneven), so its real time to target is longer. geotrain's best reaches the target 10.8x sooner than torch
-pipelining, geotrain none 2.06x. (rank8 is a boundary-rank model: its capacity cost is in time_to_target.py's
-val_loss_at_equal_tokens; an earlier run with int8, the same model as torch's, took 140.4 s, 2.7x sooner.)
-Those figures predate tensor_transport; a short check since (--systems geotrain,torch_pipelining --steps 10
---other-steps 3, namespaces, lock held): geotrain none 1,501.7 tokens/s with "tensor_transport": "raw tensor
-stream" (every byte its nodes sent, as they counted), torch pipelining 889.3 tokens/s over gloo.
+Measured on a 2-core machine shared with other work, each run under the CPU lock, three runs a cell where they fit
+(the early target, 2.8986: none's and int8's 100 steps, rank8's 40; int8's 100 is an older run's):
+- small, loopback (3 runs):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.3945, "step_s_runs": [0.4253, 0.3916, 0.3945], "steps_to_target": 100,
+    "seconds_to_target_median": 39.5, "seconds_to_target_spread": [39.2, 42.5]}
+  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.32, "step_s_runs": [0.3165, 0.32, 0.3221], "steps_to_target": 40,
+    "seconds_to_target_median": 12.8, "seconds_to_target_spread": [12.7, 12.9]}
+  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
+    "step_s_median": 0.4057, "step_s_runs": [0.4055, 0.4057, 0.418], "steps_to_target": 100,
+    "seconds_to_target_median": 40.6, "seconds_to_target_spread": [40.6, 41.8]}
+  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 3, "step_s_median": 0.3906, "step_s_runs": [0.3895, 0.4051, 0.3906], "steps_to_target": 100,
+    "seconds_to_target_median": 39.1, "seconds_to_target_spread": [39.0, 40.5]}
+  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 3, "step_s_median": 0.3715, "step_s_runs": [0.3706, 0.3715, 0.3725], "steps_to_target": 100,
+    "seconds_to_target_median": 37.1, "seconds_to_target_spread": [37.1, 37.2]}
+  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "hivemind all-reduce over libp2p",
+    "runs": 3, "step_s_median": 2.0889, "step_s_runs": [2.0108, 2.1253, 2.0889], "steps_to_target": 100,
+    "seconds_to_target_median": 208.9, "seconds_to_target_spread": [201.1, 212.5]}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "loopback: every process on 127.0.0.1, unshaped"}, "best_other": "torch_1f1b",
+    "geotrain_default_vs_best_other": 0.94, "geotrain_best": "rank8", "geotrain_best_vs_best_other": 2.9}
+    (printed before verdicts named what they compare by: seconds_to_target_median)
+- small, namespaces (3 runs):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
+    "step_s_median": 0.6628, "step_s_runs": [0.6299, 0.6628, 0.7788], "steps_to_target": 100,
+    "seconds_to_target_median": 66.3, "seconds_to_target_spread": [63.0, 77.9]}
+  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
+    "runs": 3, "step_s_median": 0.7373, "step_s_runs": [0.6846, 0.7604, 0.7373], "steps_to_target": 40,
+    "seconds_to_target_median": 29.5, "seconds_to_target_spread": [27.4, 30.4]}
+  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
+    "step_s_median": 0.6549, "step_s_runs": [0.6549, 0.6285, 1.0111], "steps_to_target": 100,
+    "seconds_to_target_median": 65.5, "seconds_to_target_spread": [62.8, 101.1]}
+  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 2.753,
+    "step_s_runs": [2.7213, 2.753, 2.8205], "steps_to_target": 100, "seconds_to_target_median": 275.3,
+    "seconds_to_target_spread": [272.1, 282.1]}
+  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 3.1441,
+    "step_s_runs": [3.1441, 3.1418, 3.1987], "steps_to_target": 100, "seconds_to_target_median": 314.4,
+    "seconds_to_target_spread": [314.2, 319.9]}
+  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "hivemind all-reduce over libp2p", "runs": 3, "step_s_median": 0.9849,
+    "step_s_runs": [0.9901, 0.9489, 0.9849], "steps_to_target": 100, "seconds_to_target_median": 98.5,
+    "seconds_to_target_spread": [94.9, 99.0]}
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.49, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.34}
+- large, loopback (1 run; hivemind's failed, below):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 1,
+    "step_s_median": 2.2851, "step_s_runs": [2.2851], "steps_to_target": null, "seconds_to_target_median": null,
+    "seconds_to_target_spread": null}
+  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 1, "step_s_median": 1.7666, "step_s_runs": [1.7666], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
+    "runs": 1, "step_s_median": 1.622, "step_s_runs": [1.622], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.71}
+- large, namespaces (1 run, 6 steps each, 4-5 measured; hivemind left out: on loopback it failed, below):
+  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
+    "runs": 1, "step_s_median": 2.9007, "step_s_runs": [2.9007], "steps_to_target": null,
+    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.6391, "step_s_runs": [3.6391],
+    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
+    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.877, "step_s_runs": [3.877],
+    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
+  {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.25, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.25}
+Verdicts, per cell (geotrain's default against the best of torch pipelining and hivemind; the goals: >= 1.0x, and
+geotrain's best >= 2x):
+- small, loopback: 0.94x (torch_1f1b; GPipe 39.1 s, geotrain 39.5 s): the default plan (3 stages, the pipeline the
+  planner priced at 0.42 s a step; one stage of 3 replicas ran 2,816 tokens/s in the last session's run, 2.6x slower)
+  is right, and its pipeline is GPipe's pace, 6% behind 1F1B. Best: rank8 2.9x, by reaching the early target in 40
+  steps: at the late target (time_to_target.py, 1,000 steps) rank8 never gets there, so geotrain's best there is
+  none's 0.94x (int8's 1,000-step run outlasted its lock hold, 440 s, and printed nothing).
+- small, namespaces: 1.49x hivemind: the planner put the whole model on one node ("stages": 1, nothing sent, nothing
+  averaged: 0.66 s a step), where torch pipelining must cross the links (2.75 s GPipe, 3.14 s 1F1B) and hivemind
+  averages every step (0.98 s). Best: rank8 3.34x at the early target (2 stages); at the late target none's 1.49x.
+  The same ratios hold at the late target for none, torch and hivemind (each is none's steps x its step).
+- large, loopback: 0.71x torch_1f1b (geotrain 2.29 s a step, GPipe 1.77, 1F1B 1.62), one run: the 3-stage pipeline
+  again, but its steps are slower. Its metrics.jsonl: dispatch to gradient norms (the coordinator's step_s) 1.94-1.99
+  s, so ~0.3 s a step from the norms to the next commit (the apply order, the optimizer, parameter checksums, their
+  reports), and each node idle 9-40% of the step. A fix belongs to the step protocol and data plane (apply while the
+  next step's first microbatches flow; a 1F1B order within the window), not this bench.
+- large, namespaces: 1.25x torch_gpipe (geotrain 2.90 s a step on 2 stages, GPipe 3.64, 1F1B 3.88), one run;
+  torch's last loss is geotrain's (4.4537), the same math.
+- hivemind, large, loopback: failed: its all-reduce received 50% of the tensors, peers fell behind, their state
+  downloads timed out and two peers ended; stopped after 7 minutes (the line above is the cell without it).
+The train.inflight that time_to_target.py fixes at 6 is not the plan's default (auto): one run each, loopback, small:
+auto (the plan's window 5) 0.4117 s a step, 6: 0.4364 (both noisier than the 3-run cell above).
+Earlier figures (one run each, every process in a session of its own, the early target; namespaces, default plan then
+3 pipeline stages): geotrain none 168.4 s to target, rank8 32.2 s, torch pipelining (GPipe) 347.5 s, hivemind 168.3 s.
 """
 
 from __future__ import annotations
@@ -44,6 +171,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,9 +183,19 @@ from types import ModuleType
 from geotrain.config import load_config
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("geotrain", "geotrain_best", "torch_pipelining", "hivemind")
+SYSTEMS = ("geotrain", "geotrain_best", "torch_gpipe", "torch_1f1b", "hivemind")
+OTHERS = ("torch_gpipe", "torch_1f1b", "hivemind")
+TORCH_SCHEDULES = {"torch_gpipe": "ScheduleGPipe", "torch_1f1b": "Schedule1F1B"}
 TORCH_MASTER_PORT = 29500
 READY_TIMEOUT_S = 120.0
+# Steps each system runs to measure its pace: a large model's step takes seconds on 2 cores.
+PACE_STEPS = {"small": 20, "large": 6}
+# Validation passes' steps to time_to_target.py's TARGET_VAL_LOSS by config, a function of the config's math alone,
+# the same on any links (see the docstring): none's 100 measured again on loopback (passes every 25 steps), rank8's
+# 40 on namespaces (every 10; the loopback run crossed it by step 50), int8's in an older run. None for the large
+# model: no validation run of it fitted the lock.
+STEPS_TO_TARGET: dict[str, dict[str, int]] = {"small": {"none": 100, "rank8": 40, "rank32": 40, "int8": 100},
+                                              "large": {}}
 
 
 def _time_to_target() -> ModuleType:
@@ -76,20 +214,22 @@ def _time_to_target() -> ModuleType:
 ttt = _time_to_target()
 
 
-def worker_settings(steps: int) -> list[str]:
+def worker_settings(steps: int, size: str = "small") -> list[str]:
     """The settings of the run config torch pipelining and hivemind train: time_to_target's model and batch."""
-    return [*ttt.MODEL, *ttt.TRAIN, f"run.steps={steps}"]
+    return [*ttt.size_settings(size), f"run.steps={steps}"]
 
 
 # -- workers: one process per rank or peer, started by the bench in a region (or on loopback) -------------------------
 
 
-def torch_rank(rank: int, master: str, settings: list[str]) -> None:
-    """Rank `rank` of the GPipe pipeline; the last rank prints {"seconds": [...], "losses": [...]}."""
+def torch_rank(rank: int, master: str, schedule_name: str, settings: list[str]) -> None:
+    """Rank `rank` of the pipeline under `schedule_name` (of torch.distributed.pipelining); the last rank prints
+    {"seconds": [...], "losses": [...]}."""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from geotrain.node.data import local_tokens
     from geotrain.node.model import loss_fn
@@ -107,7 +247,7 @@ def torch_rank(rank: int, master: str, settings: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     # scale_grads (the default) divides the summed gradients by the microbatches: geotrain's mean over them.
-    schedule = ScheduleGPipe(stage, n_microbatches=t.microbatches, loss_fn=loss_fn)
+    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=t.microbatches, loss_fn=loss_fn)
     seconds, losses = [], []
     for step in range(steps):
         batches = [corpus.batch(seed=cfg.run.seed, step=step, microbatch=mb, size=t.microbatch_size,
@@ -155,7 +295,7 @@ def hivemind_peer(rank: int, listen_ip: str, settings: list[str], initial_peers:
                                                    weight_decay=t.weight_decay),
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: t.lr_at(epoch, steps) / t.lr),
         batch_size_per_step=len(mine) * t.microbatch_size, target_batch_size=t.microbatches * t.microbatch_size,
-        matchmaking_time=1.0, averaging_timeout=60.0, average_state_every=10**9, verbose=False,
+        matchmaking_time=1.0, averaging_timeout=600.0, average_state_every=10**9, verbose=False,
     )
     first_epoch_at, losses = None, []
     while optimizer.local_epoch < steps:
@@ -187,7 +327,7 @@ def _whole(runtime, x):
     return x
 
 
-# -- the bench: start the workers in the regions, collect their lines ---------------------------------------------------
+# -- the bench: start the workers in the regions, collect their lines --------------------------------------------------
 
 
 class Places:
@@ -208,7 +348,7 @@ class Places:
     def __exit__(self, *exc: object) -> None:
         for proc in self._local:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: hivemind's p2pd and helpers with it
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's group: hivemind's p2pd and helpers with it
             except ProcessLookupError:
                 pass
             proc.wait()
@@ -227,13 +367,15 @@ class Places:
             return self.wan.spawn(rank, name, ["env", "GLOO_SOCKET_IFNAME=wan", *cmd], pipe=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+            # A process group of its own (killpg ends its forks), in this session: Linux gives each session an
+            # equal share of the CPU, so workers in sessions of their own would take more than the bench's rivals.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, process_group=0)
         self._local.append(proc)
         return proc
 
     def label(self) -> str:
         """What a line's "links" says of these places."""
-        return ttt.links_label("namespaces") if self.wan is not None else "loopback: no emulation (namespaces need root)"
+        return ttt.links_label("namespaces" if self.wan is not None else "loopback")
 
 
 def _result(proc: subprocess.Popen, timeout_s: float, what: str) -> dict:
@@ -255,11 +397,11 @@ def _result(proc: subprocess.Popen, timeout_s: float, what: str) -> dict:
     return found[0]
 
 
-def run_torch(links: str, settings: list[str], timeout_s: float) -> dict:
-    """Measured step times and losses of the GPipe pipeline training the run config of `settings`."""
+def run_torch(links: str, settings: list[str], timeout_s: float, schedule: str = "ScheduleGPipe") -> dict:
+    """Measured step times and losses of the pipeline under `schedule` training the run config of `settings`."""
     with Places(links) as places:
         master = f"{places.ip(0)}:{TORCH_MASTER_PORT}"
-        ranks = [places.start(r, f"torch-{r}", ["torch-rank", str(r), master, json.dumps(settings)])
+        ranks = [places.start(r, f"torch-{r}", ["torch-rank", str(r), master, schedule, json.dumps(settings)])
                  for r in range(ttt.STAGES)]
         result = _result(ranks[-1], timeout_s, "the last torch pipelining rank")
         result["links"] = places.label()
@@ -283,32 +425,99 @@ def run_hivemind(links: str, settings: list[str], timeout_s: float) -> dict:
         return result
 
 
-def geotrain_line(system: str, config: str, steps: int, links: str, target: float) -> tuple[dict, dict]:
-    """(JSON line, time_to_target figures) of one geotrain run of `config`."""
-    summary = ttt.train(ttt.CONFIGS[config], steps, links)
-    fig = ttt.figures(config, ttt.CONFIGS[config], summary, links, target)
-    return {"system": system, "config": config, "links": fig["links"], "tokens_per_s": fig["tokens_per_s"],
-            "seconds_to_target": fig["seconds_to_target"], "steps_to_target": fig["steps_to_target"],
-            "target_val_loss": target, "tensor_transport": fig["tensor_transport"]}, fig
-
-
 # What carries each other system's tensors: its only transport, fixed by how the workers are built.
-TRANSPORTS = {"torch_pipelining": "gloo TCP (torch.distributed)", "hivemind": "hivemind all-reduce over libp2p"}
+TRANSPORTS = {"torch_gpipe": "gloo TCP (torch.distributed)", "torch_1f1b": "gloo TCP (torch.distributed)",
+              "hivemind": "hivemind all-reduce over libp2p"}
 
 
-def projected_line(system: str, step_seconds: list[float], losses: list[float], links_label: str,
-                   reference_steps: int | None, reference: str) -> dict:
-    """A line for a system that ran a few steps: its pace, and its time to target at geotrain's steps."""
+def pace_line(system: str, step_seconds: list[float], size: str, links_label: str) -> dict:
+    """What every line says: the system, model and links, and its pace over the steps measured."""
     mean_s = sum(step_seconds) / len(step_seconds)
-    tokens_per_step = ttt.tokens_per_step()
-    return {
-        "system": system, "links": links_label, "tensor_transport": TRANSPORTS[system],
-        "tokens_per_s": round(tokens_per_step / mean_s, 1),
-        "seconds_to_target": None if reference_steps is None else round(reference_steps * mean_s, 1),
-        "seconds_to_target_from": f"{reference}'s steps_to_target ({reference_steps}) x this system's mean step "
-                                  f"seconds ({mean_s:.3f}) over {len(step_seconds)} steps",
-        "loss_first": round(losses[0], 4) if losses else None, "loss_last": round(losses[-1], 4) if losses else None,
-    }
+    return {"system": system, "model": ttt.SIZES[size], "links": links_label, "step_s": round(mean_s, 4),
+            "steps_measured": len(step_seconds), "tokens_per_s": round(ttt.tokens_per_step(size) / mean_s, 1)}
+
+
+def geotrain_line(system: str, config: str, steps: int, links: str, size: str) -> dict:
+    """The line of one geotrain run of `config` under the default plan, its pace from commit to commit."""
+    summary = ttt.train(ttt.CONFIGS[config], steps, links, size=size, eval_every=0)
+    return {**pace_line(system, summary["step_s"], size, ttt.links_label(links)), "config": config,
+            "tensor_transport": ttt.tensor_transport(summary), "stages": summary["stages"], "nodes": summary["nodes"],
+            "averaging_bytes_per_step": round(summary["averaging_bytes"] / summary["steps"])}
+
+
+def other_line(system: str, step_seconds: list[float], losses: list[float], size: str, links_label: str) -> dict:
+    """The line of one run of torch pipelining or hivemind: its pace, and its losses to compare with geotrain's."""
+    return {**pace_line(system, step_seconds, size, links_label), "tensor_transport": TRANSPORTS[system],
+            "loss_first": round(losses[0], 4) if losses else None,
+            "loss_last": round(losses[-1], 4) if losses else None}
+
+
+def math_of(line: dict) -> str:
+    """The configuration whose steps to target a line's system takes: its own for geotrain, none's for the others
+    (they train none's math)."""
+    return line.get("config", "none")
+
+
+def with_target(line: dict, steps_to_target: dict[str, int]) -> dict:
+    """The line with its time to target: the steps its math needs times its mean step seconds."""
+    steps = steps_to_target.get(math_of(line))
+    return {**line, "steps_to_target": steps,
+            "seconds_to_target": None if steps is None else round(steps * line["step_s"], 1),
+            "seconds_to_target_from": f"{math_of(line)}'s steps_to_target x this run's mean step seconds"}
+
+
+def cell_lines(records: list[dict], steps_to_target: dict[str, int]) -> list[dict]:
+    """One line per system (and geotrain configuration) of the runs in `records` (one cell: a model and links): the
+    median and spread of its time to target, then a verdict line comparing geotrain with the best of the others."""
+    groups: dict[tuple[str, str | None], list[dict]] = {}
+    for line in records:
+        groups.setdefault((line["system"], line.get("config")), []).append(line)
+    out = []
+    for (system, config), runs in groups.items():
+        paces = [r["step_s"] for r in runs]
+        steps = steps_to_target.get(math_of(runs[0]))
+        seconds = [round(steps * p, 1) for p in paces] if steps is not None else []
+        out.append({
+            "system": system, **({"config": config} if config else {}), "model": runs[0]["model"],
+            "links": runs[0]["links"], "tensor_transport": " / ".join(sorted({r["tensor_transport"] for r in runs})),
+            "runs": len(runs), "step_s_median": round(statistics.median(paces), 4), "step_s_runs": paces,
+            "steps_to_target": steps,
+            "seconds_to_target_median": round(statistics.median(seconds), 1) if seconds else None,
+            "seconds_to_target_spread": [min(seconds), max(seconds)] if seconds else None,
+        })
+    return [*out, verdict(out)]
+
+
+def verdict(lines: list[dict]) -> dict:
+    """geotrain's default (config none) and its best configuration against the best of the others, by median time
+    to target (ratios above 1: geotrain sooner); without steps to target, by median step seconds among the lines that
+    train none's math (for those the ratio of times to target is that of their step times, whatever the steps)."""
+    key = "seconds_to_target_median"
+    if not all(line[key] is not None for line in lines):
+        key = "step_s_median"
+        lines = [line for line in lines if math_of(line) == "none"]
+    others = [line for line in lines if line["system"] in OTHERS]
+    ours = [line for line in lines if line["system"] not in OTHERS]
+    if not others or not ours:
+        return {"verdict": "needs geotrain and another system"}
+    best_other = min(others, key=lambda line: line[key])
+    default = next((line for line in ours if line["system"] == "geotrain"), None)
+    best = min(ours, key=lambda line: line[key])
+
+    def ratio(line: dict | None) -> float | None:
+        return None if line is None else round(best_other[key] / line[key], 2)
+
+    return {"verdict": {"model": best_other["model"], "links": best_other["links"]}, "compared_by": key,
+            "best_other": best_other["system"], "geotrain_default_vs_best_other": ratio(default),
+            "geotrain_best": best.get("config"), "geotrain_best_vs_best_other": ratio(best)}
+
+
+def parse_steps(text: str) -> dict[str, int]:
+    """--steps-to-target: CONFIG=STEPS,..."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or p[0] not in ttt.CONFIGS or not p[1].isdigit() for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected CONFIG=STEPS,... with configs of {', '.join(ttt.CONFIGS)}")
+    return {name: int(steps) for name, steps in pairs}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -316,54 +525,74 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", type=ttt.names_in(SYSTEMS, "system(s)"), default=list(SYSTEMS),
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default all)")
-    p.add_argument("--best", choices=list(ttt.CONFIGS), default="int8",
-                   help="the configuration of time_to_target.py's table that is geotrain's best (default int8)")
-    p.add_argument("--steps", type=int, default=ttt.STEPS, help=f"geotrain's steps per run (default {ttt.STEPS})")
-    p.add_argument("--other-steps", type=int, default=20,
-                   help="steps torch pipelining and hivemind run, to measure their pace (default 20)")
-    p.add_argument("--target", type=float, default=ttt.TARGET_VAL_LOSS, help="target validation loss")
-    p.add_argument("--links", choices=ttt.LINKS, help="namespaces (needs root) or emulator (default: namespaces if root)")
+    p.add_argument("--best", type=ttt.names_in(ttt.CONFIGS, "configuration(s)"), default=["rank8"],
+                   help="the configurations of time_to_target.py's table that are geotrain's best (default rank8)")
+    p.add_argument("--size", choices=list(ttt.SIZES), default="small", help="the model (default small)")
+    p.add_argument("--links", choices=("loopback", "namespaces"),
+                   help="loopback, or namespaces (needs root; the default where it can build them)")
+    p.add_argument("--pace-steps", type=int, help="steps each system runs (default: small 20, large 6)")
+    p.add_argument("--steps-to-target", type=parse_steps, default={},
+                   help="CONFIG=STEPS,...: validation steps to the target, over the size's STEPS_TO_TARGET")
+    p.add_argument("--record", type=Path,
+                   help="append each run's line to this JSONL file, then print the cell's medians over it")
+    p.add_argument("--summarize", action="store_true", help="run nothing: print the cell's medians of --record")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each system's run may take")
-    p.add_argument("--reference-steps", type=int,
-                   help="geotrain none's steps_to_target (time_to_target.py's line), when --systems leaves it out")
     return p
 
 
 def worker(argv: list[str]) -> None:
     """The workers' subcommands (SETTINGS: the run config's settings as a JSON list): torch-rank RANK MASTER
-    SETTINGS; hivemind-peer RANK IP SETTINGS [INITIAL_PEER...]."""
-    kind, rank, where, settings, *peers = argv
-    if kind == "torch-rank":
-        torch_rank(int(rank), where, json.loads(settings))
+    SCHEDULE SETTINGS; hivemind-peer RANK IP SETTINGS [INITIAL_PEER...]."""
+    if argv[0] == "torch-rank":
+        _, rank, master, schedule, settings = argv
+        torch_rank(int(rank), master, schedule, json.loads(settings))
     else:
-        hivemind_peer(int(rank), where, json.loads(settings), peers)
+        _, rank, ip, settings, *peers = argv
+        hivemind_peer(int(rank), ip, json.loads(settings), peers)
+
+
+def run_system(system: str, config: str | None, args: argparse.Namespace, links: str, steps: int) -> dict:
+    """One run of a system; its line without the target."""
+    if config is not None:
+        return geotrain_line(system, config, steps, links, args.size)
+    settings = worker_settings(steps, args.size)
+    if system in TORCH_SCHEDULES:
+        result = run_torch(links, settings, args.timeout, TORCH_SCHEDULES[system])
+        # The first step (gloo's connections, the first allocations) left out, as geotrain's first commit is.
+        return other_line(system, result["seconds"][1:], result["losses"], args.size, result["links"])
+    result = run_hivemind(links, settings, args.timeout)
+    seconds = [result["seconds"] / result["epochs"]] * result["epochs"]  # its global steps after the first
+    return other_line(system, seconds, result["losses"], args.size, result["links"])
 
 
 def main() -> None:
-    """Run each chosen system and print one JSON line each."""
+    """Run each chosen system once and print its line; with --record, then the cell's medians."""
     if sys.argv[1:2] and sys.argv[1] in ("torch-rank", "hivemind-peer"):
         worker(sys.argv[1:])
         return
     args = parser().parse_args()
-    links = args.links or ttt.default_links()
-    reference_steps = args.reference_steps  # geotrain none's steps to target, the others' projection
-    if "geotrain" in args.systems:
-        line, fig = geotrain_line("geotrain", "none", args.steps, links, args.target)
-        reference_steps = fig["steps_to_target"]
+    links = args.links or ("namespaces" if ttt.default_links() == "namespaces" else "loopback")
+    steps_to_target = {**STEPS_TO_TARGET[args.size], **args.steps_to_target}
+    steps = args.pace_steps or PACE_STEPS[args.size]
+    runs = [("geotrain", "none")] if "geotrain" in args.systems else []
+    runs += [("geotrain_best", c) for c in args.best] if "geotrain_best" in args.systems else []
+    runs += [(s, None) for s in OTHERS if s in args.systems]
+    for system, config in [] if args.summarize else runs:
+        try:
+            line = with_target(run_system(system, config, args, links, steps), steps_to_target)
+        except (RuntimeError, subprocess.SubprocessError) as e:  # one system's failed run: the others still run
+            print(json.dumps({"system": system, "config": config, "model": ttt.SIZES[args.size],
+                              "links": ttt.links_label(links), "failed": str(e)[-500:]}), flush=True)
+            continue
         print(json.dumps(line), flush=True)
-    if "geotrain_best" in args.systems:
-        line, _ = geotrain_line("geotrain_best", args.best, args.steps, links, args.target)
-        print(json.dumps(line), flush=True)
-    reference = "geotrain none" if reference_steps is not None else "no geotrain none run reaching the target"
-    if "torch_pipelining" in args.systems:
-        result = run_torch(links, worker_settings(args.other_steps), args.timeout)
-        print(json.dumps(projected_line("torch_pipelining", result["seconds"], result["losses"], result["links"],
-                                        reference_steps, reference)), flush=True)
-    if "hivemind" in args.systems:
-        result = run_hivemind(links, worker_settings(args.other_steps), args.timeout)
-        seconds = [result["seconds"] / result["epochs"]] * result["epochs"]
-        print(json.dumps(projected_line("hivemind", seconds, result["losses"], result["links"], reference_steps,
-                                        reference)), flush=True)
+        if args.record:
+            with args.record.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+    if args.record:
+        cell = (ttt.SIZES[args.size], ttt.links_label(links))
+        records = [json.loads(x) for x in args.record.read_text().splitlines() if x.strip()]
+        for line in cell_lines([r for r in records if (r["model"], r["links"]) == cell], steps_to_target):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -61,13 +61,46 @@ def test_window_bench_sets_each_window_and_reports_the_nodes_peak_memory(capsys)
 
 
 def test_versus_systems_parse(capsys):
-    assert versus.parser().parse_args(["--systems", "torch_pipelining,hivemind"]).systems == [
-        "torch_pipelining", "hivemind"]
+    assert versus.parser().parse_args(["--systems", "torch_1f1b,hivemind"]).systems == ["torch_1f1b", "hivemind"]
     with pytest.raises(SystemExit):
         versus.parser().parse_args(["--systems", "deepspeed"])
     assert "unknown system(s) deepspeed" in capsys.readouterr().err
-    args = versus.parser().parse_args(["--best", "auto", "--other-steps", "3"])
-    assert (args.best, args.other_steps, args.systems) == ("auto", 3, list(versus.SYSTEMS))
+    args = versus.parser().parse_args(["--best", "auto,rank8", "--pace-steps", "3", "--size", "large",
+                                       "--links", "loopback", "--steps-to-target", "none=90,rank8=30"])
+    assert (args.best, args.pace_steps, args.systems) == (["auto", "rank8"], 3, list(versus.SYSTEMS))
+    assert (args.size, args.links, args.steps_to_target) == ("large", "loopback", {"none": 90, "rank8": 30})
+    with pytest.raises(SystemExit):
+        versus.parser().parse_args(["--steps-to-target", "zip=3"])
+
+
+def test_sizes_and_links_name_themselves():
+    from geotrain.config import load_config
+
+    assert ttt.tokens_per_step("small") == 3072 and ttt.tokens_per_step("large") == 768
+    assert load_config(None, ttt.size_settings("large")).model.d_model == 512
+    assert ttt.run_settings(ttt.CONFIGS["none"], 5, "large", eval_every=0)[: len(ttt.LARGE_MODEL)] == ttt.LARGE_MODEL
+    assert "run.eval_every=0" in ttt.run_settings(ttt.CONFIGS["none"], 5, "large", eval_every=0)
+    assert ttt.links_label("loopback").startswith("loopback") and "50 Mbit/s" in ttt.links_label("namespaces")
+
+
+def test_step_seconds_run_from_commit_to_commit():
+    import json
+
+    lines = [json.dumps(x) for x in [
+        {"kind": "step", "step": 1, "time": 10.0, "val_loss": None},
+        {"kind": "step", "step": 2, "time": 11.0, "val_loss": None},
+        {"kind": "step", "step": 3, "time": 13.5, "val_loss": 2.0},  # its validation pass counts in its time
+        {"kind": "step", "step": 4, "time": 14.0, "val_loss": None},
+        {"kind": "failure", "step": 4, "time": 20.0},
+        {"kind": "step", "step": 5, "time": 22.0, "val_loss": None},  # after a failure
+        {"kind": "step", "step": 6, "time": 22.5, "val_loss": None},
+    ]]
+    assert ttt.commit_intervals(lines) == [1.0, 0.5, 0.5]
+
+
+def test_the_late_target_is_nones_pass_at_ninety_percent():
+    summary = {"validation": [(300, 2.5, 1.0), (850, 2.0, 2.0), (900, 1.9, 3.0), (950, 1.95, 4.0), (1000, 1.8, 5.0)]}
+    assert ttt.late_target(summary, 1000) == 1.9
 
 
 def test_figures_come_from_the_summary():
@@ -91,24 +124,46 @@ def test_figures_come_from_the_summary():
         "averaging_bytes_per_step"] == 30
 
 
-def test_geotrain_line_is_its_run_judged_against_the_target(monkeypatch):
-    summary = {"steps": 20, "validation": [(10, 2.6, 4.0), (20, 2.4, 8.5)], "val_loss": 2.4, "wire_bytes": 10,
-               "stream_bytes": 0, "averaging_bytes": 0, "tokens_per_s": 800.0}
+def test_geotrain_line_is_its_paced_run_under_the_default_plan(monkeypatch):
+    summary = {"steps": 20, "stages": 3, "nodes": 3, "wire_bytes": 10, "stream_bytes": 0, "averaging_bytes": 40,
+               "step_s": [0.5, 1.5]}
     runs = []
-    monkeypatch.setattr(ttt, "train", lambda config, steps, links: runs.append((config, steps, links)) or summary)
-    line, fig = versus.geotrain_line("geotrain_best", "int8", 20, "emulator", 2.5)
-    assert runs == [(ttt.CONFIGS["int8"], 20, "emulator")]
-    assert line == {"system": "geotrain_best", "config": "int8", "links": fig["links"], "tokens_per_s": 800.0,
-                    "seconds_to_target": 8.5, "steps_to_target": 20, "target_val_loss": 2.5,
-                    "tensor_transport": "gRPC calls"}
+    monkeypatch.setattr(ttt, "train", lambda config, steps, links, size, eval_every: runs.append(
+        (config, steps, links, size, eval_every)) or summary)
+    line = versus.with_target(versus.geotrain_line("geotrain_best", "int8", 20, "loopback", "small"), {"int8": 30})
+    assert runs == [(ttt.CONFIGS["int8"], 20, "loopback", "small", 0)]
+    assert line == {"system": "geotrain_best", "config": "int8", "model": ttt.SIZES["small"],
+                    "links": ttt.links_label("loopback"), "step_s": 1.0, "steps_measured": 2,
+                    "tokens_per_s": 3072.0, "tensor_transport": "gRPC calls", "stages": 3, "nodes": 3,
+                    "averaging_bytes_per_step": 2, "steps_to_target": 30, "seconds_to_target": 30.0,
+                    "seconds_to_target_from": "int8's steps_to_target x this run's mean step seconds"}
 
 
-def test_projection_is_the_reference_steps_at_the_measured_pace():
-    line = versus.projected_line("torch_pipelining", [0.5, 1.5], [5.0, 4.0], "loopback", 40, "geotrain none")
-    assert line["seconds_to_target"] == 40.0 and line["tokens_per_s"] == round(ttt.tokens_per_step() / 1.0, 1)
-    assert (line["loss_first"], line["loss_last"]) == (5.0, 4.0) and "geotrain none" in line["seconds_to_target_from"]
-    assert "gloo" in line["tensor_transport"]
-    assert versus.projected_line("hivemind", [1.0], [], "x", None, "none")["seconds_to_target"] is None
+def test_the_others_take_nones_steps_and_the_cell_compares_medians():
+    torch = versus.other_line("torch_1f1b", [0.5, 1.5], [5.0, 4.0], "large", "loopback")
+    assert (torch["loss_first"], torch["loss_last"], torch["tokens_per_s"]) == (5.0, 4.0, 768.0)
+    assert "gloo" in torch["tensor_transport"] and versus.math_of(torch) == "none"
+    assert versus.with_target(torch, {"none": 40})["seconds_to_target"] == 40.0
+    assert versus.with_target(torch, {})["seconds_to_target"] is None
+    cell = dict(model="m", links="l", tensor_transport="t")
+    records = [
+        *({**cell, "system": "geotrain", "config": "none", "step_s": s} for s in (1.0, 1.2, 0.9)),
+        *({**cell, "system": "geotrain_best", "config": "rank8", "step_s": s} for s in (1.0, 1.1, 1.0)),
+        *({**cell, "system": "hivemind", "step_s": s} for s in (2.0, 1.0, 1.5)),
+        *({**cell, "system": "torch_gpipe", "step_s": s} for s in (3.0, 3.0, 3.0)),
+    ]
+    *lines, verdict = versus.cell_lines(records, {"none": 10, "rank8": 4})
+    assert [(x["system"], x["runs"], x["seconds_to_target_median"], x["seconds_to_target_spread"]) for x in lines] == [
+        ("geotrain", 3, 10.0, [9.0, 12.0]), ("geotrain_best", 3, 4.0, [4.0, 4.4]), ("hivemind", 3, 15.0, [10.0, 20.0]),
+        ("torch_gpipe", 3, 30.0, [30.0, 30.0])]
+    assert verdict == {"verdict": {"model": "m", "links": "l"}, "compared_by": "seconds_to_target_median",
+                       "best_other": "hivemind", "geotrain_default_vs_best_other": 1.5, "geotrain_best": "rank8",
+                       "geotrain_best_vs_best_other": 3.75}
+    # No steps to target for rank8: the lines of none's math, by step seconds.
+    *_, verdict = versus.cell_lines(records, {})
+    assert (verdict["compared_by"], verdict["best_other"], verdict["geotrain_default_vs_best_other"]) == (
+        "step_s_median", "hivemind", 1.5)
+    assert verdict["geotrain_best"] == "none"
 
 
 @pytest.mark.cluster
@@ -119,8 +174,11 @@ def test_tiny_geotrain_run_through_the_emulator(monkeypatch):
     monkeypatch.setattr(ttt, "EVAL_EVERY", 1)
     monkeypatch.setattr(ttt, "EVAL_MICROBATCHES", 1)
     # Three stages, whose boundaries the line counts (by default the planner gives so small a model data parallelism).
-    summary = ttt.train(ttt.Config(("scheduler.stages=3",)), 2, "emulator", timeout_s=100)
-    assert [steps for steps, _, _ in summary["validation"]] == [1, 2]
+    summary = ttt.train(ttt.Config(("scheduler.stages=3",)), 3, "emulator", timeout_s=100)
+    assert [steps for steps, _, _ in summary["validation"]] == [1, 2, 3]
+    assert summary["step_s"] == []  # each step after the first ran a validation pass
+    paced = ttt.train(ttt.Config(("scheduler.stages=3",)), 3, "loopback", timeout_s=100, eval_every=0)
+    assert len(paced["step_s"]) == 1 and paced["step_s"][0] > 0  # step 2; step 3 ran the validation pass
     fig = ttt.figures("none", ttt.CONFIGS["none"], summary, "emulator", target=summary["validation"][1][1])
     assert fig["steps_to_target"] in (1, 2) and fig["seconds_to_target"] > 0
     # Two boundaries each way, 6 microbatches of 2 x 8 x 16 float32 a step, over 2 x 6 x 2 x 8 tokens a step.
@@ -130,15 +188,16 @@ def test_tiny_geotrain_run_through_the_emulator(monkeypatch):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-def test_tiny_torch_pipeline_trains_what_train_local_trains():
+@pytest.mark.parametrize("schedule", sorted(set(versus.TORCH_SCHEDULES.values())))
+def test_tiny_torch_pipeline_trains_what_train_local_trains(schedule):
     from geotrain.config import load_config
     from geotrain.node.local import train_local
 
     settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=2", "run.eval_every=0"]
-    result = versus.run_torch("emulator", settings, timeout_s=100)
+    result = versus.run_torch("loopback", settings, timeout_s=100, schedule=schedule)
     assert len(result["seconds"]) == 2 and result["links"].startswith("loopback")
     _, summary = train_local(load_config(None, settings))
-    # GPipe over the same layers, data and optimizer: geotrain's exact training (float summation order aside).
+    # Either schedule over the same layers, data and optimizer: geotrain's exact training (float summation order aside).
     assert result["losses"] == pytest.approx([summary["loss_first"], summary["loss_last"]], abs=1e-4)
 
 
@@ -146,5 +205,5 @@ def test_tiny_torch_pipeline_trains_what_train_local_trains():
 @pytest.mark.timeout(120)
 def test_tiny_hivemind_run_takes_global_steps():
     settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=3"]
-    result = versus.run_hivemind("emulator", settings, timeout_s=100)
+    result = versus.run_hivemind("loopback", settings, timeout_s=100)
     assert result["epochs"] >= 1 and result["seconds"] > 0 and result["links"].startswith("loopback")

@@ -188,7 +188,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
-    # Each child leads its own process group (start_new_session), so this reaches its children too.
+    # Each child leads its own process group (process_group=0), so this reaches its children too.
     try:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
@@ -329,9 +329,10 @@ class Wan:
         env = {**os.environ, "GEOTRAIN_TOKEN": self.token, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(self.log_dir / f"{name}.log", "ab") as log_file:
             stdout: int | IO[bytes] | None = subprocess.PIPE if pipe else (None if console else log_file)
+            # A group of its own, not a session: Linux's autogroups give each session an equal share of the CPU.
             return subprocess.Popen(
                 ["ip", "netns", "exec", ns, *cmd], env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                stderr=log_file, bufsize=0, start_new_session=True, preexec_fn=_die_with_parent,
+                stderr=log_file, bufsize=0, process_group=0, preexec_fn=_die_with_parent,
             )
 
     def spawn(self, region: int, name: str, cmd: list[str], pipe: bool = False) -> subprocess.Popen:
