@@ -209,27 +209,6 @@ def test_a_checkpoint_is_written_while_the_stage_trains_on_and_a_failed_one_leav
     assert all(torch.equal(checkpoints.load_layers(checkpoints.latest(), 0, total)[k], v) for k, v in committed.items())
 
 
-@pytest.mark.timeout(30)
-def test_a_snapshot_serves_its_step_after_the_stage_changed_and_costs_no_file_until_then(tmp_path):
-    cfg = _cfg()
-    runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
-    before = {k: v.clone() for k, v in runtime.full_state()}
-    untouched = StateSnapshot(runtime.full_state(), str(tmp_path))
-    assert framing.read_state(framing.state_stream(untouched.sources())).keys() == before.keys()
-    assert untouched._spill is None  # served from the stage's own tensors
-    snapshot = StateSnapshot(runtime.full_state(), str(tmp_path))
-    sources = snapshot.sources()
-    first = next(sources)
-    snapshot.preserve()
-    with torch.no_grad():
-        for p in runtime.parameters():
-            p.mul_(-3.0)
-    got = framing.read_state(framing.state_stream([first, *sources]))
-    assert all(torch.equal(got[k], v) for k, v in before.items())
-    snapshot.close()
-    assert transfer_memory_bytes(2) == 2 * transfer_memory_bytes(1) < 64 * framing.CHUNK_BYTES
-
-
 def _write_ahead(snapshot: StateSnapshot) -> threading.Thread:
     """The snapshot's writer ahead on a thread of its own, as Snapshots.open starts it."""
     thread = threading.Thread(target=snapshot.write_ahead)
@@ -238,22 +217,28 @@ def _write_ahead(snapshot: StateSnapshot) -> threading.Thread:
 
 
 @pytest.mark.timeout(30)
-def test_what_was_written_ahead_costs_the_stage_s_change_nothing_and_is_served_from_the_file(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["copied-at-the-change", "written-ahead"])
+def test_a_snapshot_serves_its_step_after_the_stage_changed_from_copies_made_ahead_or_at_the_change(tmp_path, ahead):
     cfg = _cfg()
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
     before = {k: v.clone() for k, v in runtime.full_state()}
+    untouched = StateSnapshot(runtime.full_state(), str(tmp_path))
+    assert framing.read_state(framing.state_stream(untouched.sources())).keys() == before.keys()
+    assert untouched._spill is None  # served from the stage's own tensors
     snapshot = StateSnapshot(runtime.full_state(), str(tmp_path))
     sources = snapshot.sources()
-    first = next(sources)  # the transfer is at the first tensor: the writer ahead stops short of it
-    _write_ahead(snapshot).join(10)
-    names = sorted(before)
-    assert snapshot.preserve() == before[names[0]].numel() * before[names[0]].element_size()
+    first = next(sources)  # the transfer is at the first tensor
+    if ahead:  # the writer ahead stops short of it: the change copies only that one
+        _write_ahead(snapshot).join(10)
+    sizes = [v.numel() * v.element_size() for _, v in sorted(before.items())]
+    assert snapshot.preserve() == (sizes[0] if ahead else sum(sizes))
     with torch.no_grad():
         for p in runtime.parameters():
             p.mul_(-3.0)
     got = framing.read_state(framing.state_stream([first, *sources]))
     assert all(torch.equal(got[k], v) for k, v in before.items())
     snapshot.close()
+    assert transfer_memory_bytes(2) == 2 * transfer_memory_bytes(1) < 64 * framing.CHUNK_BYTES
 
 
 @pytest.mark.timeout(60)
