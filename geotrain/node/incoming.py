@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 
 from geotrain.compression.policy import CodecPolicy
+from geotrain.config import RunConfig
 from geotrain.node.model import family_of
 from geotrain.node.servicer import WIRE_DTYPES, check_activation_header
 from geotrain.protocol import geotrain_pb2 as pb
@@ -36,7 +37,7 @@ class IncomingChecks:
 
     _policies: dict[str, CodecPolicy]  # traffic kind -> its codec policy, from the run config
     # The plan and run config the shape below was computed for, and the shape their tensors have on the wire.
-    _boundary: tuple[pb.Plan, object, list[int]] | None = None
+    _boundary: tuple[pb.Plan, RunConfig, list[int]] | None = None
 
     def _boundary_shape(self, plan: pb.Plan) -> list[int]:
         """The shape every activation and gradient has on the wire under `plan`: the run's model and microbatch size

@@ -165,7 +165,7 @@ def nested_chunk(fields: bytes, number: int, head: bytes, data: Buffer) -> bytes
     """A serialized message of `fields` (its other fields, serialized) and a chunk of wire_chunk_parts as its field
     `number`, the chunk's data copied once, where building the message copies it twice and serializing once more
     (a message's fields may come in any order)."""
-    return b"".join((fields, bytes([(number << 3) | _LENGTH_DELIMITED]), _varint(len(head) + len(data)), head, data))
+    return b"".join((fields, _varint((number << 3) | _LENGTH_DELIMITED), _varint(len(head) + len(data)), head, data))
 
 
 @dataclass(frozen=True)
