@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch goes in the same pip command as hivemind: alone, hivemind pulls a multi-GB CUDA torch.
-$(STAMP): pyproject.toml setup.py Makefile $(PINS) geotrain/compression/_blockquant.c geotrain/protocol/_streamio.c
+$(STAMP): pyproject.toml setup.py Makefile $(PINS) geotrain/compression/_blockquant.c geotrain/protocol/_streamio.c geotrain/node/_gradsums.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r deploy/requirements-dev.txt

@@ -1,9 +1,10 @@
-"""Builds geotrain's C extensions, geotrain.compression._blockquant and geotrain.protocol._streamio; the rest of the
-metadata is in pyproject.toml.
+"""Builds geotrain's C extensions, geotrain.compression._blockquant, geotrain.protocol._streamio and
+geotrain.node._gradsums; the rest of the metadata is in pyproject.toml.
 
-Both are optional: where they cannot be built (no C compiler), installation goes on, the int8 codec runs on torch
-ops, writing the same bytes, slower, a received tensor's finiteness check is torch's sum, and a raw tensor stream's
-sockets are read and written by python's socket methods.
+All are optional: where they cannot be built (no C compiler), installation goes on, the int8 codec runs on torch
+ops, writing the same bytes, slower, a received tensor's finiteness check is torch's sum, a raw tensor stream's
+sockets are read and written by python's socket methods, and a stage's float64 gradient sums are torch's adds,
+the same bits in more passes over memory.
 """
 
 from setuptools import Extension, setup
@@ -29,6 +30,7 @@ setup(
     ext_modules=[
         Extension("geotrain.compression._blockquant", ["geotrain/compression/_blockquant.c"], optional=True),
         Extension("geotrain.protocol._streamio", ["geotrain/protocol/_streamio.c"], optional=True),
+        Extension("geotrain.node._gradsums", ["geotrain/node/_gradsums.c"], optional=True),
     ],
     cmdclass={"build_ext": BuildExt},
 )

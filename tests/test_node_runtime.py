@@ -21,7 +21,9 @@ import torch
 from geotrain.compression import FeedbackState
 from geotrain.cli import EXIT_USAGE, main
 from geotrain.config import RunConfig, load_config, to_proto
+from geotrain.node import stage as stage_module
 from geotrain.node.agent import Agent, NodeOptions
+from geotrain.node.data import local_tokens
 from geotrain.node.dataplane import DataPlane, Encoded
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
@@ -615,3 +617,45 @@ def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_o
         assert b.tensor_streams.open_connections() == 1
     finally:
         channel.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(stage_module._gradsums is None, reason="the gradient sums' C kernels are not built")
+def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
+    # node/_gradsums.c must give what torch's zeros_like + add_ and div_ + cast give, bit for bit: a node without a C
+    # compiler trains the same run. Both runs see the same microbatches, in the same order.
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    corpus = local_tokens(cfg)
+
+    def gradients() -> list[torch.Tensor]:
+        stage = StageRuntime(cfg, 0, cfg.model.total_layers)
+        for microbatch in range(3):
+            x, y = corpus.batch(seed=1, step=0, microbatch=microbatch, size=2, seq_len=cfg.model.seq_len)
+            stage.forward((0, microbatch), x)
+            stage.loss_backward((0, microbatch), y)
+        stage.mean_gradients(0)
+        return [g.clone() for g in stage.gradients()]
+
+    kernels = stage_module._gradsums
+    with_kernels = gradients()
+    monkeypatch.setattr(stage_module, "_gradsums", None)
+    without = gradients()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(with_kernels, without))
+
+    # Values across float32's range, signed zeros, Inf and NaN, through both kernels.
+    values = torch.tensor([0.0, -0.0, 1e-45, -3e38, 3e38, float("inf"), float("nan"), 1.0 / 3, -7.25e-20])
+    grads = [values[torch.randperm(len(values))] * s for s in (1.0, -1.0, 0.5)]
+    sums = torch.empty(len(values), dtype=torch.float64)
+    expected = torch.zeros_like(sums)
+    for i, g in enumerate(grads):
+        kernels.accumulate(sums.numpy(), g.numpy(), i == 0)
+        expected.add_(g)
+    assert torch.equal(sums.view(torch.int64), expected.view(torch.int64))
+    for count in (3, 7):
+        out = torch.empty(len(values))
+        kernels.mean(out.numpy(), sums.numpy(), count)
+        assert torch.equal(out.view(torch.int32), expected.div(count).float().view(torch.int32))
+    with pytest.raises(ValueError, match="not the same elements"):
+        kernels.accumulate(sums.numpy(), values[:4].numpy(), False)
+    with pytest.raises(ValueError, match="a mean over 0 microbatches"):
+        kernels.mean(out.numpy(), sums.numpy(), 0)
