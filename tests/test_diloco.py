@@ -200,7 +200,7 @@ def test_two_by_two_diloco_run_shares_anchors_drifts_within_bound_and_survives_a
                           for n, a in zip(s.node_ids, s.addresses)]
                 for s in plan.stages
             }
-        if kind == "phase" and (data["step"], data["phase"]) == (2, "dispatched") and not killed.is_set():
+        if kind == "phase" and (data["step"], data["phase"]) == (2, "microbatches_done") and not killed.is_set():
             cluster.nodes.kill(victim)  # mid-period: before the sync of step 3
             killed.set()
         if kind == "step" and restarted.is_set() and not rejoined.is_set():

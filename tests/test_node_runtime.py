@@ -37,6 +37,7 @@ from geotrain.scheduler.recovery import Recovery
 from geotrain.scheduler.service import CoordinatorProcess
 from geotrain.scheduler.state import STORE_FILE, RunStore, StepRecord
 from geotrain.upgrade import upgrade_checkpoints
+from tests.conftest import wait_until
 
 NODE = Path(__file__).resolve().parent.parent / "geotrain" / "node"
 
@@ -149,6 +150,9 @@ class _FakeCoordinator:
 
     def FetchCheckpoint(self, request: pb.FetchCheckpointRequest, timeout: float):  # noqa: N802
         return framing.state_chunks(self.checkpoint)
+
+    def StepApplied(self, request: pb.StepAppliedRequest, timeout: float) -> pb.Ack:  # noqa: N802
+        return pb.Ack()
 
 
 @pytest.fixture
@@ -615,6 +619,46 @@ def test_a_boundary_rank_stage_takes_k_wide_activations_and_refuses_full_width_o
                           lambda: send(width))
         send(4)
         assert b.tensor_streams.open_connections() == 1
+    finally:
+        channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_activations_of_the_next_step_wait_for_the_apply_and_none_come_from_further_ahead(make_agent):
+    # The coordinator starts step 1 as its nodes apply step 0: step 1's first activations may reach a stage before
+    # the order to apply step 0 does. They are taken, and computed once the stage has applied; step 2's are refused.
+    import grpc
+
+    from geotrain.compression.policy import CodecPolicy
+    from geotrain.node.worker import CONTROL
+    from geotrain.protocol import geotrain_pb2_grpc as rpc
+    from geotrain.protocol.transport import make_channel
+    from tests.conftest import expect_status, tensor_chunks
+
+    a, b = make_agent("node-a", _FakeCoordinator()), make_agent("node-b", _FakeCoordinator())
+    cfg = b.cfg
+    total = cfg.model.total_layers
+    b._policies = {kind: CodecPolicy(kind, "none") for kind in ("activations", "activation_grads")}
+    b.corpus = local_tokens(cfg)  # the last stage's targets
+    b._apply_plan(_plan(1, 0, total, [(0, 2, a), (2, total, b)]))
+    _start_worker(b)
+    channel = make_channel(b.address, b.options.token, lambda: a.node_id, key=a.key)
+    shape = (cfg.train.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+    try:
+        forward = rpc.StageStub(channel).Forward
+
+        def activations(step: int) -> list[pb.TensorChunk]:
+            ref = pb.MicrobatchRef(plan_epoch=1, step=step, microbatch=0, path=[a.node_id])
+            return tensor_chunks(torch.randn(*shape), ref)
+
+        assert forward(iter(activations(1)), timeout=10) == pb.Ack()
+        expect_status(grpc.StatusCode.FAILED_PRECONDITION, "step 2, this node applied step -1",
+                      lambda: forward(iter(activations(2)), timeout=10))
+        assert len(b._parked) == 1 and b.runtime.grads is None, "step 1's forward waits for step 0's apply"
+        b._submit(CONTROL, lambda: b._apply(pb.ApplyStep(step=0, clip_coef=1.0, lr=1e-3)))
+        wait_until(lambda: b.runtime.grads is not None and b.runtime.grads.counted == {0}, 10,
+                   "step 1's microbatch computed after the apply")
+        assert b.runtime.applied_step == 0 and b.runtime.grads.step == 1
     finally:
         channel.close()
 

@@ -34,7 +34,7 @@ def test_a_failed_step_is_recovering_until_the_next_commit_then_the_run_is_done(
         pass
     assert seen[(0, "dispatched")] is RunState.TRAINING
     assert seen[(1, "committed")] is RunState.RECOVERING, "step 1 ran again after its failure"
-    assert seen[(2, "dispatched")] is RunState.TRAINING
+    assert seen[(2, "microbatches_done")] is RunState.TRAINING  # dispatched as step 1 was applied, still recovering
     assert c.failures == 1 and len(c.recoveries) == 1
     assert c.state is RunState.DONE and c.status().state == "done"
     refused = _register(c, "late")

@@ -30,12 +30,12 @@ pytestmark = pytest.mark.timeout(60)
 STEPS = 3
 
 
-def _config(nodes: int, stages: int):
+def _config(nodes: int, stages: int, *overrides: str):
     return load_config(
         None,
         [f"run.steps={STEPS}", "run.eval_every=0", "train.microbatches=4", f"scheduler.min_nodes={nodes}",
          f"scheduler.stages={stages}", "scheduler.placement=uniform", "scheduler.heartbeat_interval_s=0.1",
-         "scheduler.heartbeat_timeout_s=0.6", "scheduler.step_timeout_s=30"],
+         "scheduler.heartbeat_timeout_s=0.6", "scheduler.step_timeout_s=30", *overrides],
     )
 
 
@@ -243,7 +243,7 @@ def test_a_node_restarted_inside_a_decided_step_does_not_undo_it():
 
 def test_a_lost_replica_fails_the_step_which_runs_again_without_it():
     def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
-        if step == 1 and phase == "dispatched":
+        if step == 1 and phase == "microbatches_done":
             nodes["node-4"].stop()  # a stage-1 replica: the step waits for its norm until it is declared dead
 
     with scripted_run(4, 2, on_phase) as (c, nodes, result):
@@ -344,6 +344,38 @@ def test_a_holder_that_stalls_is_named_before_the_step_timeout_and_the_step_runs
     assert all(m.offences == 0 for m in c.members.values()), "the neighbour's true report cost it nothing"
 
 
+def test_the_next_step_starts_while_its_nodes_apply_the_one_before():
+    def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
+        if step == 0 and phase == "decided":
+            nodes["node-2"].hold("apply")  # stage 1 is slow to apply step 0
+
+    with scripted_run(2, 2, on_phase) as (c, nodes, result):
+        head = nodes["node-1"]
+        wait_until(lambda: [o.start_step.step for o in head.orders if o.WhichOneof("kind") == "start_step"] == [0, 1],
+                   20, "step 1 dispatched to the data head")
+        assert not c.store.steps(), "step 1 went out before step 0's checksums were in"
+        nodes["node-2"].release()
+    assert _summary(result).steps == STEPS and c.failures == 0
+    assert [r.step for r in c.store.steps()] == list(range(STEPS))
+
+
+def test_a_step_validated_after_it_is_committed_before_the_next_starts():
+    starts: list[tuple[int, int]] = []  # (step dispatched, steps committed by then)
+
+    def make_coordinator(on_event: EventSink) -> Coordinator:
+        return Coordinator(_config(2, 2, "run.eval_every=1"), on_event=on_event)
+
+    def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
+        if phase == "dispatched":
+            starts.append((step, len(nodes["node-1"].c.store.steps())))
+
+    with scripted_run(2, 2, on_phase, make_coordinator) as (c, nodes, result):
+        pass
+    assert _summary(result).steps == STEPS
+    assert starts == [(step, step) for step in range(STEPS)]
+    assert all(r.val_loss == 2.5 for r in c.store.steps())
+
+
 def test_a_report_the_accused_answers_in_a_fast_step_is_the_reporters_offence():
     reported: list[str] = []
 
@@ -412,7 +444,6 @@ def test_reports_that_contradict_the_plan_are_refused_and_change_nothing():
 def test_geotrain_status_shows_the_phase_of_the_step_in_progress(tmp_path):
     token = new_token()
     processes: list[CoordinatorProcess] = []
-    held = threading.Event()
 
     def make_coordinator(on_event: EventSink) -> Coordinator:
         processes.append(CoordinatorProcess(_config(2, 2), token, "127.0.0.1:0", on_event=on_event))
@@ -420,15 +451,15 @@ def test_geotrain_status_shows_the_phase_of_the_step_in_progress(tmp_path):
         return processes[0].coordinator
 
     def on_phase(step: int, phase: str, nodes: dict[str, ScriptedNode]) -> None:
-        if step == 0 and phase == "committed":
-            nodes["node-1"].hold("start_step")  # the data head sits on step 1's microbatches
-        if step == 1 and phase == "dispatched":
-            held.set()
+        if step == 0 and phase == "decided":
+            # The data head sits on step 1's microbatches, which go out as step 0 is applied.
+            nodes["node-1"].hold("start_step")
 
     try:
         with scripted_run(2, 2, on_phase, make_coordinator) as (c, nodes, result):
             process = processes[0]
-            wait_until(held.is_set, 20, "step 1 to be dispatched")
+            wait_until(lambda: len(c.store.steps()) == 1 and c.driver.phase.value == "dispatched", 20,
+                       "step 0 to commit with step 1 dispatched")
             shown = run_cli("status", "--coordinator", f"127.0.0.1:{process.port}", "--token", token, timeout=30)
             nodes["node-1"].release()
         assert shown.returncode == 0, shown.stderr

@@ -55,17 +55,20 @@ class StepCommit:
         stage = plan.stages[self.stage_index]
         task_s = self.take_task_s(plan.epoch)
         averaging_s = 0.0
-        if runtime.sync is not None:
-            runtime.mean_gradients(order.step)  # this replica's own: under diloco replicas average no gradients
-            if runtime.sync.due(order.step):
-                averaging_s = self._sync_replicas(runtime, plan, stage, order.step)
-        elif len(stage.node_ids) == 1:
-            runtime.mean_gradients(order.step)
+        if self._norm_parts is not None and self._norm_parts[:2] == (plan.epoch, order.step):
+            parts = self._norm_parts[2]  # averaged as the stage counted its last microbatch (StepFlow._counted)
         else:
-            averaging_s = self._with_replicas(
-                stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step)
-            )
-        parts = runtime.grad_sq_norm_parts()
+            if runtime.sync is not None:
+                runtime.mean_gradients(order.step)  # this replica's own: under diloco replicas average no gradients
+                if runtime.sync.due(order.step):
+                    averaging_s = self._sync_replicas(runtime, plan, stage, order.step)
+            elif len(stage.node_ids) == 1:
+                runtime.mean_gradients(order.step)
+            else:
+                averaging_s = self._with_replicas(
+                    stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step)
+                )
+            parts = runtime.grad_sq_norm_parts()
         head = self._head
         round_trip_s = head.shortest_round_trip_s if head is not None and head.step == order.step else math.inf
         params_before, commitments = self.evidence.commitments(plan.epoch, order.step) if self.evidence else ("", [])
@@ -165,6 +168,7 @@ class StepCommit:
             runtime.apply(order.step, order.clip_coef, order.lr, order.skip, order.loss_scale)
             checksum = runtime.checksum_later()
             self.held.release_except(order.step + 1)  # the run committed past every copy kept from older plans
+        self._release_parked()  # the next step's first activations, if they came before this order
         self._head = None
         for check in order.checks:  # this node's spot checks: their targets keep the evidence as they apply
             if check.verifier == self.node_id:

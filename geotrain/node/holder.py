@@ -108,6 +108,7 @@ class StageHolder:
                 self._peer_regions.update(zip(s.node_ids, s.regions))
             self._head = None
             self.router.reset()
+            self._drop_parked()
         peers = {n for s in plan.stages if abs(s.index - index) == 1 for n in s.node_ids}
         self.dataplane.reset_links(peers)
         self.dataplane.deadlines.follow(plan)

@@ -61,8 +61,12 @@ class IncomingChecks:
                 grpc.StatusCode.FAILED_PRECONDITION, f"plan epoch {ref.plan_epoch}, this node runs epoch {plan.epoch}"
             )
         # A step's tensors come after this node applied the step before (validation: after the step it scores), so
-        # an older one is a replay, by a relay for instance, of a tensor its sender signed once.
-        if ref.step < runtime.applied_step + (0 if ref.eval else 1):
+        # an older one is a replay, by a relay for instance, of a tensor its sender signed once. A training step
+        # starts while its nodes apply the one before, no earlier: its tensors wait for that apply (StepFlow), and
+        # none may come from further ahead.
+        if ref.step < runtime.applied_step + (0 if ref.eval else 1) or (
+            not ref.eval and ref.step > runtime.applied_step + 2
+        ):
             raise FrameError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"step {ref.step}{' (validation)' if ref.eval else ''}, this node applied step {runtime.applied_step}",

@@ -5,8 +5,10 @@ node/evaluation.py, the commit and apply that end a step node/commit.py."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +19,7 @@ from geotrain.node.device import COMPUTE_DTYPES, HostTensor
 from geotrain.node.incoming import sender_of
 from geotrain.node.routing import ReplicaRouter
 from geotrain.node.verifier import PENDING_BYTES, Evidence, hashes_off_worker
-from geotrain.node.worker import BACKWARD, EVAL, FORWARD
+from geotrain.node.worker import BACKWARD, CONTROL, EVAL, FORWARD
 from geotrain.protocol import geotrain_pb2 as pb
 
 
@@ -39,6 +41,12 @@ class StepFlow:
 
     _head: _HeadState | None
     _policies: dict[str, CodecPolicy]  # traffic kind -> its codec policy, from the run config
+    # The compute of tensors of the step after the one this node is yet to apply: (priority, task, plan epoch)
+    _parked: list[tuple[int, Callable[[], None], int]]
+    _parked_lock: threading.Lock
+    # (plan epoch, step, its gradients' squared norm parts): a stage held by this node alone averages its gradients
+    # and takes their norm as soon as it has counted the step's every microbatch, before the coordinator's commit
+    _norm_parts: tuple[int, int, list[float]] | None
     evidence: Evidence | None  # what verifiers may ask of this node's recent steps (cfg.verifying), and commitments
 
     def _init_stepflow(self) -> None:
@@ -46,6 +54,8 @@ class StepFlow:
         self._policies = {}
         self.router = ReplicaRouter()
         self.evidence = None
+        self._parked, self._parked_lock = [], threading.Lock()
+        self._norm_parts = None
 
     def _start_step(self, start: pb.StartStep) -> None:
         assert self.cfg is not None and self.plan is not None
@@ -134,6 +144,7 @@ class StepFlow:
         if runtime.is_last:
             loss, _ = runtime.loss_backward((step, microbatch), y)
             self.throughput.tick()
+            self._counted(step)
             self._microbatch_done(step, microbatch, path, loss.item())
         else:
             self._forward_to_next(self._ref(step, microbatch, path), outputs)
@@ -178,10 +189,35 @@ class StepFlow:
         if self.evidence is not None and not ref.eval:
             self.evidence.received(ref.plan_epoch, ref.step, ref.microbatch, direction, tensor)
         if direction == "forward":
-            self._submit(EVAL if ref.eval else FORWARD, lambda: self._on_forward(ref, tensor), ref.plan_epoch)
+            self._submit_in_step_order(ref, EVAL if ref.eval else FORWARD, lambda: self._on_forward(ref, tensor))
         else:
             self.router.returned(sender, ref.step, ref.microbatch)
             self._submit(BACKWARD, lambda: self._on_backward(ref, tensor), ref.plan_epoch)
+
+    def _submit_in_step_order(self, ref: pb.MicrobatchRef, priority: int, task: Callable[[], None]) -> None:
+        """Queue a forward's compute, or park it until this node applied the step before it: the coordinator starts
+        a step while its nodes apply the one before, so a neighbour's first activations may come before the order to
+        apply (IncomingChecks refuses steps further ahead). Gradients need no parking: they answer this node's own
+        activations, sent after the apply."""
+        with self._parked_lock:
+            runtime = self.runtime
+            if not ref.eval and runtime is not None and ref.step > runtime.applied_step + 1:
+                self._parked.append((priority, task, ref.plan_epoch))
+                return
+        self._submit(priority, task, ref.plan_epoch)
+
+    def _release_parked(self) -> None:
+        """Queue what waited for the step just applied (called after runtime.apply: a forward parked before it is
+        here, one checked after it was queued at once)."""
+        with self._parked_lock:
+            parked, self._parked = self._parked, []
+        for priority, task, epoch in parked:
+            self._submit(priority, task, epoch)
+
+    def _drop_parked(self) -> None:
+        """Forget what waited for an apply: a new plan epoch redoes the step from scratch."""
+        with self._parked_lock:
+            self._parked = []
 
     def _on_forward(self, ref: pb.MicrobatchRef, x: torch.Tensor) -> None:
         runtime = self.runtime
@@ -202,6 +238,7 @@ class StepFlow:
             loss, grad = runtime.loss_backward(key, y)
             self.throughput.tick()
             self._backward_to_previous(self._ref(ref.step, ref.microbatch, path), grad, loss)
+            self._counted(ref.step)
         else:
             self._forward_to_next(self._ref(ref.step, ref.microbatch, path), runtime.forward(key, x, tokens))
         self._hash_evidence()
@@ -211,8 +248,28 @@ class StepFlow:
         assert runtime is not None
         grad_in = runtime.backward((ref.step, ref.microbatch), grad)
         self.throughput.tick()
+        self._counted(ref.step)
         if runtime.is_first:
             self._microbatch_done(ref.step, ref.microbatch, list(ref.path), ref.loss)
         else:
             self._backward_to_previous(ref, grad_in)
         self._hash_evidence()
+
+    def _counted(self, step: int) -> None:
+        """After a microbatch's backward: once a stage this node holds alone has counted every microbatch of the
+        step, average its gradients and take their norm at once (a task of its own, after the backward's timing),
+        while the data head still finishes its last backward: the coordinator's commit then finds them ready."""
+        runtime, plan, cfg = self.runtime, self.plan, self.cfg
+        assert runtime is not None and plan is not None and cfg is not None
+        alone = len(plan.stages[self.stage_index].node_ids) == 1
+        if runtime.sync is not None or not alone or runtime.counted(step) != cfg.train.microbatches:
+            return
+        epoch = plan.epoch
+
+        def average() -> None:
+            done = self._norm_parts is not None and self._norm_parts[:2] == (epoch, step)
+            if runtime is self.runtime and not done:
+                runtime.mean_gradients(step)
+                self._norm_parts = (epoch, step, runtime.grad_sq_norm_parts())
+
+        self._submit(CONTROL, average, epoch)

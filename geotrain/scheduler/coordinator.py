@@ -305,13 +305,15 @@ class Coordinator:
         while self.step < self.cfg.run.steps:
             try:
                 self._settle_verdicts()
-                if not self.planning.is_current():
+                # A step started while the last one was applied runs under its plan: one that lost a node fails at
+                # once and is redone under the next plan; one a spare could now join goes on, and the plan grows after.
+                if not self.planning.is_current() and not self.driver.started(self.step, self.plan):
                     self.driver.idle()
                     self.step = self.planning.replan(self.step)
                     # What came in while the nodes took the plan up (a profile, a death) is checked before its first
                     # step as before every other.
                     continue
-                record = self.driver.run_step(self.step, self.plan)
+                record = self.driver.run_step(self.step, self.plan, self._next_follows)
             except StepFailed as e:
                 self._note_failure(str(e))
                 continue
@@ -339,7 +341,7 @@ class Coordinator:
         if self.metrics is not None:
             with self.membership.cond:  # (sender, receiver) -> the wire bytes its last heartbeat counted
                 links = {(m.node_id, link.peer): link.wire_bytes for m in self.membership.alive() for link in m.links}
-            through = Counter(n for _, path in self.driver.progress.done.values() for n in path)  # node -> microbatches
+            through = Counter(n for _, path in self.driver.applying.done.values() for n in path)  # node -> microbatches
             self.metrics.step(record, self.driver.timings, through, links, bits)
         self._on_event("step", {"record": record, "of": self.cfg.run.steps, "val_bits_per_byte": bits})
 
@@ -385,10 +387,26 @@ class Coordinator:
             self.metrics.failure(self.step, why)
         self._on_event("failure", {"step": self.step, "why": why})
 
-    def _after_commit(self, record: StepRecord) -> StepRecord:
-        """The plan's estimate corrected by what the step measured; validation and checkpoints due after it."""
-        assert self.driver.timings is not None  # the committed step's
+    def _next_follows(self) -> bool:
+        """Called once step self.step is decided and its apply is out: the plan's estimate corrected by what the step
+        measured, then whether the next step runs under this plan with nothing due between them (validation, a
+        checkpoint, a re-plan, a verdict, the run's end): it may start while the nodes apply this one."""
+        assert self.driver.timings is not None  # the decided step's
         self.planning.after_commit(self.driver.timings)
+        done = self.step + 1  # steps done once this one commits
+        validation, checkpoints = self.cfg.run.eval_every, self.cfg.scheduler.checkpoint_every
+        verification = self.driver.verification
+        return (
+            done < self.cfg.run.steps
+            and not (validation and done % validation == 0)
+            and not (self.recovery.checkpoints is not None and checkpoints and done % checkpoints == 0)
+            and not (verification is not None and verification.verdicts)
+            and not self.stop_requested.is_set()
+            and self.planning.is_current()
+        )
+
+    def _after_commit(self, record: StepRecord) -> StepRecord:
+        """Validation and checkpoints due after the committed step."""
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
         if last or (every and self.step % every == 0):

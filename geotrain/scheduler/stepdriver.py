@@ -161,9 +161,13 @@ class StepDriver:
         self._on_event = on_event
         self.progress = StepProgress(step=-1)
         self.phase = StepPhase.IDLE
-        self.timings: StepTimings | None = None  # what the last committed step measured
+        self.timings: StepTimings | None = None  # what the last decided step measured
         self.verification = Verification(cfg.verify.fraction) if cfg.verifying else None
         self._committed: tuple[int, int, dict[int, str]] = (-1, -1, {})  # (plan epoch, step, stage checksums) last
+        # The step whose apply is out: its checksums come in while the next step may already run. After its commit,
+        # the last committed step's.
+        self.applying = self.progress
+        self._dispatched: tuple[int, int, float] | None = None  # (plan epoch, step, when) of a step started early
         self._recent_s: deque[float] = deque(maxlen=_RECENT_STEPS)  # the last committed steps' seconds
 
     def step_timeout_s(self) -> float:
@@ -330,7 +334,7 @@ class StepDriver:
         """A stage replica applied the step, once; ReportRefused from a node that was not told to apply it, or
         with another checksum than it reported before."""
         with self.membership.cond:
-            progress = self.progress
+            progress = self.applying
             if request.step != progress.step:
                 return
             if request.node_id not in progress.appliers:
@@ -349,17 +353,29 @@ class StepDriver:
         members = self.membership.members
         return {h: members[h].microbatches_per_s for h in plan.stages[0].node_ids}
 
-    def run_step(self, step: int, plan: pb.Plan) -> StepRecord:
-        """Train step `step` under `plan` and commit it; StepFailed if it cannot complete under this plan."""
-        t0 = time.monotonic()
+    def started(self, step: int, plan: pb.Plan) -> bool:
+        """Whether step `step` was dispatched under `plan` as the step before it was applied (run_step's
+        next_follows)."""
+        return self._dispatched is not None and self._dispatched[:2] == (plan.epoch, step)
+
+    def run_step(self, step: int, plan: pb.Plan, next_follows: Callable[[], bool] = lambda: False) -> StepRecord:
+        """Train step `step` under `plan` and commit it; StepFailed if it cannot complete under this plan. Once its
+        apply is out (and its timings set), next_follows() says whether step + 1 runs next under the same plan, with
+        nothing between them: then step + 1 starts before this step's checksums are in, and the nodes apply this step
+        while its first microbatches flow (a node keeps its tensors until it has applied)."""
+        early, self._dispatched = self._dispatched, None
         total = self.cfg.train.microbatches
         timeout = self.step_timeout_s()
         nodes = placement.plan_nodes(plan)
+        if early is not None and early[:2] == (plan.epoch, step):
+            dispatched = t0 = early[2]
+        else:
+            t0 = time.monotonic()
+            self._begin(step, plan, nodes)
+            dispatched = self._dispatch(step, plan, nodes)
         fast, slow = self._pace(plan)
         in_step = Scope(plan.epoch, tuple(nodes), t0 + slow if slow is not None else 0.0)
         wait = self.membership.wait
-        self._begin(step, plan, nodes)
-        dispatched = self._dispatch(step, plan, nodes)
         wait(lambda: len(self.progress.done) == total, f"step {step}'s microbatches", timeout, in_step)
         self._enter(StepPhase.MICROBATCHES_DONE, step)
         commit_started = time.monotonic()
@@ -369,28 +385,34 @@ class StepDriver:
         self._enter(StepPhase.NORMS_IN, step)
         if self.verification is not None:
             self._cross_check(plan)
-        timings = self._timings(plan, dispatched, commit_started)
+        self.timings = self._timings(plan, dispatched, commit_started)
+        with self.membership.cond:
+            applying = self.applying = self.progress
         record, decided = self._decide(step, plan, t0)
         checks = self._draw_checks(step, plan) if self.verification is not None else []
         self.orders.send(nodes, pb.Order(apply=_apply_order(step, decided, checks)))
+        if next_follows():
+            self._begin(step + 1, plan, nodes)
+            self._dispatched = (plan.epoch, step + 1, self._dispatch(step + 1, plan, nodes))
         # The step is decided: a node lost now (dead, or restarted and so without its state) does not undo it; it
         # takes up the committed state with the next plan.
         wait(
-            lambda: all(n in self.progress.checksums or n in self.membership.lost() for n in nodes),
+            lambda: all(n in applying.checksums or n in self.membership.lost() for n in nodes),
             f"step {step}'s checksums",
             timeout,
         )
         self._enter(StepPhase.APPLIED, step)
-        checksums = self._stage_checksums(plan)
+        checksums = self._stage_checksums(plan, applying)
         self.store.commit_step(record, checksums)
         # Reports its nodes answered by applying the step: the step's time says whether it stalled or they lied.
         seconds = record.seconds
         verdict = True if slow and seconds > slow else False if seconds < fast else None
         self.membership.judge_reports(plan.epoch, verdict)
         self._recent_s.append(seconds)
-        self.timings = timings
         self._committed = (plan.epoch, step, checksums)
         self._enter(StepPhase.COMMITTED, step)
+        if self._dispatched is not None:
+            self.phase = StepPhase.DISPATCHED  # step + 1's, entered before this step's commit
         return record
 
     def _dispatch(self, step: int, plan: pb.Plan, nodes: list[str]) -> float:
@@ -487,20 +509,22 @@ class StepDriver:
         )
         behind = [n for ns in holders_at(step) for n in ns]
         self._begin(step, plan, behind)
+        with self.membership.cond:
+            applying = self.applying = self.progress
         self.orders.send(behind, pb.Order(apply=_apply_order(step, data)))
         self.membership.wait(
-            lambda: all(n in self.progress.checksums for n in behind),
+            lambda: all(n in applying.checksums for n in behind),
             "the decided step's apply",
             self.step_timeout_s(),
         )
         self.store.commit_step(record, {})
         return step + 1
 
-    def _stage_checksums(self, plan: pb.Plan) -> dict[int, str]:
-        """Each stage's parameter checksum; replicas of a stage must agree."""
+    def _stage_checksums(self, plan: pb.Plan, applied: StepProgress) -> dict[int, str]:
+        """Each stage's parameter checksum of the `applied` step; replicas of a stage must agree."""
         result: dict[int, str] = {}
         for stage in plan.stages:
-            sums = {self.progress.checksums[n] for n in stage.node_ids if n in self.progress.checksums}
+            sums = {applied.checksums[n] for n in stage.node_ids if n in applied.checksums}
             if len(sums) > 1:
                 raise RunAborted(f"replicas of stage {stage.index} disagree on their parameters")
             if sums:
