@@ -122,15 +122,15 @@ def test_encodes_off_the_worker_run_in_the_order_the_worker_took_their_turns():
 
 
 @pytest.mark.timeout(30)
-def test_a_checksum_taken_later_is_the_parameters_when_asked_and_sees_one_bit():
+def test_a_checksum_taken_later_is_the_parameters_before_the_next_write_and_sees_one_bit():
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
     runtime = StageRuntime(cfg, 0, cfg.model.total_layers)
     before = runtime.checksum()
     later = runtime.checksum_later()
-    param = runtime.parameters()[1]
-    with torch.no_grad():
-        bits = param.view(-1)[:1].view(torch.int32)
-        bits ^= 1  # the last bit of one value
+    state = {name: p.detach().clone() for name, p in runtime.named_state()}
+    bits = state[runtime.named_state()[1][0]].view(-1)[:1].view(torch.int32)
+    bits ^= 1  # the last bit of one value
+    runtime.load_parameters(state)  # the stage's next write, which the checksum taken before it is not of
     assert later() == before != runtime.checksum()
     # The same definition as a checkpoint's (name order, raw bytes), over the host copies the node hashes.
     assert runtime.checksum() == framing.parameters_checksum(

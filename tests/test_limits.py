@@ -90,11 +90,15 @@ def test_200_idle_streams_at_a_node_and_at_the_coordinator(tmp_path):
             lambda it: rpc.CoordinatorStub(coordinator_channel).Probe.future(it, timeout=60), 200
         )
         try:
-            # Steps go on while 2 x 200 streams are held open, cut and opened again; the deadline cuts some.
+            # Steps go on while 2 x 200 streams are held open, cut and opened again; the deadline cuts some, and the
+            # limits below refuse most (counted as the attack reopens them, however fast the steps went).
             _steps_while(cluster, lambda: at_node.running and at_coordinator.running, 3, 90)
             cut = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
             wait_until(lambda: any(at_node.ended[c] for c in cut) and at_coordinator.ended[cut[1]], 30,
                        "idle streams cut at their deadline")
+            wait_until(lambda: at_node.ended[grpc.StatusCode.UNAVAILABLE] >= 150
+                       and at_coordinator.ended[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 150, 30,
+                       "150 streams refused at each")
         finally:
             at_node.stop()
             at_coordinator.stop()

@@ -22,6 +22,7 @@ before backward; the clip factor of `apply` divides it out again.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,19 @@ class StepGradients:
     step: int
     counted: set[int] = field(default_factory=set)
     sums: list[torch.Tensor] = field(default_factory=list)  # per parameter; empty until a microbatch is counted
+
+
+class _Once:
+    """fn's result, computed by its first caller; a caller on another thread meanwhile waits for it."""
+
+    def __init__(self, fn: Callable[[], str]) -> None:
+        self._fn, self._lock, self._result = fn, threading.Lock(), None
+
+    def __call__(self) -> str:
+        with self._lock:
+            if self._result is None:
+                self._result = self._fn()
+            return self._result
 
 
 def _fits_kernels(doubles: torch.Tensor, floats: torch.Tensor) -> bool:
@@ -348,8 +362,9 @@ class StageRuntime:
     def checksum_later(self) -> Callable[[], str]:
         """checksum(), computed by the function returned, which another thread may call: on an accelerator the
         parameters' copies to the host start now, after the work queued so far (the step just applied) and beside
-        the next step's compute, and the hash waits for them, not the device's queue; on the CPU the hash is taken
-        now, before a later step could change the parameters it reads. Kept for last_checksum."""
+        the next step's compute, and the hash waits for them, not the device's queue; on the CPU the hash is taken by
+        its first caller (the apply's report, on a sender thread, while the next step's compute reads the
+        parameters), and the next write to the parameters waits for it. Kept for last_checksum."""
         self._checksum = self._take_checksum()
         return self._checksum
 
@@ -363,17 +378,18 @@ class StageRuntime:
         names = [name for name, _ in self.named_state()]
         tensors = self.sync.anchor if self.sync is not None else self.parameters()
         if self.device.type == "cpu":
-            digest = framing.parameters_checksum(zip(names, tensors, strict=True))
-            return lambda: digest
+            return _Once(lambda: framing.parameters_checksum(zip(names, tensors, strict=True)))
         copies = self._snapshot = [self.copies.to_host_async(t.detach()) for t in tensors]
         return lambda: framing.parameters_checksum((n, c.wait()) for n, c in zip(names, copies, strict=True))
 
     def _writes_after_snapshot(self) -> None:
         """Before any write to the parameters: order the device's next writes to them after checksum_later's copies
-        of them, and forget their checksum."""
+        of them (on the CPU, after its hash), and forget their checksum."""
         for copy in self._snapshot:
             copy.before_writes()
         self._snapshot = []
+        if isinstance(self._checksum, _Once):
+            self._checksum()  # taken here if nobody asked for it yet, else waited for
         self._checksum = None
 
     def load_parameters(self, state: dict[str, torch.Tensor]) -> None:

@@ -388,11 +388,9 @@ class Coordinator:
         self._on_event("failure", {"step": self.step, "why": why})
 
     def _next_follows(self) -> bool:
-        """Called once step self.step is decided and its apply is out: the plan's estimate corrected by what the step
-        measured, then whether the next step runs under this plan with nothing due between them (validation, a
-        checkpoint, a re-plan, a verdict, the run's end): it may start while the nodes apply this one."""
-        assert self.driver.timings is not None  # the decided step's
-        self.planning.after_commit(self.driver.timings)
+        """Called once step self.step is decided and its apply is out: whether the next step runs under this plan
+        with nothing due between them (validation, a checkpoint, a re-plan, a verdict, the run's end), so that it may
+        start while the nodes apply this one. (A re-plan that this step's timings call for comes a step later.)"""
         done = self.step + 1  # steps done once this one commits
         validation, checkpoints = self.cfg.run.eval_every, self.cfg.scheduler.checkpoint_every
         verification = self.driver.verification
@@ -406,7 +404,9 @@ class Coordinator:
         )
 
     def _after_commit(self, record: StepRecord) -> StepRecord:
-        """Validation and checkpoints due after the committed step."""
+        """The plan's estimate corrected by what the step measured; validation and checkpoints due after it."""
+        assert self.driver.timings is not None  # the committed step's
+        self.planning.after_commit(self.driver.timings)
         last = self.step == self.cfg.run.steps
         every = self.cfg.run.eval_every
         if last or (every and self.step % every == 0):
