@@ -295,7 +295,10 @@ def hivemind_peer(rank: int, listen_ip: str, settings: list[str], initial_peers:
                                                    weight_decay=t.weight_decay),
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: t.lr_at(epoch, steps) / t.lr),
         batch_size_per_step=len(mine) * t.microbatch_size, target_batch_size=t.microbatches * t.microbatch_size,
-        matchmaking_time=1.0, averaging_timeout=600.0, average_state_every=10**9, verbose=False,
+        # A chunk may take seconds to arrive on 2 shared cores (the large model's 203 MB): past next_chunk_timeout
+        # (matchmaking_time by default) hivemind drops the sender's part and the peers fall out of step.
+        matchmaking_time=1.0, next_chunk_timeout=60.0, averaging_timeout=600.0, average_state_every=10**9,
+        verbose=False,
     )
     first_epoch_at, losses = None, []
     while optimizer.local_epoch < steps:
