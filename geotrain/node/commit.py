@@ -69,6 +69,7 @@ class StepCommit:
                     stage, lambda: self._average_with_replicas(runtime, plan, stage, order.step)
                 )
             parts = runtime.grad_sq_norm_parts()
+            self._norm_parts = (plan.epoch, order.step, parts)  # StepFlow._counted's task, if queued, finds them
         head = self._head
         round_trip_s = head.shortest_round_trip_s if head is not None and head.step == order.step else math.inf
         params_before, commitments = self.evidence.commitments(plan.epoch, order.step) if self.evidence else ("", [])

@@ -98,14 +98,14 @@ def _accumulate(total: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 
 
 def _rounded_mean(total: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """total / count rounded to `dtype` (count 0 or 1: total itself, rounded), on total's device; as torch's
-    total.div_(count).to(dtype), without writing total."""
+    """total / count rounded to `dtype` (count 0 or 1: total itself, rounded), on total's device, as torch's
+    total.div_(count).to(dtype) computes it; total is left to be dropped (torch's ops divide it in place)."""
     if count > 1:
         out = torch.empty_like(total, dtype=dtype)
         if _fits_kernels(total, out):
             _gradsums.mean(out.numpy(), total.numpy(), count)
             return out
-        return total.div(count).to(dtype)
+        return total.div_(count).to(dtype)
     return total.to(dtype)
 
 
