@@ -41,127 +41,52 @@ spread), and a verdict: geotrain's default and its best against the best of the 
 Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
 [--pace-steps N] [--record FILE] [--summarize]
 
-Measured on a 2-core machine shared with other work, each run under the CPU lock, three runs a cell where they fit
-(the early target, 2.8986: none's and int8's 100 steps, rank8's 40; int8's 100 is an older run's):
-- small, loopback (3 runs):
-  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
-    "step_s_median": 0.3945, "step_s_runs": [0.4253, 0.3916, 0.3945], "steps_to_target": 100,
-    "seconds_to_target_median": 39.5, "seconds_to_target_spread": [39.2, 42.5]}
-  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
-    "step_s_median": 0.32, "step_s_runs": [0.3165, 0.32, 0.3221], "steps_to_target": 40,
-    "seconds_to_target_median": 12.8, "seconds_to_target_spread": [12.7, 12.9]}
-  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 3,
-    "step_s_median": 0.4057, "step_s_runs": [0.4055, 0.4057, 0.418], "steps_to_target": 100,
-    "seconds_to_target_median": 40.6, "seconds_to_target_spread": [40.6, 41.8]}
-  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
-    "runs": 3, "step_s_median": 0.3906, "step_s_runs": [0.3895, 0.4051, 0.3906], "steps_to_target": 100,
-    "seconds_to_target_median": 39.1, "seconds_to_target_spread": [39.0, 40.5]}
-  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
-    "runs": 3, "step_s_median": 0.3715, "step_s_runs": [0.3706, 0.3715, 0.3725], "steps_to_target": 100,
-    "seconds_to_target_median": 37.1, "seconds_to_target_spread": [37.1, 37.2]}
-  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "hivemind all-reduce over libp2p",
-    "runs": 3, "step_s_median": 2.0889, "step_s_runs": [2.0108, 2.1253, 2.0889], "steps_to_target": 100,
-    "seconds_to_target_median": 208.9, "seconds_to_target_spread": [201.1, 212.5]}
+Measured on a 2-core machine, each run of a cell under the CPU lock, three runs a cell, the cells' runs interleaved
+(round by round), geotrain at 53944ed (the next step dispatched while its nodes apply, float64 sums in one pass,
+AdamW fused: torch's ranks step the same fused AdamW through StageRuntime.apply). Step seconds, median [runs]; seconds
+to the early target (2.8986: none's and every none-math system's 100 steps, rank8's 40), median [spread]:
+- small, loopback: geotrain none 0.3797 [0.3797, 0.3935, 0.3735], 38.0 s [37.4, 39.4]; rank8 0.2974, 11.9 s
+  [11.5, 12.5]; torch_gpipe 0.4079 [0.3988, 0.4079, 0.4094], 40.8 s; torch_1f1b 0.3752 [0.3704, 0.3958, 0.3752],
+  37.5 s [37.0, 39.6]; hivemind 2.0966 [1.9922, 33.5103, 2.0966] (one run's global steps stalled), 209.7 s.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "loopback: every process on 127.0.0.1, unshaped"}, "best_other": "torch_1f1b",
-    "geotrain_default_vs_best_other": 0.94, "geotrain_best": "rank8", "geotrain_best_vs_best_other": 2.9}
-    (printed before verdicts named what they compare by: seconds_to_target_median)
-- small, namespaces (3 runs):
-  {"system": "geotrain", "config": "none", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
-    "step_s_median": 0.6628, "step_s_runs": [0.6299, 0.6628, 0.7788], "steps_to_target": 100,
-    "seconds_to_target_median": 66.3, "seconds_to_target_spread": [63.0, 77.9]}
-  {"system": "geotrain_best", "config": "rank8", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
-    "runs": 3, "step_s_median": 0.7373, "step_s_runs": [0.6846, 0.7604, 0.7373], "steps_to_target": 40,
-    "seconds_to_target_median": 29.5, "seconds_to_target_spread": [27.4, 30.4]}
-  {"system": "geotrain_best", "config": "int8", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "none sent", "runs": 3,
-    "step_s_median": 0.6549, "step_s_runs": [0.6549, 0.6285, 1.0111], "steps_to_target": 100,
-    "seconds_to_target_median": 65.5, "seconds_to_target_spread": [62.8, 101.1]}
-  {"system": "torch_gpipe", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
-    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 2.753,
-    "step_s_runs": [2.7213, 2.753, 2.8205], "steps_to_target": 100, "seconds_to_target_median": 275.3,
-    "seconds_to_target_spread": [272.1, 282.1]}
-  {"system": "torch_1f1b", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
-    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 3, "step_s_median": 3.1441,
-    "step_s_runs": [3.1441, 3.1418, 3.1987], "steps_to_target": 100, "seconds_to_target_median": 314.4,
-    "seconds_to_target_spread": [314.2, 319.9]}
-  {"system": "hivemind", "model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
-    "tensor_transport": "hivemind all-reduce over libp2p", "runs": 3, "step_s_median": 0.9849,
-    "step_s_runs": [0.9901, 0.9489, 0.9849], "steps_to_target": 100, "seconds_to_target_median": 98.5,
-    "seconds_to_target_spread": [94.9, 99.0]}
+    "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "seconds_to_target_median",
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.99, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.15}
+- small, namespaces: geotrain none 0.8171 [0.8211, 0.6174, 0.8171], 81.7 s [61.7, 82.1]; rank8 0.6633, 26.5 s
+  [22.5, 26.7]; torch_gpipe 2.7394, 273.9 s; torch_1f1b 3.1587, 315.9 s; hivemind 0.9847 [1.0888, 0.9847, 0.9343],
+  98.5 s [93.4, 108.9]. The planner put the whole model on one node every time (nothing sent); the spread is where:
+  0.62-0.70 s a step on the node in the coordinator's region (r0n0, this run and two single runs beside the cell),
+  0.82 on one two regions away (r2n0), whose every order and report crosses the 50 ms links (about four one-way
+  crossings a step). The planner does not price a node's distance from the coordinator.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
-    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.49, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 3.34}
-- large, loopback (1 run; hivemind's failed, below):
-  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "raw tensor stream", "runs": 1,
-    "step_s_median": 2.2851, "step_s_runs": [2.2851], "steps_to_target": null, "seconds_to_target_median": null,
-    "seconds_to_target_spread": null}
-  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
-    "runs": 1, "step_s_median": 1.7666, "step_s_runs": [1.7666], "steps_to_target": null,
-    "seconds_to_target_median": null, "seconds_to_target_spread": null}
-  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "loopback: every process on 127.0.0.1, unshaped", "tensor_transport": "gloo TCP (torch.distributed)",
-    "runs": 1, "step_s_median": 1.622, "step_s_runs": [1.622], "steps_to_target": null,
-    "seconds_to_target_median": null, "seconds_to_target_spread": null}
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.21, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.72}
+- large, loopback (compared by step seconds: no validation run of the large model fitted, and these systems train
+  the same math): geotrain none 1.663 [1.6668, 1.663, 1.6142] (3 stages); torch_gpipe 1.5041 [1.5376, 1.5003,
+  1.5041]; torch_1f1b 1.4594 [1.5396, 1.4343, 1.4594]; hivemind 6.2589 [6.542, 5.7428, 6.2589].
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.71, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 0.71}
-- large, namespaces (1 run, 6 steps each, 4-5 measured; hivemind left out: on loopback it failed, below):
-  {"system": "geotrain", "config": "none", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way", "tensor_transport": "raw tensor stream",
-    "runs": 1, "step_s_median": 2.9007, "step_s_runs": [2.9007], "steps_to_target": null,
-    "seconds_to_target_median": null, "seconds_to_target_spread": null}
-  {"system": "torch_gpipe", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
-    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.6391, "step_s_runs": [3.6391],
-    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
-  {"system": "torch_1f1b", "model": "byte GPT 50.7M (16 blocks of width 512)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way",
-    "tensor_transport": "gloo TCP (torch.distributed)", "runs": 1, "step_s_median": 3.877, "step_s_runs": [3.877],
-    "steps_to_target": null, "seconds_to_target_median": null, "seconds_to_target_spread": null}
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.88, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.88}
+- large, namespaces: geotrain none 2.2557 [2.3274, 2.0916, 2.2557] (2 stages twice, 3 once); torch_gpipe 3.508
+  [3.5936, 3.508, 3.411]; torch_1f1b 3.6235 [3.7275, 3.5891, 3.6235].
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
-    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.25, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 1.25}
-Verdicts, per cell (geotrain's default against the best of torch pipelining and hivemind; the goals: >= 1.0x, and
-geotrain's best >= 2x):
-- small, loopback: 0.94x (torch_1f1b; GPipe 39.1 s, geotrain 39.5 s): the default plan (3 stages, the pipeline the
-  planner priced at 0.42 s a step; one stage of 3 replicas ran 2,816 tokens/s in the last session's run, 2.6x slower)
-  is right, and its pipeline is GPipe's pace, 6% behind 1F1B. Best: rank8 2.9x, by reaching the early target in 40
-  steps: at the late target (time_to_target.py, 1,000 steps) rank8 never gets there, so geotrain's best there is
-  none's 0.94x (int8's 1,000-step run outlasted its lock hold, 440 s, and printed nothing).
-- small, namespaces: 1.49x hivemind: the planner put the whole model on one node ("stages": 1, nothing sent, nothing
-  averaged: 0.66 s a step), where torch pipelining must cross the links (2.75 s GPipe, 3.14 s 1F1B) and hivemind
-  averages every step (0.98 s). Best: rank8 3.34x at the early target (2 stages); at the late target none's 1.49x.
-  The same ratios hold at the late target for none, torch and hivemind (each is none's steps x its step).
-- large, loopback: 0.71x torch_1f1b (geotrain 2.29 s a step, GPipe 1.77, 1F1B 1.62), one run: the 3-stage pipeline
-  again, but its steps are slower. Its metrics.jsonl: dispatch to gradient norms (the coordinator's step_s) 1.94-1.99
-  s, so ~0.3 s a step from the norms to the next commit (the apply order, the optimizer, parameter checksums, their
-  reports), and each node idle 9-40% of the step. A fix belongs to the step protocol and data plane (apply while the
-  next step's first microbatches flow; a 1F1B order within the window), not this bench.
-- large, namespaces: 1.25x torch_gpipe (geotrain 2.90 s a step on 2 stages, GPipe 3.64, 1F1B 3.88), one run;
-  torch's last loss is geotrain's (4.4537), the same math.
-- hivemind, large, loopback: failed: its all-reduce received 50% of the tensors, peers fell behind, their state
-  downloads timed out and two peers ended; stopped after 7 minutes (the line above is the cell without it).
-The train.inflight that time_to_target.py fixes at 6 is not the plan's default (auto): one run each, loopback, small:
-auto (the plan's window 5) 0.4117 s a step, 6: 0.4364 (both noisier than the 3-run cell above).
-Earlier figures (one run each, every process in a session of its own, the early target; namespaces, default plan then
-3 pipeline stages): geotrain none 168.4 s to target, rank8 32.2 s, torch pipelining (GPipe) 347.5 s, hivemind 168.3 s.
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.56, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.56}
+Where the loopback cells' time goes (perf over 12 s of each system's steady state, large model): the CPU is busy
+94% of the time under geotrain and 91% under torch 1F1B, and geotrain spends about 15% more CPU a step. Its
+float64 gradient sums (what keeps pipelines, replicas and train-local bit-identical) take 8.5% of all samples
+against torch's float32 accumulation's 4.9%, their mean 1.7%, the checksum (blake3) 1.2%; the rest is spread
+thin (the interpreter, page faults, the coordinator's process). Before this version the step also waited on the
+coordinator between commits (0.34 s of 2.0 on this model: the commit round, the apply, the checksums, the next
+dispatch); now a step's apply runs while the next step's first microbatches flow, and the commit finds its stages'
+norms taken. Same-day loopback runs, one each: 2.0 s a step before, 1.6 after; torch 1F1B 1.53 with the per-tensor
+AdamW loop, 1.40 with the fused one (its ranks use StageRuntime.apply).
+Before this version (the previous session's runs: small cells 3 runs, large 1): small loopback 0.94x, small
+namespaces 1.49x (geotrain 0.66 s a step, the whole model on one node), large loopback 0.71x, large namespaces
+1.25x; hivemind did not finish on the large model (next_chunk_timeout, now 60 s).
 """
 
 from __future__ import annotations

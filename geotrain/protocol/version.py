@@ -2,7 +2,11 @@
 
 # Bump on any change that an older peer would misread; the proto package name (geotrain.v1) changes only when
 # the wire format breaks wholesale.
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
+# 18: the coordinator starts a step with the apply of the one before (StepDriver.run_step), so a stage may receive
+#    the next step's activations before the order to apply: a node of 17 would compute them with the parameters of
+#    the step before, silently; a node of 18 keeps them until it has applied, and the fused AdamW it steps with
+#    rounds otherwise than 17's per-tensor loop (replicas of both would disagree)
 # 17: a raw state stream's TensorHeader carries no crc32 (0) and its receiver checks none (statestream.py); a header's
 #    crc32 of 0 is not checksummed (framing.StateReceiver): a coordinator of 16 would refuse a holder of 17's state
 #    as corrupt, and every checkpoint with it
