@@ -70,7 +70,12 @@ to the early target (2.8986: none's and every none-math system's 100 steps, rank
     "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.88, "geotrain_best": "none",
     "geotrain_best_vs_best_other": 0.88}
 - large, namespaces: geotrain none 2.2557 [2.3274, 2.0916, 2.2557] (2 stages twice, 3 once); torch_gpipe 3.508
-  [3.5936, 3.508, 3.411]; torch_1f1b 3.6235 [3.7275, 3.5891, 3.6235].
+  [3.5936, 3.508, 3.411]; torch_1f1b 3.6235 [3.7275, 3.5891, 3.6235]; hivemind (one run, --pace-steps 4) 5.0637.
+  hivemind's namespace figures are a lower bound on data parallelism: 5.06 s a step cannot carry the large model's
+  203 MB of gradients (about 270 MB a peer, reduce and gather) over 50 Mbit/s, so most of its global steps did not
+  assemble an all-reduce group within matchmaking_time and stepped on local gradients ("Another look_for_group is
+  already in progress" in its logs); the small model's 0.98 s is below such an all-reduce's 2.3 s too. Both only
+  favour hivemind in the verdicts.
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
     "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.56, "geotrain_best": "none",
