@@ -664,27 +664,64 @@ def test_activations_of_the_next_step_wait_for_the_apply_and_none_come_from_furt
 
 
 @pytest.mark.timeout(60)
+def test_a_stage_held_alone_reports_its_norm_without_waiting_for_the_commit_order(make_agent):
+    # The coordinator's commit order comes once the data heads have reported every microbatch; a stage nobody else
+    # holds knows before that its gradients are complete, and its report saves the order's round trip.
+    class Coordinator(_FakeCoordinator):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norms: queue.Queue[pb.GradNormRequest] = queue.Queue()
+
+        def MicrobatchDone(self, request: pb.MicrobatchDoneRequest, timeout: float) -> pb.Ack:  # noqa: N802
+            return pb.Ack()
+
+        def GradNorm(self, request: pb.GradNormRequest, timeout: float) -> pb.Ack:  # noqa: N802
+            self.norms.put(request)
+            return pb.Ack()
+
+    coordinator = Coordinator()
+    agent = make_agent("node-1", coordinator)
+    cfg = agent.cfg
+    total, microbatches = cfg.model.total_layers, cfg.train.microbatches
+    agent.corpus = local_tokens(cfg)
+    agent._apply_plan(_plan(1, 0, total, [(0, total, agent)]))
+    _start_worker(agent)
+    agent._on_order(pb.Order(start_step=pb.StartStep(
+        step=0, microbatches=range(microbatches), total_microbatches=microbatches)))
+
+    report = coordinator.norms.get(timeout=30)
+    assert (report.node_id, report.step, report.plan_epoch) == ("node-1", 0, 1)
+    assert report.sq_norm > 0 and len(report.sq_norm_parts) == len(agent.runtime.parameters())
+    agent._on_order(pb.Order(commit=pb.CommitStep(plan_epoch=1, step=0)))
+    agent._on_order(pb.Order(apply=pb.ApplyStep(step=0, clip_coef=1.0, lr=1e-3)))
+    wait_until(lambda: agent.runtime.applied_step == 0, 10, "step 0 applied")
+    assert coordinator.norms.empty(), "the commit order found the norm reported, and sent no second one"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(stage_module._gradsums is None, reason="the gradient sums' C kernels are not built")
 def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
-    # node/_gradsums.c must give what torch's zeros_like + add_ and div_ + cast give, bit for bit: a node without a C
-    # compiler trains the same run. Both runs see the same microbatches, in the same order.
+    # node/_gradsums.c must give what torch's zeros_like + add_, div_ + cast and the squares' sums give, bit for bit:
+    # a node without a C compiler trains the same run. Both runs see the same microbatches, in the same order.
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
     corpus = local_tokens(cfg)
 
-    def gradients() -> list[torch.Tensor]:
+    def gradients() -> tuple[list[torch.Tensor], list[float]]:
         stage = StageRuntime(cfg, 0, cfg.model.total_layers)
         for microbatch in range(3):
             x, y = corpus.batch(seed=1, step=0, microbatch=microbatch, size=2, seq_len=cfg.model.seq_len)
             stage.forward((0, microbatch), x)
             stage.loss_backward((0, microbatch), y)
         stage.mean_gradients(0)
-        return [g.clone() for g in stage.gradients()]
+        return [g.clone() for g in stage.gradients()], stage.grad_sq_norm_parts()
 
     kernels = stage_module._gradsums
-    with_kernels = gradients()
+    with_kernels, parts = gradients()
     monkeypatch.setattr(stage_module, "_gradsums", None)
-    without = gradients()
+    without, parts_without = gradients()
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(with_kernels, without))
+    # The norm's parts: what torch sums over the gradients widened and squared, as every version before summed them.
+    assert parts == parts_without == [g.double().pow(2).sum().item() for g in without]
 
     # Values across float32's range, signed zeros, Inf and NaN, through both kernels.
     values = torch.tensor([0.0, -0.0, 1e-45, -3e38, 3e38, float("inf"), float("nan"), 1.0 / 3, -7.25e-20])
@@ -696,10 +733,27 @@ def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
         expected.add_(g)
     assert torch.equal(sums.view(torch.int64), expected.view(torch.int64))
     for count in (3, 7):
-        out = torch.empty(len(values))
-        kernels.mean(out.numpy(), sums.numpy(), count)
+        out, squares = torch.empty(len(values)), sums.clone()
+        kernels.mean_squares(out.numpy(), squares.numpy(), count)
         assert torch.equal(out.view(torch.int32), expected.div(count).float().view(torch.int32))
+        assert torch.equal(squares.view(torch.int64), out.double().mul(out.double()).view(torch.int64))
     with pytest.raises(ValueError, match="not the same elements"):
         kernels.accumulate(sums.numpy(), values[:4].numpy(), False)
     with pytest.raises(ValueError, match="a mean over 0 microbatches"):
-        kernels.mean(out.numpy(), sums.numpy(), 0)
+        kernels.mean_squares(out.numpy(), sums.numpy(), 0)
+
+
+@pytest.mark.timeout(30)
+def test_the_norm_squares_a_gradient_written_after_the_mean():
+    # PowerSGD's averaging replaces the mean in place: the squares the mean left are then stale.
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    stage = StageRuntime(cfg, 0, cfg.model.total_layers)
+    x, y = local_tokens(cfg).batch(seed=1, step=0, microbatch=0, size=2, seq_len=cfg.model.seq_len)
+    stage.forward((0, 0), x)
+    stage.loss_backward((0, 0), y)
+    stage.mean_gradients(0)
+    first = stage.gradients()[0]
+    first.mul_(3.0)
+    parts = stage.grad_sq_norm_parts()
+    assert parts == [g.double().pow(2).sum().item() for g in stage.gradients()]
+    assert parts[0] > 0

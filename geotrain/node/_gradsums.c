@@ -7,8 +7,12 @@
  * model. Here each is one pass, computing what torch computes, operation for operation, in IEEE double:
  *
  *     accumulate(sums, grads, first)   sums = 0.0 + (double)grads  (first)   or   sums += (double)grads
- *     mean(out, sums, count)           out = (float)(sums / count)           round to nearest even, once
+ *     mean_squares(out, sums, count)   out = (float)(sums / count)           round to nearest even, once
+ *                                      sums = (double)out * (double)out      exact: 24-bit significands
  *
+ * The mean leaves its squares in the sums, which it was the last to read: the gradient norm's parts are their
+ * sums (torch's sum over the same float64 values, so the same bits as torch's g.double().pow(2).sum()), with no
+ * float64 copies of the gradients to allocate and fill.
  * (0.0 + x: torch's sums start as zeros, so a gradient's -0.0 sums to +0.0 here as there.) The module is optional:
  * where it was not built (no C compiler at install), the stage uses the torch ops, which give the same bits
  * (tests/test_node_runtime.py checks it). The GIL is released throughout.
@@ -35,8 +39,12 @@ TARGET_CLONES static void add_floats(double *restrict sums, const float *restric
     }
 }
 
-TARGET_CLONES static void round_mean(float *restrict out, const double *restrict sums, int64_t n, double count) {
-    for (int64_t i = 0; i < n; i++) out[i] = (float)(sums[i] / count);
+TARGET_CLONES static void round_mean(float *restrict out, double *restrict sums, int64_t n, double count) {
+    for (int64_t i = 0; i < n; i++) {
+        const float mean = (float)(sums[i] / count);
+        out[i] = mean;
+        sums[i] = (double)mean * (double)mean;
+    }
 }
 
 /* The buffers' lengths in elements, equal, or -1 with a ValueError set. */
@@ -69,14 +77,15 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(mean_doc,
-             "mean(out, sums, count): out (a writable contiguous float32 buffer) = sums / count rounded to float32,\n"
-             "elementwise; sums: a contiguous float64 buffer of as many elements; count > 0.");
+PyDoc_STRVAR(mean_squares_doc,
+             "mean_squares(out, sums, count): out (a writable contiguous float32 buffer) = sums / count rounded to\n"
+             "float32, then sums (a writable contiguous float64 buffer of as many elements) = out * out in float64,\n"
+             "elementwise; count > 0.");
 
-static PyObject *mean(PyObject *self, PyObject *args) {
+static PyObject *mean_squares(PyObject *self, PyObject *args) {
     Py_buffer out, sums;
     long long count;
-    if (!PyArg_ParseTuple(args, "w*y*L", &out, &sums, &count)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*w*L", &out, &sums, &count)) return NULL;
     int64_t n = matching(&sums, &out);
     if (n >= 0 && count <= 0) {
         PyErr_Format(PyExc_ValueError, "a mean over %lld microbatches", count);
@@ -95,13 +104,13 @@ static PyObject *mean(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS, accumulate_doc},
-    {"mean", mean, METH_VARARGS, mean_doc},
+    {"mean_squares", mean_squares, METH_VARARGS, mean_squares_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "geotrain.node._gradsums",
-    "A stage's float64 gradient sums and their float32 mean, one pass each; see _gradsums.c.", -1, methods,
+    "A stage's float64 gradient sums, their float32 mean and its squares, one pass each; see _gradsums.c.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__gradsums(void) { return PyModule_Create(&module); }

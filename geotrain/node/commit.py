@@ -32,6 +32,7 @@ _DHT_READY_S = 15.0
 class StepCommit:
     """The Agent's commit and apply of a step, and its replica averaging (a part of Agent)."""
 
+    _norm_reported: tuple[int, int]  # (plan epoch, step) of the last GradNorm this node sent
     _low_rank: LowRankAveraging | None  # replicas average PowerSGD factors (replica_grads)
     _dht: object
     averager: object  # ReplicaAverager once the DHT is up
@@ -40,6 +41,7 @@ class StepCommit:
     stopped: threading.Event  # set when the node stops serving
 
     def _init_commit(self) -> None:
+        self._norm_reported = (0, -1)
         self._low_rank = None
         self._dht = None
         self.averager = None
@@ -55,6 +57,8 @@ class StepCommit:
         stage = plan.stages[self.stage_index]
         task_s = self.take_task_s(plan.epoch)
         averaging_s = 0.0
+        if self._norm_reported == (plan.epoch, order.step):
+            return  # reported as the stage counted its last microbatch (StepFlow._counted)
         if self._norm_parts is not None and self._norm_parts[:2] == (plan.epoch, order.step):
             parts = self._norm_parts[2]  # averaged as the stage counted its last microbatch (StepFlow._counted)
         else:
@@ -81,6 +85,7 @@ class StepCommit:
             round_trip_s=round_trip_s if math.isfinite(round_trip_s) else 0.0,
             params_before=params_before, commitments=commitments, reports=self.take_reports(),
         )
+        self._norm_reported = (plan.epoch, order.step)
         self._report(self.coordinator.GradNorm, request)
 
     def _with_replicas(self, stage: pb.StageAssignment, average: Callable[[], None]) -> float:

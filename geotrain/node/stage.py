@@ -10,7 +10,8 @@ are exact, hence the same in any order and over any split among replicas, as lon
 span fewer than 29 - log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which
 changes the float32 mean only when it lies that close to a float32 rounding boundary. The mean is rounded to
 float32 once, after the division. On the CPU both take one pass over memory each where the C kernels of
-node/_gradsums.c were built, the same bits as torch's ops.
+node/_gradsums.c were built, the same bits as torch's ops. The mean leaves its squares (exact in float64) in the
+sums it no longer needs, and the gradient norm adds them up: the norm the commit waits for costs one pass over them.
 
 Under bf16 or fp16 (train.precision) layers compute in autocast over float32 parameters and AdamW state, and every
 layer's output but the model's last is rounded to the compute dtype: any layer boundary may be a stage boundary,
@@ -99,14 +100,17 @@ def _accumulate(total: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 
 def _rounded_mean(total: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
     """total / count rounded to `dtype` (count 0 or 1: total itself, rounded), on total's device, as torch's
-    total.div_(count).to(dtype) computes it; total is left to be dropped (torch's ops divide it in place)."""
+    total.div_(count).to(dtype) computes it; total then holds that mean's squares in float64 (exact, as a float32's
+    square has 48 significant bits), what the gradient norm adds up."""
+    out = torch.empty_like(total, dtype=dtype)
+    if _fits_kernels(total, out):
+        _gradsums.mean_squares(out.numpy(), total.numpy(), max(count, 1))
+        return out
     if count > 1:
-        out = torch.empty_like(total, dtype=dtype)
-        if _fits_kernels(total, out):
-            _gradsums.mean(out.numpy(), total.numpy(), count)
-            return out
-        return total.div_(count).to(dtype)
-    return total.to(dtype)
+        total.div_(count)
+    out.copy_(total)
+    total.copy_(out).mul_(total)
+    return out
 
 
 class StageRuntime:
@@ -155,6 +159,9 @@ class StageRuntime:
         self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
         self._checksum: Callable[[], str] | None = None  # checksum_later's last, forgotten at a write (last_checksum)
         self.grads: StepGradients | None = None
+        # The last mean's squares, each with the gradient it squared and that gradient's version: a gradient written
+        # since (PowerSGD's averaging writes them) is squared again.
+        self._squares: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._pending: dict[MicrobatchKey, _Pending] = {}
         # Sees each counted microbatch's parameter gradients (verification's commitments, node/verifier.py).
         self.on_param_grads: Callable[[MicrobatchKey, Sequence[torch.Tensor | None]], None] | None = None
@@ -265,6 +272,7 @@ class StageRuntime:
         """Drop every uncommitted gradient and kept activation: a new plan epoch redoes the step from scratch."""
         self.optimizer.zero_grad(set_to_none=True)
         self.grads = None
+        self._squares = []
         self._pending.clear()
 
     def _start_step(self, step: int) -> None:
@@ -272,6 +280,7 @@ class StageRuntime:
             raise ValueError(f"gradients for step {step}, but step {self.applied_step} is already applied")
         self.optimizer.zero_grad(set_to_none=True)
         self.grads = StepGradients(step=step)
+        self._squares = []
         # Microbatches of an older step can no longer be backpropagated.
         self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
 
@@ -302,6 +311,10 @@ class StageRuntime:
         for p, total in zip(params, sums):
             # rounded where the sums live: MPS has no float64
             p.grad = _rounded_mean(total, count if reduce is None else 1, p.dtype).to(p.device)
+        # Squares summed where the norm's own would be (the reduce's host copies of a GPU's sums are not).
+        self._squares = [
+            (total, p.grad, p.grad._version) for p, total in zip(params, sums) if total.device == self._sums_device
+        ]
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
@@ -314,7 +327,12 @@ class StageRuntime:
         """Squared L2 norm of each gradient tensor, in parameter order: the parts of the global norm
         (TrainSection.decide adds everyone's parts exactly); inf for a tensor with an Inf or NaN (an fp16 overflow),
         so a report says the same in every replica and compares equal to itself."""
-        squares = [g.to(self._sums_device).double().pow(2).sum() for g in self.gradients()]
+        kept = {id(g): (total, version) for total, g, version in self._squares}
+        self._squares = []
+        squares = []
+        for g in self.gradients():
+            total, version = kept.get(id(g), (None, -1))
+            squares.append((total if version == g._version else g.to(self._sums_device).double().pow(2)).sum())
         parts = torch.stack(squares).cpu().tolist() if squares else []  # one copy to the host, not one per tensor
         return [part if math.isfinite(part) else math.inf for part in parts]
 
@@ -325,6 +343,7 @@ class StageRuntime:
             raise ValueError(f"apply step {step} after step {self.applied_step}")
         self.set_loss_scale(loss_scale)
         self._writes_after_snapshot()
+        self._squares = []
         if self.sync is not None:
             self.sync.apply_pending(step, self.parameters())
         if skip:

@@ -257,8 +257,10 @@ class StepFlow:
 
     def _counted(self, step: int) -> None:
         """After a microbatch's backward: once a stage this node holds alone has counted every microbatch of the
-        step, average its gradients and take their norm at once (a task of its own, after the backward's timing),
-        while the data head still finishes its last backward: the coordinator's commit then finds them ready."""
+        step, average its gradients, take their norm and report it at once (a task of its own, after the backward's
+        timing), while the data head may still finish its last backward: the coordinator's commit order then finds
+        the norm in, a round trip sooner. Under verification the report waits for the order: its commitments cover
+        the gradients this node sends, hashed on their way out."""
         runtime, plan, cfg = self.runtime, self.plan, self.cfg
         assert runtime is not None and plan is not None and cfg is not None
         alone = len(plan.stages[self.stage_index].node_ids) == 1
@@ -271,5 +273,7 @@ class StepFlow:
             if runtime is self.runtime and not done:
                 runtime.mean_gradients(step)
                 self._norm_parts = (epoch, step, runtime.grad_sq_norm_parts())
+                if self.evidence is None:
+                    self._commit(pb.CommitStep(step=step, plan_epoch=epoch))
 
         self._submit(CONTROL, average, epoch)
