@@ -66,6 +66,8 @@ def test_reports_become_planner_inputs():
     assert ab.latency_s == pytest.approx(0.015)
     assert network.pair_overrides[("a", "c")].bandwidth_bps == pytest.approx(2 / (1 / 10e6 + 1 / 30e6))
     assert ("a", "coordinator") not in network.pair_overrides
+    # A node's probe of the coordinator is its round trip there; not probed yet, it counts none.
+    assert [n.coordinator_rtt_s for n in nodes] == [0.001, 0.0, 0.0]
     # Region links for pairs nobody measured: the median of what was measured between (or inside) those regions.
     assert network.region_link("eu", "us").bandwidth_bps == pytest.approx(15e6)
     assert network.region_link("eu", "eu").bandwidth_bps == pytest.approx(ab.bandwidth_bps)

@@ -31,6 +31,8 @@ class NodeProfile:
     """Nobody can dial it (behind NAT): its links with another such node go through a relay."""
     device_class: str = ""
     """What it computes on (scheduler.profiles.device_class): replicas of a stage share one (scheduler.planner)."""
+    coordinator_rtt_s: float = 0.0
+    """Round trip to the coordinator as the node probed it (0: not measured): a data head waits one a step."""
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -41,6 +43,8 @@ class NodeProfile:
             raise ValueError(f"node {self.node_id}: layer_seconds must be non-empty, finite and > 0")
         if self.memory_bytes < 0 or self.baseline_bytes < 0:
             raise ValueError(f"node {self.node_id}: memory_bytes and baseline_bytes must be >= 0")
+        if not (math.isfinite(self.coordinator_rtt_s) and self.coordinator_rtt_s >= 0):
+            raise ValueError(f"node {self.node_id}: coordinator_rtt_s must be finite and >= 0")
 
     @property
     def room_bytes(self) -> int:

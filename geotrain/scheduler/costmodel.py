@@ -37,11 +37,14 @@ Under train.inflight = "auto" plans are searched unbounded and each plan gets th
 lowered where a replica's memory cannot hold its share of the W |R_0| microbatches in flight (below).
 Step (GPipe-style fill and drain; compute and communication overlap, so the slowest resource sets the pace):
     beta = max(max_s c_s, max_s o_s)
-    T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s + f
+    T = max((M - 1) * beta, w) + sum_s h_s + sum_s x_s + max_s g_s + f + r
   and with one stage (data parallelism: nothing to fill, the replicas take their shares side by side)
-    T = max(max(M - |R_0|, 0) * c_0, w) + h_0 + g_0 + f
+    T = max(max(M - |R_0|, 0) * c_0, w) + h_0 + g_0 + f + r
     samples/s = M * microbatch_size / T
-where f is the commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
+where r = max over the data heads of their round trip to the coordinator (NodeProfile.coordinator_rtt_s): between a
+head's last backward of a step and its first forward of the next, its reports reach the coordinator and the order
+to apply comes back (the other stages finish their backwards first, so their reports are in by then), and f is the
+commit's fixed seconds (StepShape.commit_s: the commit order, gradient means and norms, their reports),
 and each hivemind round of g_s costs a fixed StepShape.averaging_round_s on top of its bytes (matchmaking, message
 overheads; a flat all-reduce is one round, a hierarchical one HIERARCHICAL_ROUNDS); a live run measures these and e
 (scheduler.calibration), a plan from profiles alone counts them 0.
@@ -237,6 +240,8 @@ class Plan:
     rounds them up and caps them."""
     round_trip_s: float = 0.0
     """One microbatch's round trip through every stage and back (sum_s h_s + sum_s x_s)."""
+    coordinator_round_trip_s: float = 0.0
+    """The data heads' slowest round trip to the coordinator (r), which each step waits once."""
     node_memory_bytes: dict[str, int] = field(default_factory=dict)
     """Node id -> the peak memory its process is estimated at: its baseline and its stage's need at its share of
     the window's microbatches in flight."""
@@ -275,6 +280,7 @@ class _Terms:
     allreduce: np.ndarray  # g_s
     paced: float  # the pace term: (M - 1) x the slowest stage or link (M - |R_0| for a lone stage)
     window: float  # w, the seconds the data heads' window paces the step
+    control: float  # r, the data heads' slowest round trip to the coordinator
     step_s: float
 
 
@@ -307,6 +313,7 @@ class CostModel:
         if nodes:
             self.prefix_seconds[:, 1:] = np.cumsum([n.layer_seconds for n in nodes], axis=1)
         self.memory = np.array([n.room_bytes for n in nodes], dtype=np.float64)  # what a stage may take
+        self.coordinator_rtt = np.array([n.coordinator_rtt_s for n in nodes], dtype=np.float64)
         self.param_prefix = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes, dtype=np.float64)])
         self.count_prefix = self.param_prefix / model.bytes_per_value
         # Bits of each all-reduce round of replica averaging, summed over layers: [round][b] = bits of layers [0, b).
@@ -470,11 +477,19 @@ class CostModel:
         their shares side by side, so its first |R_0| start together."""
         return replicas if n_stages == 1 else 1
 
-    def step_from(self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None) -> float:
+    def control_seconds(self, heads: Sequence[int] | np.ndarray) -> float:
+        """r: the slowest round trip to the coordinator among the data heads (node indices)."""
+        idx = np.asarray(heads, dtype=np.int64)
+        return float(self.coordinator_rtt[idx].max()) if idx.size else 0.0
+
+    def step_from(
+        self, paced_s: float, fill_s: float, sync_s: float, data_heads: int, window: int | None, control_s: float
+    ) -> float:
         """T from its terms: paced_s = paced_seconds(max_s max(c_s, o_s)), fill_s = sum_s h_s + sum_s x_s,
-        sync_s = max_s g_s; the data heads' window paces instead where it is slower; the commit's fixed seconds on top."""
+        sync_s = max_s g_s, control_s = control_seconds(the data heads); the data heads' window paces instead where
+        it is slower; the commit's fixed seconds on top."""
         paced = np.maximum(paced_s, self.window_paced_seconds(fill_s, data_heads, window))
-        return paced + fill_s + sync_s + self.shape.commit_s
+        return paced + fill_s + sync_s + self.shape.commit_s + control_s
 
     def occupancy(self, start: int, end: int, nodes: Sequence[int]) -> float:
         """c_s of the replicas nodes serving layers [start, end)."""
@@ -519,7 +534,8 @@ class CostModel:
         round_trip = lat.sum() + transfer.sum()
         pace = max(occ.max(), link_occ.max() if len(link_occ) else 0.0)
         paced = float(self.paced_seconds(pace, self.lone_starters(n_stages, terms[0][5])))
-        step = self.step_from(paced, round_trip, allreduce.max(), terms[0][5], window)
+        control = self.control_seconds(stages[0][2])
+        step = self.step_from(paced, round_trip, allreduce.max(), terms[0][5], window, control)
         return _Terms(
             occupancy=occ,
             latency=lat,
@@ -528,6 +544,7 @@ class CostModel:
             allreduce=allreduce,
             paced=paced,
             window=self.window_paced_seconds(round_trip, terms[0][5], window),
+            control=control,
             step_s=step,
         )
 
@@ -599,6 +616,7 @@ class CostModel:
             chosen_inflight=chosen,
             window_need=need,
             round_trip_s=float(t.latency.sum() + t.transfer.sum()),
+            coordinator_round_trip_s=t.control,
             node_memory_bytes={
                 self.nodes[i].node_id: int(self.nodes[i].baseline_bytes + need)
                 for (_, _, nodes), stage_needs in zip(stages, needs) for i, need in zip(nodes, stage_needs)
@@ -674,6 +692,8 @@ def _bottleneck(nodes: Sequence[NodeProfile], stages: Stages, t: _Terms, window:
     if sync >= pace and sync >= fill:
         s = int(np.argmax(t.allreduce))
         return f"stage {s} gradient all-reduce among {len(stages[s][2])} replicas: {sync:.3g} s, {share(sync)}"
+    if t.control > max(pace, fill, sync):
+        return f"the data heads' round trip to the coordinator, once a step: {t.control:.3g} s, {share(t.control)}"
     if len(stages) == 1 and t.window <= t.paced:
         return (
             f"compute: {len(stages[0][2])} replicas of the whole model side by side, {t.occupancy[0]:.3g} s per"

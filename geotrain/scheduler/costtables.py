@@ -64,10 +64,10 @@ class CostTables:
         return self._stages[key]
 
     @staticmethod
-    def fitting(table: tuple[np.ndarray, ...], start: int, end: int) -> int:
-        """How many members of a stage table's group fit layers [start, end)."""
-        fit_class, _, count = table[3:]
-        return int(count[fit_class[:, start, end]].sum())
+    def members(group: tuple[int, ...], table: tuple[np.ndarray, ...], start: int, end: int) -> np.ndarray:
+        """The node indices of the group's members that fit layers [start, end), by the group's stage table."""
+        fit_class, member_class = table[3:5]
+        return np.asarray(group, dtype=np.int64)[fit_class[member_class, start, end]]
 
     def link(self, left: tuple[int, ...], right: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """For each cut position between two replica groups: the link's paced occupancy and its fill."""

@@ -58,8 +58,8 @@ class LayerSplitter:
                 break
             bounds, pace, fill, slowest_sync = found
             # The cost model adds the DP's terms up; the data heads are the members of the first stage that fit.
-            heads = self.tables.fitting(tables[0], 0, bounds[1])
-            cost = cm.step_from(pace, fill, slowest_sync, heads, cm.fixed_window)
+            heads = self.tables.members(groups[0], tables[0], 0, bounds[1])
+            cost = cm.step_from(pace, fill, slowest_sync, len(heads), cm.fixed_window, cm.control_seconds(heads))
             if cost < best_cost:
                 best, best_cost = bounds, cost
             # A lower cap cannot lower the pace, so once the pace alone reaches the best step of these groups, or
@@ -71,7 +71,7 @@ class LayerSplitter:
             return None
         self._best_split = min(self._best_split, best_cost)
         stages = tuple(
-            (a, b, tuple(sorted(np.asarray(g, dtype=np.int64)[tables[s][3][tables[s][4], a, b]].tolist())))
+            (a, b, tuple(sorted(self.tables.members(g, tables[s], a, b).tolist())))
             for s, (g, a, b) in enumerate(zip(groups, best[:-1], best[1:]))
         )
         return stages, best_cost

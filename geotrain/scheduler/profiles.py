@@ -16,6 +16,7 @@ from typing import Protocol
 
 from geotrain.config import PRECISIONS, RunConfig
 from geotrain.protocol import geotrain_pb2 as pb
+from geotrain.protocol.probe import COORDINATOR_PEER
 from geotrain.scheduler.costmodel import Link, ModelProfile, Network, NodeProfile
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ def planner_inputs(
             unfit=m.profile.unfit,
             unreachable=m.unreachable,
             device_class=device_class(m.profile),
+            coordinator_rtt_s=next((p.rtt_s for p in m.profile.links if p.peer == COORDINATOR_PEER), 0.0),
         )
         for m in profiled
     ]
