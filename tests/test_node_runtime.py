@@ -706,8 +706,9 @@ def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
     corpus = local_tokens(cfg)
 
-    def gradients() -> tuple[list[torch.Tensor], list[float]]:
+    def gradients(mean_at: int = 0) -> tuple[list[torch.Tensor], list[float]]:
         stage = StageRuntime(cfg, 0, cfg.model.total_layers)
+        stage.mean_at = mean_at
         for microbatch in range(3):
             x, y = corpus.batch(seed=1, step=0, microbatch=microbatch, size=2, seq_len=cfg.model.seq_len)
             stage.forward((0, microbatch), x)
@@ -716,12 +717,16 @@ def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
         return [g.clone() for g in stage.gradients()], stage.grad_sq_norm_parts()
 
     kernels = stage_module._gradsums
-    with_kernels, parts = gradients()
+    # Each way: the mean taken by mean_gradients, or as the last microbatch is added (a stage held alone).
+    with_kernels = [gradients(), gradients(mean_at=3)]
     monkeypatch.setattr(stage_module, "_gradsums", None)
-    without, parts_without = gradients()
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(with_kernels, without))
+    without = [gradients(), gradients(mean_at=3)]
+    reference, parts = without[0]
+    for grads, norm_parts in with_kernels + without[1:]:
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(grads, reference))
+        assert norm_parts == parts
     # The norm's parts: what torch sums over the gradients widened and squared, as every version before summed them.
-    assert parts == parts_without == [g.double().pow(2).sum().item() for g in without]
+    assert parts == [g.double().pow(2).sum().item() for g in reference]
 
     # Values across float32's range, signed zeros, Inf and NaN, through both kernels.
     values = torch.tensor([0.0, -0.0, 1e-45, -3e38, 3e38, float("inf"), float("nan"), 1.0 / 3, -7.25e-20])
@@ -737,6 +742,12 @@ def test_the_gradient_sums_c_kernels_compute_torchs_bits(monkeypatch):
         kernels.mean_squares(out.numpy(), squares.numpy(), count)
         assert torch.equal(out.view(torch.int32), expected.div(count).float().view(torch.int32))
         assert torch.equal(squares.view(torch.int64), out.double().mul(out.double()).view(torch.int64))
+        fused, fused_out = torch.empty_like(sums), torch.empty(len(values))
+        for i, g in enumerate(grads[:-1]):
+            kernels.accumulate(fused.numpy(), g.numpy(), i == 0)
+        kernels.accumulate_mean_squares(fused.numpy(), grads[-1].numpy(), fused_out.numpy(), False, count)
+        assert torch.equal(fused_out.view(torch.int32), out.view(torch.int32))
+        assert torch.equal(fused.view(torch.int64), squares.view(torch.int64))
     with pytest.raises(ValueError, match="not the same elements"):
         kernels.accumulate(sums.numpy(), values[:4].numpy(), False)
     with pytest.raises(ValueError, match="a mean over 0 microbatches"):

@@ -9,6 +9,8 @@
  *     accumulate(sums, grads, first)   sums = 0.0 + (double)grads  (first)   or   sums += (double)grads
  *     mean_squares(out, sums, count)   out = (float)(sums / count)           round to nearest even, once
  *                                      sums = (double)out * (double)out      exact: 24-bit significands
+ *     accumulate_mean_squares(sums, grads, out, first, count)   the two above, element by element: a stage that
+ *                                      takes its mean as it adds its last microbatch passes over the sums once
  *
  * The mean leaves its squares in the sums, which it was the last to read: the gradient norm's parts are their
  * sums (torch's sum over the same float64 values, so the same bits as torch's g.double().pow(2).sum()), with no
@@ -42,6 +44,16 @@ TARGET_CLONES static void add_floats(double *restrict sums, const float *restric
 TARGET_CLONES static void round_mean(float *restrict out, double *restrict sums, int64_t n, double count) {
     for (int64_t i = 0; i < n; i++) {
         const float mean = (float)(sums[i] / count);
+        out[i] = mean;
+        sums[i] = (double)mean * (double)mean;
+    }
+}
+
+TARGET_CLONES static void add_and_mean(double *restrict sums, const float *restrict grads, float *restrict out,
+                                      int64_t n, int first, double count) {
+    for (int64_t i = 0; i < n; i++) {
+        const double sum = first ? 0.0 + (double)grads[i] : sums[i] + (double)grads[i];
+        const float mean = (float)(sum / count);
         out[i] = mean;
         sums[i] = (double)mean * (double)mean;
     }
@@ -102,9 +114,37 @@ static PyObject *mean_squares(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(accumulate_mean_squares_doc,
+             "accumulate_mean_squares(sums, grads, out, first, count): accumulate(sums, grads, first), then\n"
+             "mean_squares(out, sums, count), in one pass.");
+
+static PyObject *accumulate_mean_squares(PyObject *self, PyObject *args) {
+    Py_buffer sums, grads, out;
+    int first;
+    long long count;
+    if (!PyArg_ParseTuple(args, "w*y*w*pL", &sums, &grads, &out, &first, &count)) return NULL;
+    int64_t n = matching(&sums, &grads);
+    if (n >= 0 && matching(&sums, &out) < 0) n = -1;
+    if (n >= 0 && count <= 0) {
+        PyErr_Format(PyExc_ValueError, "a mean over %lld microbatches", count);
+        n = -1;
+    }
+    if (n >= 0) {
+        Py_BEGIN_ALLOW_THREADS
+        add_and_mean(sums.buf, grads.buf, out.buf, n, first, (double)count);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&grads);
+    PyBuffer_Release(&out);
+    if (n < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS, accumulate_doc},
     {"mean_squares", mean_squares, METH_VARARGS, mean_squares_doc},
+    {"accumulate_mean_squares", accumulate_mean_squares, METH_VARARGS, accumulate_mean_squares_doc},
     {NULL, NULL, 0, NULL},
 };
 

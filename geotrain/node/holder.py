@@ -103,6 +103,8 @@ class StageHolder:
                         self._loading = self.runtime
             if self.runtime is not None:
                 self.runtime.set_loss_scale(plan.loss_scale)
+                alone = len(stage.node_ids) == 1 and self.runtime.sync is None  # no replica's sums to add first
+                self.runtime.mean_at = self.cfg.train.microbatches if alone else 0
             self.plan, self.stage_index = plan, index
             for s in plan.stages:
                 self._peer_regions.update(zip(s.node_ids, s.regions))

@@ -12,6 +12,7 @@ changes the float32 mean only when it lies that close to a float32 rounding boun
 float32 once, after the division. On the CPU both take one pass over memory each where the C kernels of
 node/_gradsums.c were built, the same bits as torch's ops. The mean leaves its squares (exact in float64) in the
 sums it no longer needs, and the gradient norm adds them up: the norm the commit waits for costs one pass over them.
+A stage held alone (mean_at) takes the mean in the pass that adds its last microbatch.
 
 Under bf16 or fp16 (train.precision) layers compute in autocast over float32 parameters and AdamW state, and every
 layer's output but the model's last is rounded to the compute dtype: any layer boundary may be a stage boundary,
@@ -63,6 +64,7 @@ class StepGradients:
     step: int
     counted: set[int] = field(default_factory=set)
     sums: list[torch.Tensor] = field(default_factory=list)  # per parameter; empty until a microbatch is counted
+    averaged: bool = False  # the mean taken as the last microbatch was added (StageRuntime.mean_at)
 
 
 class _Once:
@@ -96,6 +98,22 @@ def _accumulate(total: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     if first:
         total.zero_()
     total.add_(grad)
+
+
+def _accumulated_mean(
+    total: torch.Tensor, grad: torch.Tensor | None, first: bool, count: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """_accumulate(total, grad, first) (grad None: nothing added), then _rounded_mean(total, count, dtype): in one
+    pass where _gradsums' kernels take the tensors."""
+    if grad is not None:
+        out = torch.empty_like(total, dtype=dtype)
+        if _fits_kernels(total, grad) and _fits_kernels(total, out):
+            _gradsums.accumulate_mean_squares(total.numpy(), grad.detach().numpy(), out.numpy(), first, count)
+            return out
+        _accumulate(total, grad, first)
+    elif first:
+        total.zero_()
+    return _rounded_mean(total, count, dtype)
 
 
 def _rounded_mean(total: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -159,6 +177,10 @@ class StageRuntime:
         self._snapshot: list[HostTensor] = []  # checksum_later's copies, which a write to the parameters waits for
         self._checksum: Callable[[], str] | None = None  # checksum_later's last, forgotten at a write (last_checksum)
         self.grads: StepGradients | None = None
+        # The count of microbatches at which the stage takes its mean as it adds the last of them, in the same pass
+        # over the sums (0: when mean_gradients is called): a node sets it for a stage it holds alone, whose sums no
+        # replica's are added to first.
+        self.mean_at = 0
         # The last mean's squares, each with the gradient it squared and that gradient's version: a gradient written
         # since (PowerSGD's averaging writes them) is squared again.
         self._squares: list[tuple[torch.Tensor, torch.Tensor, int]] = []
@@ -260,11 +282,22 @@ class StageRuntime:
         first = not self.grads.sums
         if first:
             self.grads.sums = [torch.empty_like(p, dtype=torch.float64, device=self._sums_device) for p in params]
-        for total, g in zip(self.grads.sums, grads):
-            if g is not None:
-                _accumulate(total, g.to(self._sums_device), first)
-            elif first:
-                total.zero_()
+        count = len(self.grads.counted) + 1
+        if count == self.mean_at:
+            grads = list(grads)
+            for i, (p, total) in enumerate(zip(params, self.grads.sums)):
+                # Each microbatch gradient freed as its mean takes its place: the peak stays the memory model's.
+                g, grads[i] = grads[i], None
+                g = None if g is None else g.to(self._sums_device)
+                p.grad = _accumulated_mean(total, g, first, count, p.dtype).to(p.device)
+            self._keep_squares(params, self.grads.sums)
+            self.grads.sums, self.grads.averaged = [], True
+        else:
+            for total, g in zip(self.grads.sums, grads):
+                if g is not None:
+                    _accumulate(total, g.to(self._sums_device), first)
+                elif first:
+                    total.zero_()
         self.grads.counted.add(microbatch)
         return None if self.is_first else grads[-1]
 
@@ -299,6 +332,8 @@ class StageRuntime:
         counted: the mean of this stage's sums, or what `reduce` leaves in place of the sums (the mean over every
         replica's microbatches)."""
         count = self.counted(step)
+        if count and self.grads.averaged and reduce is None:
+            return count  # taken with the last microbatch's sum
         params = self.parameters()
         if count and not self.grads.sums:
             raise ValueError(f"step {step}'s gradients are already averaged")
@@ -311,13 +346,17 @@ class StageRuntime:
         for p, total in zip(params, sums):
             # rounded where the sums live: MPS has no float64
             p.grad = _rounded_mean(total, count if reduce is None else 1, p.dtype).to(p.device)
-        # Squares summed where the norm's own would be (the reduce's host copies of a GPU's sums are not).
-        self._squares = [
-            (total, p.grad, p.grad._version) for p, total in zip(params, sums) if total.device == self._sums_device
-        ]
+        self._keep_squares(params, sums)
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
+
+    def _keep_squares(self, params: list[torch.Tensor], squares: list[torch.Tensor]) -> None:
+        """Keep the squares a mean left in the sums for grad_sq_norm_parts, where its own would be summed (the
+        reduce's host copies of a GPU's sums are not)."""
+        self._squares = [
+            (total, p.grad, p.grad._version) for p, total in zip(params, squares) if total.device == self._sums_device
+        ]
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors, in parameter order (after mean_gradients every parameter has one)."""

@@ -44,8 +44,8 @@ class StepFlow:
     # The compute of tensors of the step after the one this node is yet to apply: (priority, task, plan epoch)
     _parked: list[tuple[int, Callable[[], None], int]]
     _parked_lock: threading.Lock
-    # (plan epoch, step, its gradients' squared norm parts): a stage held by this node alone averages its gradients
-    # and takes their norm as soon as it has counted the step's every microbatch, before the coordinator's commit
+    # (plan epoch, step, its gradients' squared norm parts): a stage held by this node alone takes their norm as soon
+    # as it has counted the step's every microbatch, before the coordinator's commit
     _norm_parts: tuple[int, int, list[float]] | None
     evidence: Evidence | None  # what verifiers may ask of this node's recent steps (cfg.verifying), and commitments
 
@@ -257,23 +257,22 @@ class StepFlow:
 
     def _counted(self, step: int) -> None:
         """After a microbatch's backward: once a stage this node holds alone has counted every microbatch of the
-        step, average its gradients, take their norm and report it at once (a task of its own, after the backward's
-        timing), while the data head may still finish its last backward: the coordinator's commit order then finds
-        the norm in, a round trip sooner. Under verification the report waits for the order: its commitments cover
-        the gradients this node sends, hashed on their way out."""
-        runtime, plan, cfg = self.runtime, self.plan, self.cfg
-        assert runtime is not None and plan is not None and cfg is not None
-        alone = len(plan.stages[self.stage_index].node_ids) == 1
-        if runtime.sync is not None or not alone or runtime.counted(step) != cfg.train.microbatches:
+        step (and so taken their mean with the last one's sum: StageRuntime.mean_at), take the gradients' norm and
+        report it at once (a task of its own, after the backward's timing), while the data head may still finish its
+        last backward: the coordinator's commit order then finds the norm in, a round trip sooner. Under
+        verification the report waits for the order: its commitments cover the gradients this node sends, hashed on
+        their way out."""
+        runtime, plan = self.runtime, self.plan
+        assert runtime is not None and plan is not None
+        if not runtime.mean_at or runtime.counted(step) != runtime.mean_at:
             return
         epoch = plan.epoch
 
-        def average() -> None:
+        def report_norm() -> None:
             done = self._norm_parts is not None and self._norm_parts[:2] == (epoch, step)
             if runtime is self.runtime and not done:
-                runtime.mean_gradients(step)
                 self._norm_parts = (epoch, step, runtime.grad_sq_norm_parts())
                 if self.evidence is None:
                     self._commit(pb.CommitStep(step=step, plan_epoch=epoch))
 
-        self._submit(CONTROL, average, epoch)
+        self._submit(CONTROL, report_norm, epoch)
