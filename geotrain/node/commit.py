@@ -54,11 +54,11 @@ class StepCommit:
         assert runtime is not None and plan is not None
         if order.plan_epoch != plan.epoch:
             return
+        if self._norm_reported == (plan.epoch, order.step):
+            return  # reported as the stage counted its last microbatch (StepFlow._counted)
         stage = plan.stages[self.stage_index]
         task_s = self.take_task_s(plan.epoch)
         averaging_s = 0.0
-        if self._norm_reported == (plan.epoch, order.step):
-            return  # reported as the stage counted its last microbatch (StepFlow._counted)
         if self._norm_parts is not None and self._norm_parts[:2] == (plan.epoch, order.step):
             parts = self._norm_parts[2]  # averaged as the stage counted its last microbatch (StepFlow._counted)
         else:
