@@ -42,56 +42,54 @@ Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespac
 [--pace-steps N] [--record FILE] [--summarize]
 
 Measured on a 2-core machine, each run of a cell under the CPU lock, three runs a cell, the cells' runs interleaved
-(round by round), geotrain at 53944ed (the next step dispatched while its nodes apply, float64 sums in one pass,
-AdamW fused: torch's ranks step the same fused AdamW through StageRuntime.apply). Step seconds, median [runs]; seconds
-to the early target (2.8986: none's and every none-math system's 100 steps, rank8's 40), median [spread]:
-- small, loopback: geotrain none 0.3797 [0.3797, 0.3935, 0.3735], 38.0 s [37.4, 39.4]; rank8 0.2974, 11.9 s
-  [11.5, 12.5]; torch_gpipe 0.4079 [0.3988, 0.4079, 0.4094], 40.8 s; torch_1f1b 0.3752 [0.3704, 0.3958, 0.3752],
-  37.5 s [37.0, 39.6]; hivemind 2.0966 [1.9922, 33.5103, 2.0966] (one run's global steps stalled), 209.7 s.
+(round by round), geotrain at 0a898e9 (a stage held alone takes its mean as it adds its last microbatch and reports
+its norm without waiting for the commit order; the norm sums the mean's squares; the planner prices the data heads'
+round trip to the coordinator). Step seconds, median [runs]; seconds to the early target (2.8986: none's and every
+none-math system's 100 steps, rank8's 40), median [spread]:
+- small, loopback: geotrain none 0.4047 [0.4158, 0.4047, 0.3981], 40.5 s [39.8, 41.6]; rank8 0.3279, 13.1 s
+  [12.7, 14.3]; torch_gpipe 0.4158 [0.4249, 0.4086, 0.4158], 41.6 s; torch_1f1b 0.3925 [0.3978, 0.3861, 0.3925],
+  39.2 s [38.6, 39.8]; hivemind 2.1467 [2.2339, 2.1467, 2.123], 214.7 s.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "seconds_to_target_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.99, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 3.15}
-- small, namespaces: geotrain none 0.8171 [0.8211, 0.6174, 0.8171], 81.7 s [61.7, 82.1]; rank8 0.6633, 26.5 s
-  [22.5, 26.7]; torch_gpipe 2.7394, 273.9 s; torch_1f1b 3.1587, 315.9 s; hivemind 0.9847 [1.0888, 0.9847, 0.9343],
-  98.5 s [93.4, 108.9]. The planner put the whole model on one node every time (nothing sent); the spread is where:
-  0.62-0.70 s a step on the node in the coordinator's region (r0n0, this run and two single runs beside the cell),
-  0.82 on one two regions away (r2n0), whose every order and report crosses the 50 ms links (about four one-way
-  crossings a step). The planner does not price a node's distance from the coordinator.
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.97, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 2.99}
+- small, namespaces: geotrain none 0.7364 [0.6545, 0.7364, 0.7855] (the whole model on one node, nothing sent),
+  73.6 s [65.5, 78.5]; rank8 0.472 (2 stages), 18.9 s [18.6, 20.3]; torch_gpipe 2.7652, 276.5 s; torch_1f1b 3.1811,
+  318.1 s; hivemind 0.9877 [0.8691, 1.0677, 0.9877], 98.8 s [86.9, 106.8].
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
-    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.21, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 3.72}
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.34, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 5.23}
 - large, loopback (compared by step seconds: no validation run of the large model fitted, and these systems train
-  the same math): geotrain none 1.663 [1.6668, 1.663, 1.6142] (3 stages); torch_gpipe 1.5041 [1.5376, 1.5003,
-  1.5041]; torch_1f1b 1.4594 [1.5396, 1.4343, 1.4594]; hivemind 6.2589 [6.542, 5.7428, 6.2589].
+  the same math): geotrain none 1.6838 [1.6838, 1.7132, 1.6834] (3 stages); torch_gpipe 1.6805 [1.5434, 1.6955,
+  1.6805]; torch_1f1b 1.6284 [1.4926, 1.6284, 1.6317]; hivemind 7.0551 [5.5759, 10.3488, 7.0551]. torch's first
+  round matches the previous campaign's (1F1B 1.43-1.54), its later two are 9% slower, geotrain's three alike:
+  read the ratio as 0.9-0.97.
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.88, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 0.88}
-- large, namespaces: geotrain none 2.2557 [2.3274, 2.0916, 2.2557] (2 stages twice, 3 once); torch_gpipe 3.508
-  [3.5936, 3.508, 3.411]; torch_1f1b 3.6235 [3.7275, 3.5891, 3.6235]; hivemind (one run, --pace-steps 4) 5.0637.
-  hivemind's namespace figures are a lower bound on data parallelism: 5.06 s a step cannot carry the large model's
-  203 MB of gradients (about 270 MB a peer, reduce and gather) over 50 Mbit/s, so most of its global steps did not
-  assemble an all-reduce group within matchmaking_time and stepped on local gradients ("Another look_for_group is
-  already in progress" in its logs); the small model's 0.98 s is below such an all-reduce's 2.3 s too. Both only
-  favour hivemind in the verdicts.
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.97, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.97}
+- large, namespaces: geotrain none 2.2055 [2.1409, 2.2664, 2.2055] (3 stages twice, 2 once); torch_gpipe 3.5205
+  [3.4457, 3.5205, 3.5582]; torch_1f1b 3.6876 [3.6869, 3.7215, 3.6876]. hivemind's namespace figures are a lower
+  bound on data parallelism (the previous campaign's one run: 5.06 s a step, which cannot carry the large model's
+  203 MB of gradients over 50 Mbit/s; most of its global steps assembled no all-reduce group), so it is left out.
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
-    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.56, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 1.56}
-Where the loopback cells' time goes (perf over 12 s of each system's steady state, large model): the CPU is busy
-94% of the time under geotrain and 91% under torch 1F1B, and geotrain spends about 15% more CPU a step. Its
-float64 gradient sums (what keeps pipelines, replicas and train-local bit-identical) take 8.5% of all samples
-against torch's float32 accumulation's 4.9%, their mean 1.7%, the checksum (blake3) 1.2%; the rest is spread
-thin (the interpreter, page faults, the coordinator's process). Before this version the step also waited on the
-coordinator between commits (0.34 s of 2.0 on this model: the commit round, the apply, the checksums, the next
-dispatch); now a step's apply runs while the next step's first microbatches flow, and the commit finds its stages'
-norms taken. Same-day loopback runs, one each: 2.0 s a step before, 1.6 after; torch 1F1B 1.53 with the per-tensor
-AdamW loop, 1.40 with the fused one (its ranks use StageRuntime.apply).
-Before this version (the previous session's runs: small cells 3 runs, large 1): small loopback 0.94x, small
-namespaces 1.49x (geotrain 0.66 s a step, the whole model on one node), large loopback 0.71x, large namespaces
-1.25x; hivemind did not finish on the large model (next_chunk_timeout, now 60 s).
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.6, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.6}
+Where the loopback cells' time goes (perf over 12 s of steady state, large model, before this version): geotrain's
+CPU was idle 11.3% of the time against torch 1F1B's 8.5%, and it spent about 22% more busy CPU a step (by the
+matrix multiplies' share, the same work in both): its float64 gradient sums (what keeps pipelines, replicas and
+train-local bit-identical) 7.9% of all samples against torch's float32 accumulation's 4.7%; the nodes' kernel time
+(mostly page faults) 6.6% against 2.0%; the interpreter across three nodes and the coordinator 4.3% against 1.8%;
+the checksum (blake3) 0.9%. A timed trace of stage 0
+showed the idle: between its last backward of a step and its first forward of the next it took the mean (25 ms),
+the norm (55 ms, float64 copies of every gradient), the reports and the order (5 ms) and the apply (30-60 ms), with
+the other two stages waiting; this version takes the mean in the last microbatch's pass and the norm from the
+mean's squares (13 ms), and the gap is about 50 ms.
+Before this version (the previous campaign, three runs a cell): small loopback 0.99x, small namespaces 1.21x (a lone
+stage sometimes two regions from the coordinator: the planner did not price that), large loopback 0.88x, large
+namespaces 1.56x.
 """
 
 from __future__ import annotations
