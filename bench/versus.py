@@ -9,8 +9,8 @@ A cell is a model size and a link setting, each run of the bench one run of ever
   same links as geotrain's).
 Systems:
 - geotrain (config none) and geotrain_best (--best: configs of time_to_target.py's table), the default plan (the
-  planner's choice of pipeline, data parallelism or hybrid; its "stages" and "nodes" are in the line), a checkpoint
-  only at the end.
+  planner's choice of pipeline, data parallelism or hybrid; its "stages", "nodes" and "stage_nodes" are in the
+  line), a checkpoint only at the end.
 - torch_gpipe and torch_1f1b: `torch.distributed.pipelining`'s ScheduleGPipe and Schedule1F1B over gloo, 3 ranks,
   one per region, each with the layers geotrain's uniform placement gives its stage (same model zoo, same seed), the
   step's 6 microbatches as the schedule's microbatches (gradients averaged over them), the global gradient-norm clip
@@ -373,6 +373,7 @@ def geotrain_line(system: str, config: str, steps: int, links: str, size: str) -
     summary = ttt.train(ttt.CONFIGS[config], steps, links, size=size, eval_every=0)
     return {**pace_line(system, summary["step_s"], size, ttt.links_label(links)), "config": config,
             "tensor_transport": ttt.tensor_transport(summary), "stages": summary["stages"], "nodes": summary["nodes"],
+            "stage_nodes": summary["stage_nodes"],
             "averaging_bytes_per_step": round(summary["averaging_bytes"] / summary["steps"])}
 
 

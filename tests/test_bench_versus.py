@@ -125,8 +125,8 @@ def test_figures_come_from_the_summary():
 
 
 def test_geotrain_line_is_its_paced_run_under_the_default_plan(monkeypatch):
-    summary = {"steps": 20, "stages": 3, "nodes": 3, "wire_bytes": 10, "stream_bytes": 0, "averaging_bytes": 40,
-               "step_s": [0.5, 1.5]}
+    summary = {"steps": 20, "stages": 3, "nodes": 3, "stage_nodes": [["r0n0"], ["r1n0"], ["r2n0"]], "wire_bytes": 10,
+               "stream_bytes": 0, "averaging_bytes": 40, "step_s": [0.5, 1.5]}
     runs = []
     monkeypatch.setattr(ttt, "train", lambda config, steps, links, size, eval_every: runs.append(
         (config, steps, links, size, eval_every)) or summary)
@@ -135,7 +135,7 @@ def test_geotrain_line_is_its_paced_run_under_the_default_plan(monkeypatch):
     assert line == {"system": "geotrain_best", "config": "int8", "model": ttt.SIZES["small"],
                     "links": ttt.links_label("loopback"), "step_s": 1.0, "steps_measured": 2,
                     "tokens_per_s": 3072.0, "tensor_transport": "gRPC calls", "stages": 3, "nodes": 3,
-                    "averaging_bytes_per_step": 2, "steps_to_target": 30, "seconds_to_target": 30.0,
+                    "stage_nodes": [["r0n0"], ["r1n0"], ["r2n0"]], "averaging_bytes_per_step": 2, "steps_to_target": 30, "seconds_to_target": 30.0,
                     "seconds_to_target_from": "int8's steps_to_target x this run's mean step seconds"}
 
 

@@ -74,10 +74,11 @@ def test_demo_default_run_learns_and_reports_json(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {
         "steps", "loss_first", "loss_last", "val_loss", "val_bits_per_byte", "tokens_per_s", "wall_s", "nodes", "stages",
-        "validation", "wire_bytes", "raw_bytes", "stream_bytes", "estimated_step_s", "relayed_bytes", "averaging_bytes",
+        "stage_nodes", "validation", "wire_bytes", "raw_bytes", "stream_bytes", "estimated_step_s", "relayed_bytes", "averaging_bytes",
         "peak_memory_bytes", "inflight",
     }
     assert summary["steps"] == load_config().run.steps and summary["nodes"] == 3 and summary["stages"] == 3
+    assert sorted(n for stage in summary["stage_nodes"] for n in stage) == ["node-1", "node-2", "node-3"]
     assert summary["peak_memory_bytes"] > 0  # the nodes' heartbeats report it
     # A byte model starts near ln(256) = 5.5; within the default steps it must clearly learn the corpus.
     assert summary["loss_first"] > 5.0

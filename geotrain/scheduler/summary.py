@@ -25,6 +25,7 @@ class RunSummary:
     wall_s: float
     nodes: int
     stages: int
+    stage_nodes: list[list[str]]  # the last plan's node ids of each stage, in pipeline order
     validation: list[tuple[int, float, float]]
     """Each validation pass: (steps done, val_loss, training seconds to then: the committed steps' own times)."""
     wire_bytes: int
@@ -66,6 +67,7 @@ def summarize(
         wall_s=wall_s,
         nodes=len(alive),
         stages=len(plan.stages) if plan else 0,
+        stage_nodes=[list(s.node_ids) for s in plan.stages] if plan else [],
         validation=[(r.step + 1, r.val_loss, s) for r, s in zip(history, trained_s) if r.val_loss is not None],
         wire_bytes=sum(link.wire_bytes for link in links),
         raw_bytes=sum(link.raw_bytes for link in links),
