@@ -108,6 +108,7 @@ class Planner:
         for cand in ranked[: self.config.refine_candidates]:
             self._improve(cand, scored)
         self._paced_chain(chain, scored)
+        self._lone_nodes(scored)
         prev_ranges = self._previous_ranges(previous)
         adapted = self._adapt(prev_ranges) if prev_ranges else None
         if adapted is not None:
@@ -151,6 +152,16 @@ class Planner:
             scored.update(extra)
             refined = self._refine(min(feasible, key=lambda c: (extra[c], c)))
             scored.setdefault(refined, cm.step_seconds(refined))
+
+    def _lone_nodes(self, scored: dict[tuple[Stage, ...], float]) -> None:
+        """Score into scored the whole model on each usable node alone. Construction and resizing come down to one
+        node by dropping the slowest, so one a little slower but nearer the coordinator (whose round trip each step
+        waits for: CostModel.control_seconds) was never tried."""
+        if self.config.stages not in (None, 1):
+            return
+        for i in self.cm.usable:
+            lone = ((0, self.n_layers, (i,)),)
+            scored.setdefault(lone, self.cm.step_seconds(lone))
 
     def _improve(self, cand: tuple[Stage, ...], scored: dict[tuple[Stage, ...], float]) -> None:
         """Score into scored the candidate's local search, its replica counts re-dealt by load and resized by a
