@@ -392,3 +392,4 @@ def test_a_lone_stage_goes_to_the_node_nearest_the_coordinator():
     chosen = plan(nodes=nodes, **kwargs)
     assert [s.node_ids for s in chosen.stages] == [["n2"]]
     assert chosen.coordinator_round_trip_s == 0.001
+    assert "200 ms to the coordinator and back" in chosen.excluded["n0"]  # why the fastest node waits

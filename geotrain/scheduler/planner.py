@@ -200,8 +200,9 @@ class Planner:
                 )
             else:
                 reasons[node.node_id] = (
-                    f"planner choice: with a {self.uplink[i] / 1e6:.0f} Mbit/s link and {1 / self.speed[i]:.3g} s per"
-                    " microbatch for the whole model it would slow the stage it joined"
+                    f"planner choice: with a {self.uplink[i] / 1e6:.0f} Mbit/s link, {1 / self.speed[i]:.3g} s per"
+                    f" microbatch for the whole model and {cm.coordinator_rtt[i] * 1e3:.0f} ms to the coordinator and"
+                    " back it would slow the stage it joined"
                 )
         return reasons
 
