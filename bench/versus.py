@@ -60,6 +60,15 @@ none-math system's 100 steps, rank8's 40), median [spread]:
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
     "best_other": "hivemind", "geotrain_default_vs_best_other": 1.34, "geotrain_best": "rank8",
     "geotrain_best_vs_best_other": 5.23}
+  Measured again at 08a7003 (the planner scores every node alone: before, it reached one node by dropping the
+  slowest, and two check runs put the lone stage on r2n0, which had timed its layers 3% faster, two regions from
+  the coordinator): geotrain none 0.694 [0.7168, 0.694, 0.6016] on r0n0 every run, 69.4 s [60.2, 71.7]; rank8
+  0.5008, 20.0 s [18.3, 22.8]; torch_gpipe 2.8295; torch_1f1b 3.1932; hivemind 0.9845 [1.0794, 0.9845, 0.8792],
+  98.5 s [87.9, 107.9].
+  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
+    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.42, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 4.92}
 - large, loopback (compared by step seconds: no validation run of the large model fitted, and these systems train
   the same math): geotrain none 1.6838 [1.6838, 1.7132, 1.6834] (3 stages); torch_gpipe 1.6805 [1.5434, 1.6955,
   1.6805]; torch_1f1b 1.6284 [1.4926, 1.6284, 1.6317]; hivemind 7.0551 [5.5759, 10.3488, 7.0551]. torch's first
