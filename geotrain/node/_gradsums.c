@@ -41,21 +41,21 @@ TARGET_CLONES static void add_floats(double *restrict sums, const float *restric
     }
 }
 
+/* Store sum / count rounded to float32 in *out and return that mean's square in float64. */
+static inline double mean_square(float *out, double sum, double count) {
+    const float mean = (float)(sum / count);
+    *out = mean;
+    return (double)mean * (double)mean;
+}
+
 TARGET_CLONES static void round_mean(float *restrict out, double *restrict sums, int64_t n, double count) {
-    for (int64_t i = 0; i < n; i++) {
-        const float mean = (float)(sums[i] / count);
-        out[i] = mean;
-        sums[i] = (double)mean * (double)mean;
-    }
+    for (int64_t i = 0; i < n; i++) sums[i] = mean_square(&out[i], sums[i], count);
 }
 
 TARGET_CLONES static void add_and_mean(double *restrict sums, const float *restrict grads, float *restrict out,
                                       int64_t n, int first, double count) {
     for (int64_t i = 0; i < n; i++) {
-        const double sum = first ? 0.0 + (double)grads[i] : sums[i] + (double)grads[i];
-        const float mean = (float)(sum / count);
-        out[i] = mean;
-        sums[i] = (double)mean * (double)mean;
+        sums[i] = mean_square(&out[i], first ? 0.0 + (double)grads[i] : sums[i] + (double)grads[i], count);
     }
 }
 

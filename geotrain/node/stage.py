@@ -89,9 +89,14 @@ def _fits_kernels(doubles: torch.Tensor, floats: torch.Tensor) -> bool:
     )
 
 
-def _accumulate(total: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+def _accumulate(total: torch.Tensor, grad: torch.Tensor | None, first: bool) -> None:
     """total = grad (`first`: total's contents are not read) or total + grad, in float64, exactly as torch's
-    zeros_like(total).add_(grad) and total.add_(grad)."""
+    zeros_like(total).add_(grad) and total.add_(grad); a None grad (a parameter the microbatch did not use) adds
+    nothing."""
+    if grad is None:
+        if first:
+            total.zero_()
+        return
     if _fits_kernels(total, grad):
         _gradsums.accumulate(total.numpy(), grad.detach().numpy(), first)
         return
@@ -103,16 +108,13 @@ def _accumulate(total: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
 def _accumulated_mean(
     total: torch.Tensor, grad: torch.Tensor | None, first: bool, count: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """_accumulate(total, grad, first) (grad None: nothing added), then _rounded_mean(total, count, dtype): in one
-    pass where _gradsums' kernels take the tensors."""
-    if grad is not None:
+    """_accumulate(total, grad, first), then _rounded_mean(total, count, dtype): in one pass where _gradsums' kernels
+    take the tensors."""
+    if grad is not None and dtype == torch.float32 and _fits_kernels(total, grad):
         out = torch.empty_like(total, dtype=dtype)
-        if _fits_kernels(total, grad) and _fits_kernels(total, out):
-            _gradsums.accumulate_mean_squares(total.numpy(), grad.detach().numpy(), out.numpy(), first, count)
-            return out
-        _accumulate(total, grad, first)
-    elif first:
-        total.zero_()
+        _gradsums.accumulate_mean_squares(total.numpy(), grad.detach().numpy(), out.numpy(), first, count)
+        return out
+    _accumulate(total, grad, first)
     return _rounded_mean(total, count, dtype)
 
 
@@ -283,21 +285,20 @@ class StageRuntime:
         if first:
             self.grads.sums = [torch.empty_like(p, dtype=torch.float64, device=self._sums_device) for p in params]
         count = len(self.grads.counted) + 1
-        if count == self.mean_at:
-            grads = list(grads)
-            for i, (p, total) in enumerate(zip(params, self.grads.sums)):
-                # Each microbatch gradient freed as its mean takes its place: the peak stays the memory model's.
-                g, grads[i] = grads[i], None
-                g = None if g is None else g.to(self._sums_device)
+        last = count == self.mean_at
+        grads = list(grads)
+        for i, (p, total) in enumerate(zip(params, self.grads.sums)):
+            # Each microbatch gradient freed once added (where the mean is taken here, as it takes its place): the
+            # peak stays the memory model's.
+            g, grads[i] = grads[i], None
+            g = None if g is None else g.to(self._sums_device)
+            if last:
                 p.grad = _accumulated_mean(total, g, first, count, p.dtype).to(p.device)
+            else:
+                _accumulate(total, g, first)
+        if last:
             self._keep_squares(params, self.grads.sums)
             self.grads.sums, self.grads.averaged = [], True
-        else:
-            for total, g in zip(self.grads.sums, grads):
-                if g is not None:
-                    _accumulate(total, g.to(self._sums_device), first)
-                elif first:
-                    total.zero_()
         self.grads.counted.add(microbatch)
         return None if self.is_first else grads[-1]
 
