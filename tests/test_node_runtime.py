@@ -24,6 +24,7 @@ from geotrain.config import RunConfig, load_config, to_proto
 from geotrain.node import stage as stage_module
 from geotrain.node.agent import Agent, NodeOptions
 from geotrain.node.data import local_tokens
+from geotrain.node.model import loss_fn
 from geotrain.node.dataplane import DataPlane, Encoded
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
@@ -768,3 +769,54 @@ def test_the_norm_squares_a_gradient_written_after_the_mean():
     parts = stage.grad_sq_norm_parts()
     assert parts == [g.double().pow(2).sum().item() for g in stage.gradients()]
     assert parts[0] > 0
+
+
+@pytest.mark.timeout(30)
+def test_a_stage_adds_each_gradient_as_backward_makes_it_to_what_autograd_grad_gives():
+    # Each microbatch's gradients are added as backward produces them; the mean must be what each microbatch's
+    # torch.autograd.grad summed in float64 gives, and the gradient sent back that of the stage's input.
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    corpus = local_tokens(cfg)
+    first, last = StageRuntime(cfg, 0, 2), StageRuntime(cfg, 2, cfg.model.total_layers)
+    reference = StageRuntime(cfg, 2, cfg.model.total_layers)
+    params = reference.parameters()
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for microbatch in range(3):
+        x, y = corpus.batch(seed=1, step=0, microbatch=microbatch, size=2, seq_len=cfg.model.seq_len)
+        h = first.forward((0, microbatch), x)
+        last.forward((0, microbatch), h)
+        _, sent = last.loss_backward((0, microbatch), y)
+        inputs = h.clone().requires_grad_(True)
+        *grads, grad_in = torch.autograd.grad(loss_fn(reference._run(inputs), y), [*params, inputs])
+        for total, g in zip(sums, grads):
+            total.add_(g)
+        assert torch.equal(sent, grad_in)
+    last.mean_gradients(0)
+    for g, total in zip(last.gradients(), sums):
+        assert torch.equal(g.view(torch.int32), total.div(3).float().view(torch.int32))
+
+
+@pytest.mark.timeout(30)
+def test_a_backward_failing_partway_leaves_its_step_unusable():
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    stage = StageRuntime(cfg, 0, cfg.model.total_layers)
+    batch = local_tokens(cfg).batch(seed=1, step=0, microbatch=0, size=2, seq_len=cfg.model.seq_len)
+
+    def refuse(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory")
+
+    # The embedding's gradient comes last, after the later layers' have been added.
+    hook = stage.parameters()[0].register_hook(refuse)
+    stage.forward((0, 0), batch[0])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stage.loss_backward((0, 0), batch[1])
+    hook.remove()
+    stage.forward((0, 1), batch[0])
+    with pytest.raises(ValueError, match="failed partway"):
+        stage.loss_backward((0, 1), batch[1])
+    with pytest.raises(ValueError, match="failed partway"):
+        stage.mean_gradients(0)
+    stage.reset_step()  # a new plan epoch redoes the step
+    stage.forward((0, 0), batch[0])
+    stage.loss_backward((0, 0), batch[1])
+    assert stage.mean_gradients(0) == 1

@@ -10,7 +10,8 @@ are exact, hence the same in any order and over any split among replicas, as lon
 span fewer than 29 - log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which
 changes the float32 mean only when it lies that close to a float32 rounding boundary. The mean is rounded to
 float32 once, after the division. On the CPU both take one pass over memory each where the C kernels of
-node/_gradsums.c were built, the same bits as torch's ops. The mean leaves its squares (exact in float64) in the
+node/_gradsums.c were built, the same bits as torch's ops. Each gradient is added as backward produces it (a hook
+after its accumulation) and freed at once, so a microbatch's gradients are never alive together. The mean leaves its squares (exact in float64) in the
 sums it no longer needs, and the gradient norm adds them up: the norm the commit waits for costs one pass over them.
 A stage held alone (mean_at) takes the mean in the pass that adds its last microbatch.
 
@@ -23,6 +24,7 @@ before backward; the clip factor of `apply` divides it out again.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -65,6 +67,7 @@ class StepGradients:
     counted: set[int] = field(default_factory=set)
     sums: list[torch.Tensor] = field(default_factory=list)  # per parameter; empty until a microbatch is counted
     averaged: bool = False  # the mean taken as the last microbatch was added (StageRuntime.mean_at)
+    broken: bool = False  # a backward failed partway: the sums may hold part of a microbatch
 
 
 class _Once:
@@ -270,6 +273,7 @@ class StageRuntime:
         step, microbatch = key
         if self.grads is None or self.grads.step != step:
             self._start_step(step)
+        self._check_whole(step)
         if microbatch in self.grads.counted:
             # Already counted (a re-issued microbatch): pass the input gradient on, leave parameters alone.
             if self.is_first:
@@ -277,30 +281,48 @@ class StageRuntime:
             (grad_in,) = torch.autograd.grad(root, pending.inputs, root_grad)
             return grad_in
         params = self.parameters()
-        wrt = params if self.is_first else [*params, pending.inputs]
-        grads = torch.autograd.grad(root, wrt, root_grad, allow_unused=True)
-        if self.on_param_grads is not None:
-            self.on_param_grads(key, grads[: len(params)])
         first = not self.grads.sums
         if first:
             self.grads.sums = [torch.empty_like(p, dtype=torch.float64, device=self._sums_device) for p in params]
-        count = len(self.grads.counted) + 1
+        sums, count = self.grads.sums, len(self.grads.counted) + 1
         last = count == self.mean_at
-        grads = list(grads)
-        for i, (p, total) in enumerate(zip(params, self.grads.sums)):
-            # Each microbatch gradient freed once added (where the mean is taken here, as it takes its place): the
-            # peak stays the memory model's.
-            g, grads[i] = grads[i], None
+        kept: list[torch.Tensor | None] | None = None if self.on_param_grads is None else [None] * len(params)
+        added = [False] * len(params)
+
+        def add(i: int, p: torch.Tensor) -> None:
+            # Each gradient is added as backward produces it and freed at once, as torch's own accumulation frees
+            # each microbatch's: the next one reuses its memory, where taking them all at the end kept a stage's
+            # gradients alive together and every microbatch faulted them in afresh. Where the mean is taken here it
+            # takes the gradient's place.
+            g, p.grad = p.grad, None
+            if kept is not None:
+                kept[i] = g
             g = None if g is None else g.to(self._sums_device)
             if last:
-                p.grad = _accumulated_mean(total, g, first, count, p.dtype).to(p.device)
+                p.grad = _accumulated_mean(sums[i], g, first, count, p.dtype).to(p.device)
             else:
-                _accumulate(total, g, first)
+                _accumulate(sums[i], g, first)
+            added[i] = True
+
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(add, i)) for i, p in enumerate(params)]
+        try:
+            torch.autograd.backward(root, root_grad, inputs=params if self.is_first else [*params, pending.inputs])
+        except BaseException:
+            self.grads.broken = True
+            raise
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for i, p in enumerate(params):
+            if not added[i]:  # a parameter this microbatch did not reach (its grad is None): it adds nothing
+                add(i, p)
+        if kept is not None:
+            self.on_param_grads(key, kept)
         if last:
-            self._keep_squares(params, self.grads.sums)
+            self._keep_squares(params, sums)
             self.grads.sums, self.grads.averaged = [], True
         self.grads.counted.add(microbatch)
-        return None if self.is_first else grads[-1]
+        return None if self.is_first else pending.inputs.grad
 
     def reset_step(self) -> None:
         """Drop every uncommitted gradient and kept activation: a new plan epoch redoes the step from scratch."""
@@ -333,6 +355,7 @@ class StageRuntime:
         counted: the mean of this stage's sums, or what `reduce` leaves in place of the sums (the mean over every
         replica's microbatches)."""
         count = self.counted(step)
+        self._check_whole(step)
         if count and self.grads.averaged and reduce is None:
             return count  # taken with the last microbatch's sum
         params = self.parameters()
@@ -351,6 +374,12 @@ class StageRuntime:
         if count:
             self.grads.sums = []  # the float64 sums cost twice the gradients: keep them no longer than needed
         return count
+
+    def _check_whole(self, step: int) -> None:
+        """ValueError where a backward of `step` failed partway: the node's failure report has the coordinator redo
+        the step in a new plan epoch, which resets it (reset_step); nothing of it may be counted or averaged before."""
+        if self.grads is not None and self.grads.step == step and self.grads.broken:
+            raise ValueError(f"a backward of step {step} failed partway: its gradient sums are incomplete")
 
     def _keep_squares(self, params: list[torch.Tensor], squares: list[torch.Tensor]) -> None:
         """Keep the squares a mean left in the sums for grad_sq_norm_parts, where its own would be summed (the
