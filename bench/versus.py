@@ -23,82 +23,73 @@ Every process a run starts is in the bench's session (a process group of its own
 each session an equal share of the CPU, so processes in sessions of their own would have weighed unequally.
 
 How each line's seconds_to_target is obtained (its "seconds_to_target_from" says so): steps_to_target x the mean
-step seconds its run measured. Each system runs --pace-steps steps (small 20 on loopback, 15 on namespaces; large 8
-on loopback, 6 on namespaces); its mean step: geotrain's from one commit to the next (the coordinator's
-metrics.jsonl: the optimizer step and every control message counted, the first step and any with a validation pass
-left out), torch's schedule.step plus the clip's all-reduce and the optimizer (the first step left out), hivemind's
-global steps after its first. steps_to_target is that of the line's math, from validation runs of time_to_target.py
-(STEPS_TO_TARGET, or --steps-to-target): geotrain none, both torch schedules and hivemind train none's math, so
-theirs is none's (hivemind's true count is higher: no clip, and its loss after 20 steps is above the others', so its
-projection favours it); rank8 and int8 their own. Validation windows are a function of the step and these configs
-are exact, so their steps to target are the same on any links: one loopback run serves both settings. For the large
-model no validation run fitted the lock, so its cell compares by step seconds: between systems that train the same
-math the ratio of times to target is the ratio of step times, whatever the steps. A run of every system took ~2
-minutes for the small model on loopback, ~3.3 on namespaces, ~2.5 for the large model on loopback and ~3.5 on
-namespaces (without hivemind).
+step seconds its run measured. Each system runs --pace-steps steps (PACE_STEPS: 20 for the small model, 6 for the
+large; the campaign below gave the large loopback cell 12, its steps being short enough); its mean step: geotrain's
+from one commit to the next (the coordinator's metrics.jsonl: the optimizer step and every control message counted,
+the first step and any with a validation pass left out), torch's schedule.step plus the clip's all-reduce and the
+optimizer (the first step left out), hivemind's global steps after its first. steps_to_target is that of the line's
+math, from validation runs of time_to_target.py (STEPS_TO_TARGET, or --steps-to-target): geotrain none, both torch
+schedules and hivemind train none's math, so theirs is none's (hivemind's true count is higher: no clip, and its
+loss after 20 steps is above the others', so its projection favours it); rank8 and int8 their own. Validation
+windows are a function of the step and these configs are exact, so their steps to target are the same on any links:
+one loopback run serves both settings. For the large model no validation run fitted the lock, so its cell compares
+by step seconds: between systems that train the same math the ratio of times to target is the ratio of step times,
+whatever the steps. A run of every system took ~1.5 minutes for the small model on loopback, ~3.4 on namespaces,
+3 to 5.5 for the large model on loopback at 12 steps (hivemind's steps vary most) and ~2.5 on namespaces (without
+hivemind).
 --record FILE appends each run's line; the bench then prints the cell's lines over every run recorded (median and
 spread), and a verdict: geotrain's default and its best against the best of the others (above 1: geotrain sooner).
 Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
 [--pace-steps N] [--record FILE] [--summarize]
 
 Measured on a 2-core machine, each run of a cell under the CPU lock, three runs a cell, the cells' runs interleaved
-(round by round), geotrain at 0a898e9 (a stage held alone takes its mean as it adds its last microbatch and reports
-its norm without waiting for the commit order; the norm sums the mean's squares; the planner prices the data heads'
-round trip to the coordinator). Step seconds, median [runs]; seconds to the early target (2.8986: none's and every
-none-math system's 100 steps, rank8's 40), median [spread]:
-- small, loopback: geotrain none 0.4047 [0.4158, 0.4047, 0.3981], 40.5 s [39.8, 41.6]; rank8 0.3279, 13.1 s
-  [12.7, 14.3]; torch_gpipe 0.4158 [0.4249, 0.4086, 0.4158], 41.6 s; torch_1f1b 0.3925 [0.3978, 0.3861, 0.3925],
-  39.2 s [38.6, 39.8]; hivemind 2.1467 [2.2339, 2.1467, 2.123], 214.7 s.
+(round by round), geotrain at fe8020e (a stage adds each parameter's gradient into its float64 sum as backward
+produces it and frees it at once; the large loopback cell with --pace-steps 12). Step seconds, median [runs]; seconds
+to the early target (2.8986: none's and every none-math system's 100 steps, rank8's 40), median [spread]:
+- small, loopback: geotrain none 0.367 [0.3658, 0.367, 0.3736] (3 stages), 36.7 s [36.6, 37.4]; rank8 0.2707
+  [0.2882, 0.2647, 0.2707], 10.8 s [10.6, 11.5]; torch_gpipe 0.3848 [0.3848, 0.3847, 0.3918], 38.5 s; torch_1f1b
+  0.3809 [0.3713, 0.3809, 0.3823], 38.1 s [37.1, 38.2]; hivemind 1.8445 [1.7364, 1.8445, 1.8876], 184.4 s.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "seconds_to_target_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.97, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 2.99}
-- small, namespaces: geotrain none 0.7364 [0.6545, 0.7364, 0.7855] (the whole model on one node, nothing sent),
-  73.6 s [65.5, 78.5]; rank8 0.472 (2 stages), 18.9 s [18.6, 20.3]; torch_gpipe 2.7652, 276.5 s; torch_1f1b 3.1811,
-  318.1 s; hivemind 0.9877 [0.8691, 1.0677, 0.9877], 98.8 s [86.9, 106.8].
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 1.04, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.53}
+- small, namespaces: geotrain none 0.5988 [0.5994, 0.5986, 0.5988] (the whole model on r0n0, the coordinator's
+  region, every run; nothing sent), 59.9 s [59.9, 59.9]; rank8 0.4301 [0.5406, 0.4252, 0.4301] (3 stages once, 2
+  twice), 17.2 s [17.0, 21.6]; torch_gpipe 2.6994, 269.9 s; torch_1f1b 3.1186, 311.9 s; hivemind 0.9845 [0.9845,
+  0.8113, 0.9859], 98.5 s [81.1, 98.6].
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
-    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.34, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 5.23}
-  Measured again at 08a7003 (the planner scores every node alone: before, it reached one node by dropping the
-  slowest, and two check runs put the lone stage on r2n0, which had timed its layers 3% faster, two regions from
-  the coordinator): geotrain none 0.694 [0.7168, 0.694, 0.6016] on r0n0 every run, 69.4 s [60.2, 71.7]; rank8
-  0.5008, 20.0 s [18.3, 22.8]; torch_gpipe 2.8295; torch_1f1b 3.1932; hivemind 0.9845 [1.0794, 0.9845, 0.8792],
-  98.5 s [87.9, 107.9].
-  {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
-    "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
-    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.42, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 4.92}
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.64, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 5.73}
 - large, loopback (compared by step seconds: no validation run of the large model fitted, and these systems train
-  the same math): geotrain none 1.6838 [1.6838, 1.7132, 1.6834] (3 stages); torch_gpipe 1.6805 [1.5434, 1.6955,
-  1.6805]; torch_1f1b 1.6284 [1.4926, 1.6284, 1.6317]; hivemind 7.0551 [5.5759, 10.3488, 7.0551]. torch's first
-  round matches the previous campaign's (1F1B 1.43-1.54), its later two are 9% slower, geotrain's three alike:
-  read the ratio as 0.9-0.97.
+  the same math): geotrain none 1.6059 [1.6476, 1.6042, 1.6059] (3 stages); torch_gpipe 1.6411 [1.6411, 1.6376,
+  1.6426]; torch_1f1b 1.5918 [1.5918, 1.607, 1.4873]; hivemind 12.6766 [6.5788, 12.6766, 22.112].
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.97, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 0.97}
-- large, namespaces: geotrain none 2.2055 [2.1409, 2.2664, 2.2055] (3 stages twice, 2 once); torch_gpipe 3.5205
-  [3.4457, 3.5205, 3.5582]; torch_1f1b 3.6876 [3.6869, 3.7215, 3.6876]. hivemind's namespace figures are a lower
-  bound on data parallelism (the previous campaign's one run: 5.06 s a step, which cannot carry the large model's
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.99, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.99}
+- large, namespaces: geotrain none 1.9961 [1.9961, 1.9553, 2.0053] (2 stages twice, 3 once); torch_gpipe 3.4909
+  [3.4605, 3.5181, 3.4909]; torch_1f1b 3.6633 [3.6413, 3.6633, 3.6869]. hivemind's namespace figures are a lower
+  bound on data parallelism (an earlier campaign's one run: 5.06 s a step, which cannot carry the large model's
   203 MB of gradients over 50 Mbit/s; most of its global steps assembled no all-reduce group), so it is left out.
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
-    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.6, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 1.6}
-Where the loopback cells' time goes (perf over 12 s of steady state, large model, before this version): geotrain's
-CPU was idle 11.3% of the time against torch 1F1B's 8.5%, and it spent about 22% more busy CPU a step (by the
-matrix multiplies' share, the same work in both): its float64 gradient sums (what keeps pipelines, replicas and
-train-local bit-identical) 7.9% of all samples against torch's float32 accumulation's 4.7%; the nodes' kernel time
-(mostly page faults) 6.6% against 2.0%; the interpreter across three nodes and the coordinator 4.3% against 1.8%;
-the checksum (blake3) 0.9%. A timed trace of stage 0
-showed the idle: between its last backward of a step and its first forward of the next it took the mean (25 ms),
-the norm (55 ms, float64 copies of every gradient), the reports and the order (5 ms) and the apply (30-60 ms), with
-the other two stages waiting; this version takes the mean in the last microbatch's pass and the norm from the
-mean's squares (13 ms), and the gap is about 50 ms.
-Before this version (the previous campaign, three runs a cell): small loopback 0.99x, small namespaces 1.21x (a lone
-stage sometimes two regions from the coordinator: the planner did not price that), large loopback 0.88x, large
-namespaces 1.56x.
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.75, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.75}
+Where the loopback cells' time goes (perf -a over 12 s of steady state, 499 Hz). Before this version, on the large
+model, the nodes' kernel time was 3x torch 1F1B's: backward handed a stage all of a microbatch's gradients at once
+(torch.autograd.grad), each was added to its sum and freed, and the allocator gave the next microbatch's fresh
+pages, which the kernel faulted in and zeroed (clear_page 3.0% of all samples against torch's 0.75%). Adding each
+gradient as backward produces it (a hook after its accumulation, as torch's own accumulation frees each) took
+clear_page to 0.05% and the page-fault handler from 0.74% to 0.34%; the matrix multiplies' share of all samples (the
+same work a step in both) rose from 71.1% to 76.7%, against torch 1F1B's 73.9%. What geotrain still does beyond
+torch: its float64 sums (2.8% against torch's float32 accumulation's 1.3%: what keeps pipelines, replicas and
+train-local bit-identical), the parameters' checksum after every apply (blake3, 0.8%), the interpreter across
+three nodes and the coordinator. CPU idle: geotrain 6.3%, torch 1F1B 10.0%. On the small model the interpreter
+weighs more (libpython 5.2% against 2.0%) and idle is 8.4% against 16.6%.
+Previous campaigns, three runs a cell: at 0a898e9 small loopback 0.97x, small namespaces 1.34x (1.42x at 08a7003, the
+planner scoring every node alone), large loopback 0.97x, large namespaces 1.60x; before that 0.99x, 1.21x, 0.88x,
+1.56x.
 """
 
 from __future__ import annotations

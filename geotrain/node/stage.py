@@ -4,14 +4,14 @@ Pure torch, no networking: the agent feeds it tensors and ships what it returns.
 holding every layer, which is what makes the pipeline equal to single-process training.
 
 Microbatches reach a stage in any order and are split among its replicas, while train-local takes them 0..M-1;
-float32 accumulation in arrival order made runs drift from train-local over hundreds of steps. So each
-microbatch's float32 gradient is added into a float64 sum: a float32 value has 24 significant bits, so such sums
-are exact, hence the same in any order and over any split among replicas, as long as one element's contributions
-span fewer than 29 - log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which
-changes the float32 mean only when it lies that close to a float32 rounding boundary. The mean is rounded to
-float32 once, after the division. On the CPU both take one pass over memory each where the C kernels of
-node/_gradsums.c were built, the same bits as torch's ops. Each gradient is added as backward produces it (a hook
-after its accumulation) and freed at once, so a microbatch's gradients are never alive together. The mean leaves its squares (exact in float64) in the
+float32 accumulation in arrival order made runs drift from train-local over hundreds of steps. So each microbatch's
+float32 gradient is added into a float64 sum: a float32 value has 24 significant bits, so such sums are exact, hence
+the same in any order and over any split among replicas, as long as one element's contributions span fewer than 29 -
+log2(microbatches) binary orders of magnitude; beyond that a sum rounds in its 53rd bit, which changes the float32
+mean only when it lies that close to a float32 rounding boundary. The mean is rounded to float32 once, after the
+division. On the CPU both take one pass over memory each where the C kernels of node/_gradsums.c were built, the
+same bits as torch's ops. Each gradient is added as backward produces it (a hook after its accumulation) and freed
+at once, so a microbatch's gradients are never alive together. The mean leaves its squares (exact in float64) in the
 sums it no longer needs, and the gradient norm adds them up: the norm the commit waits for costs one pass over them.
 A stage held alone (mean_at) takes the mean in the pass that adds its last microbatch.
 
