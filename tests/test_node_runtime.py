@@ -24,8 +24,8 @@ from geotrain.config import RunConfig, load_config, to_proto
 from geotrain.node import stage as stage_module
 from geotrain.node.agent import Agent, NodeOptions
 from geotrain.node.data import local_tokens
-from geotrain.node.model import loss_fn
 from geotrain.node.dataplane import DataPlane, Encoded
+from geotrain.node.model import loss_fn
 from geotrain.node.stage import StageRuntime
 from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
