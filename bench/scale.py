@@ -25,36 +25,42 @@ finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
 
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
-This version, the defaults (374M parameters, three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, the node
-of stage 1 SIGKILLed after step 10, the run rolled back to step 6's checkpoint), the lock held, warm-up steps left out:
-    {"node": "node-1", "peak_rss_bytes": 4887187456, "planned_bytes": 4435058688, "error": 0.102, "peak_in_step": 6}
-    {"node": "node-2", "peak_rss_bytes": 3581382656, "planned_bytes": 3727106048, "error": -0.039, "peak_in_step": 6}
-    {"node": "node-3", "peak_rss_bytes": 4263501824, "planned_bytes": 4069785600, "error": 0.048, "peak_in_step": 6}
-    {"node": "node-2 rejoined", "peak_rss_bytes": 3763314688, "planned_bytes": 3727106048, "error": 0.01, ...}
+This version (a stage adds each gradient as backward produces it and frees it at once, fe8020e), the defaults (374M
+parameters, three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, one node SIGKILLed after step 10, the run
+rolled back to step 6's checkpoint), the lock held, warm-up steps left out; the second of two runs:
+    {"node": "node-1", "peak_rss_bytes": 4014518272, "planned_bytes": 4375867392, "error": -0.083, "peak_in_step": 6}
+    {"node": "node-2", "peak_rss_bytes": 3783081984, "planned_bytes": 4126879744, "error": -0.083, "peak_in_step": 5}
+    {"node": "node-3", "peak_rss_bytes": 4305895424, "planned_bytes": 4457517056, "error": -0.034, ...}
+    {"node": "node-2 rejoined", "peak_rss_bytes": 4012777472, "planned_bytes": 4486598656, "error": -0.106, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
-     "coordinator_peak_rss_bytes": 358060032, "checkpoint_bytes": 4489557471, "step_s": 6.5,
-     "checkpoint_step_s": 6.94, "checkpoint_cost": 0.068,
-     "steps_s": [8.11, 7.13, 8.46, 7.04, 7.1, 7.82, 6.04, 6.43, 5.95, 6.26, 6.09, 6.07, 6.5, 5.96, 6.59, 6.79, 6.43],
-     "checkpoint_steps_s": [8.6, 7.32, 6.94, 6.01, 7.03, 6.36, 7.26, 6.85, 6.45],
-     "checkpoint_write_s": [11.4, 12.7, 10.1, 15.3, 5.6], "rejoin_s": 15.03, "rejoin_profile_s": 1.82, "run_exit": 0,
+     "coordinator_peak_rss_bytes": 378478592, "checkpoint_bytes": 4489557471, "step_s": 2.64,
+     "checkpoint_step_s": 3.06, "checkpoint_cost": 0.157,
+     "steps_s": [2.91, 2.64, 4.07, 3.21, 2.43, 2.71, 2.95, 2.29, 2.59, 2.47, 2.3, 2.46, 3.12, 2.47, 2.81, 2.52, 2.71],
+     "checkpoint_steps_s": [2.77, 4.02, 3.06, 2.96, 3.65, 2.37, 3.5, 3.49, 2.9],
+     "checkpoint_write_s": [6.3, 8.4, 5.4, 9.5, 3.6], "rejoin_s": 10.11, "rejoin_profile_s": 1.3, "run_exit": 0,
      "max_abs_diff": 0.0, "oom_killed": 0, ...}
 Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node's peak within 11% of its plan. A checkpoint costs the steps it spans +6.8% here, +6.2% in a second run of this head
-(0.062; nodes within 10% of plan, rejoin 14.2 s) and +3.3% for the version before it (its file read through the page
-cache). The step times of plain steps spread by up to 50% within one run (5.3-9.7 s), so one run's medians move by
-several points: the head before this change printed 0.053 the same hour, 0.128 and 0.143 the session before. What those
-steps paid then was mostly the snapshot's file written on the apply's path: what a holder had not sent by its next apply
-(262-1,056 MB a node, 0.35-1.54 s). Now a thread writes the unsent tensors to the file from the last back while the
-transfer sends from the first, and the apply copies only what neither reached: nothing in half the checkpoints, 206-582
-MB (0.3-0.75 s) in the others, where the shared disk (three nodes' files and the coordinator's) was the limit. The file
-is read back past the page cache: read through it, it filled the memory cgroups of nodes planned near their cap, which
-then reclaimed in the nodes' own allocations (failcnt 2,613 and 10,770 in one run). What is left is that copy and the
-transfer's work beside the compute (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The writer at
-the lowest priority left more to the apply (0.104, 237-582 MB in two of four checkpoints); the coordinator's receivers
-at normal priority measured no better (0.116). Earlier findings: in sessions of their own (start_new_session), Linux's
-autogroups gave every process an equal share of the CPU whatever its threads' priorities (checkpoint_cost 0.07 to 0.45);
-16 MiB pieces on the raw stream, reading a snapshot only while its node computes nothing, glibc keeping freed memory,
-torch's huge pages and a holder's C sender without the GIL measured no better.
+node 3-11% under its plan. Steps take 2.64 s (2.72 in the first run) against 4.89 the session before and 6.5 in the
+version the paragraph below describes: a node no longer faults in a stage's gradients afresh every microbatch (500
+MB on a stage of 125M parameters). A checkpoint costs the steps it spans +15.7% (+20.4% in the first run): about the
+seconds it cost before (+0.42 and +0.55 s against +0.21 s the session before and +0.44 s below), now a larger share
+of steps 45% shorter, over the 10% #28 asked for. The version before this one, at 6.5 s a step: a checkpoint cost
+the steps it spanned +6.8%, +6.2% in a second run of that head (0.062; nodes within 10% of plan, rejoin 14.2 s) and
++3.3% for the version before it (its file read through the page cache). The step times of plain steps spread by up
+to 50% within one run (5.3-9.7 s), so one run's medians move by several points: the head before this change printed
+0.053 the same hour, 0.128 and 0.143 the session before. What those steps paid then was mostly the snapshot's file
+written on the apply's path: what a holder had not sent by its next apply (262-1,056 MB a node, 0.35-1.54 s). Now a
+thread writes the unsent tensors to the file from the last back while the transfer sends from the first, and the
+apply copies only what neither reached: nothing in half the checkpoints, 206-582 MB (0.3-0.75 s) in the others,
+where the shared disk (three nodes' files and the coordinator's) was the limit. The file is read back past the page
+cache: read through it, it filled the memory cgroups of nodes planned near their cap, which then reclaimed in the
+nodes' own allocations (failcnt 2,613 and 10,770 in one run). What is left is that copy and the transfer's work
+beside the compute (bench/transfer_interference.py: 0.22-0.41 s of compute a GB moved). The writer at the lowest
+priority left more to the apply (0.104, 237-582 MB in two of four checkpoints); the coordinator's receivers at
+normal priority measured no better (0.116). Earlier findings: in sessions of their own (start_new_session), Linux's
+autogroups gave every process an equal share of the CPU whatever its threads' priorities (checkpoint_cost 0.07 to
+0.45); 16 MiB pieces on the raw stream, reading a snapshot only while its node computes nothing, glibc keeping freed
+memory, torch's huge pages and a holder's C sender without the GIL measured no better.
 """
 
 from __future__ import annotations
