@@ -199,7 +199,8 @@ def train(config: Config, steps: int, links: str, timeout_s: float = 3600.0, siz
 
 def run_summary(settings: list[str], steps: int, links: str, replicas: int = 1, timeout_s: float = 3600.0) -> dict:
     """The --json summary of a run of these --set settings on STAGES regions of `replicas` nodes each, over
-    `links` (LINKS), with "step_s" added: its steps' seconds from commit to commit (commit_intervals)."""
+    `links` (LINKS), with "step_s" added: its steps' seconds from commit to commit (commit_spans), and
+    "step_window": the first one's start and the last one's end (seconds since the epoch; None without any)."""
     flags = [arg for s in settings for arg in ("--set", s)]
     state_dir = Path(tempfile.mkdtemp(prefix="bench-ttt-state-"))  # for its metrics.jsonl
     if links != "namespaces":
@@ -223,20 +224,21 @@ def run_summary(settings: list[str], steps: int, links: str, replicas: int = 1, 
             if coordinator.wait(timeout_s) != 0:
                 raise RuntimeError(f"the run failed:\n{log.read_text()[-3000:]}")
             summary = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
-    summary["step_s"] = commit_intervals((state_dir / "metrics.jsonl").read_text().splitlines())
+    spans = commit_spans((state_dir / "metrics.jsonl").read_text().splitlines())
+    summary["step_s"] = [end - start for start, end in spans]
+    summary["step_window"] = [spans[0][0], spans[-1][1]] if spans else None
     return summary
 
 
-def commit_intervals(metrics_lines: list[str]) -> list[float]:
-    """Each step's seconds from the commit before it to its own (metrics.jsonl's "time"), so the optimizer's step
-    counts as it does in torch pipelining's; steps after a failure and those that ran a validation pass (written
-    after it) left out, and the first (no commit before it, the nodes still warming up)."""
+def commit_spans(metrics_lines: list[str]) -> list[tuple[float, float]]:
+    """Each step's span from the commit before it to its own (metrics.jsonl's "time", seconds since the epoch), so
+    the optimizer's step counts as it does in torch pipelining's; steps after a failure and those that ran a
+    validation pass (written after it) left out, and the first (no commit before it, the nodes still warming up)."""
     steps = [json.loads(line) for line in metrics_lines]
-    out = []
-    for before, after in zip(steps, steps[1:]):
-        if before["kind"] == after["kind"] == "step" and after["val_loss"] is None:
-            out.append(after["time"] - before["time"])
-    return out
+    return [
+        (before["time"], after["time"]) for before, after in zip(steps, steps[1:])
+        if before["kind"] == after["kind"] == "step" and after["val_loss"] is None
+    ]
 
 
 def to_target(summary: dict, target: float) -> tuple[int | None, float | None]:

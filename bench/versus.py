@@ -152,7 +152,8 @@ def worker_settings(steps: int, size: str = "small") -> list[str]:
 
 def torch_rank(rank: int, master: str, schedule_name: str, settings: list[str]) -> None:
     """Rank `rank` of the pipeline under `schedule_name` (of torch.distributed.pipelining); the last rank prints
-    {"seconds": [...], "losses": [...]}."""
+    {"seconds": [...], "losses": [...], "window": [start, end]} (window: the wall-clock span of the steps after the
+    first, seconds since the epoch)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -176,11 +177,13 @@ def torch_rank(rank: int, master: str, schedule_name: str, settings: list[str]) 
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     # scale_grads (the default) divides the summed gradients by the microbatches: geotrain's mean over them.
     schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=t.microbatches, loss_fn=loss_fn)
-    seconds, losses = [], []
+    seconds, losses, window = [], [], [0.0, 0.0]
     for step in range(steps):
         batches = [corpus.batch(seed=cfg.run.seed, step=step, microbatch=mb, size=t.microbatch_size,
                                 seq_len=cfg.model.seq_len) for mb in range(t.microbatches)]
         began = time.monotonic()
+        if step == 1:
+            window[0] = time.time()  # the steps measured start: the first is left out (run_system)
         if rank == 0:
             schedule.step(torch.cat([x for x, _ in batches]))
         elif rank == world - 1:
@@ -193,14 +196,16 @@ def torch_rank(rank: int, master: str, schedule_name: str, settings: list[str]) 
         dist.all_reduce(sq_norm)
         runtime.apply(step, t.clip_coefficient(sq_norm.item()), t.lr_at(step, steps))
         seconds.append(time.monotonic() - began)
+    window[1] = time.time()
     if rank == world - 1:
-        print(json.dumps({"seconds": seconds, "losses": losses}), flush=True)
+        print(json.dumps({"seconds": seconds, "losses": losses, "window": window}), flush=True)
     dist.destroy_process_group()
 
 
 def hivemind_peer(rank: int, listen_ip: str, settings: list[str], initial_peers: list[str]) -> None:
     """Peer `rank` of hivemind data parallelism; prints its visible addresses as the first line, then, on rank 0,
-    {"epochs": E, "seconds": S, "losses": [...]} for the global steps after the first."""
+    {"epochs": E, "seconds": S, "losses": [...], "window": [start, end]} for the global steps after the first (window:
+    their wall-clock span, seconds since the epoch)."""
     import hivemind
     import torch
 
@@ -243,10 +248,10 @@ def hivemind_peer(rank: int, listen_ip: str, settings: list[str], initial_peers:
         if optimizer.local_epoch != epoch:
             losses.append(sum(step_losses) / len(step_losses))
             if first_epoch_at is None:
-                first_epoch_at, first_epoch = time.monotonic(), optimizer.local_epoch
+                first_epoch_at, first_epoch, window_start = time.monotonic(), optimizer.local_epoch, time.time()
     if rank == 0:
         print(json.dumps({"epochs": optimizer.local_epoch - first_epoch, "seconds": time.monotonic() - first_epoch_at,
-                          "losses": losses}), flush=True)
+                          "losses": losses, "window": [window_start, time.time()]}), flush=True)
     optimizer.shutdown()
     dht.shutdown()
 
@@ -361,6 +366,62 @@ TRANSPORTS = {"torch_gpipe": "gloo TCP (torch.distributed)", "torch_1f1b": "gloo
               "hivemind": "hivemind all-reduce over libp2p"}
 
 
+class CpuMeter:
+    """The machine's CPU, sampled from /proc/stat by a thread of its own while the bench runs: how busy every core
+    was over a span of wall-clock time (a run's measured steps), whoever used it (nodes, ranks, peers, coordinator,
+    kernel). The bench runs under the CPU lock, so what is busy is the system measured."""
+
+    INTERVAL_S = 0.25
+
+    def __init__(self, stat: Path = Path("/proc/stat")) -> None:
+        self._stat = stat
+        self.cores = 0  # the cores the aggregate line sums (its cpuN lines)
+        self._samples: list[tuple[float, int, int]] = []  # (time.time(), busy jiffies, all jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+
+    def __enter__(self) -> CpuMeter:
+        if self._stat.exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def sample(self) -> None:
+        """Take one sample: the aggregate line's jiffies, idle and iowait counted as not busy."""
+        lines = self._stat.read_text().splitlines()
+        self.cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        fields = [int(x) for x in lines[0].split()[1:]]
+        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user's)
+        self._samples.append((time.time(), total - fields[3] - fields[4], total))
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.INTERVAL_S):
+                return
+
+    def busy(self, start: float, end: float) -> float | None:
+        """The share of all cores' time that was busy between the first and the last sample within [start, end];
+        None with fewer than two samples there."""
+        inside = [s for s in self._samples if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
+
+
+def with_cpu(line: dict, window: list[float] | None, meter: CpuMeter) -> dict:
+    """The line with the CPU its measured steps kept busy: cpu_busy (the share of every core's time over their
+    wall-clock window) and cpu_s_per_step (core-seconds a step: what a system's step costs the machine, idle cores
+    not counted; a step can be no shorter than it divided by the cores)."""
+    busy = meter.busy(*window) if window else None
+    return {**line, "cpu_busy": None if busy is None else round(busy, 3),
+            "cpu_s_per_step": None if busy is None else round(busy * meter.cores * line["step_s"], 3)}
+
+
 def pace_line(system: str, step_seconds: list[float], size: str, links_label: str) -> dict:
     """What every line says: the system, model and links, and its pace over the steps measured."""
     mean_s = sum(step_seconds) / len(step_seconds)
@@ -368,13 +429,14 @@ def pace_line(system: str, step_seconds: list[float], size: str, links_label: st
             "steps_measured": len(step_seconds), "tokens_per_s": round(ttt.tokens_per_step(size) / mean_s, 1)}
 
 
-def geotrain_line(system: str, config: str, steps: int, links: str, size: str) -> dict:
+def geotrain_line(system: str, config: str, steps: int, links: str, size: str, meter: CpuMeter) -> dict:
     """The line of one geotrain run of `config` under the default plan, its pace from commit to commit."""
     summary = ttt.train(ttt.CONFIGS[config], steps, links, size=size, eval_every=0)
-    return {**pace_line(system, summary["step_s"], size, ttt.links_label(links)), "config": config,
+    line = {**pace_line(system, summary["step_s"], size, ttt.links_label(links)), "config": config,
             "tensor_transport": ttt.tensor_transport(summary), "stages": summary["stages"], "nodes": summary["nodes"],
             "stage_nodes": summary["stage_nodes"],
             "averaging_bytes_per_step": round(summary["averaging_bytes"] / summary["steps"])}
+    return with_cpu(line, summary["step_window"], meter)
 
 
 def other_line(system: str, step_seconds: list[float], losses: list[float], size: str, links_label: str) -> dict:
@@ -416,8 +478,16 @@ def cell_lines(records: list[dict], steps_to_target: dict[str, int]) -> list[dic
             "steps_to_target": steps,
             "seconds_to_target_median": round(statistics.median(seconds), 1) if seconds else None,
             "seconds_to_target_spread": [min(seconds), max(seconds)] if seconds else None,
+            **{f"{key}_median": _median_of(runs, key) for key in ("cpu_busy", "cpu_s_per_step")},
         })
     return [*out, verdict(out)]
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    """The median of `key` over the runs, None unless every run has it (runs recorded before the bench measured it
+    have not)."""
+    values = [r.get(key) for r in runs]
+    return None if None in values else round(statistics.median(values), 3)
 
 
 def verdict(lines: list[dict]) -> dict:
@@ -483,18 +553,22 @@ def worker(argv: list[str]) -> None:
         hivemind_peer(int(rank), ip, json.loads(settings), peers)
 
 
-def run_system(system: str, config: str | None, args: argparse.Namespace, links: str, steps: int) -> dict:
+def run_system(
+    system: str, config: str | None, args: argparse.Namespace, links: str, steps: int, meter: CpuMeter
+) -> dict:
     """One run of a system; its line without the target."""
     if config is not None:
-        return geotrain_line(system, config, steps, links, args.size)
+        return geotrain_line(system, config, steps, links, args.size, meter)
     settings = worker_settings(steps, args.size)
     if system in TORCH_SCHEDULES:
         result = run_torch(links, settings, args.timeout, TORCH_SCHEDULES[system])
         # The first step (gloo's connections, the first allocations) left out, as geotrain's first commit is.
-        return other_line(system, result["seconds"][1:], result["losses"], args.size, result["links"])
-    result = run_hivemind(links, settings, args.timeout)
-    seconds = [result["seconds"] / result["epochs"]] * result["epochs"]  # its global steps after the first
-    return other_line(system, seconds, result["losses"], args.size, result["links"])
+        line = other_line(system, result["seconds"][1:], result["losses"], args.size, result["links"])
+    else:
+        result = run_hivemind(links, settings, args.timeout)
+        seconds = [result["seconds"] / result["epochs"]] * result["epochs"]  # its global steps after the first
+        line = other_line(system, seconds, result["losses"], args.size, result["links"])
+    return with_cpu(line, result["window"], meter)
 
 
 def main() -> None:
@@ -509,17 +583,18 @@ def main() -> None:
     runs = [("geotrain", "none")] if "geotrain" in args.systems else []
     runs += [("geotrain_best", c) for c in args.best] if "geotrain_best" in args.systems else []
     runs += [(s, None) for s in OTHERS if s in args.systems]
-    for system, config in [] if args.summarize else runs:
-        try:
-            line = with_target(run_system(system, config, args, links, steps), steps_to_target)
-        except (RuntimeError, subprocess.SubprocessError) as e:  # one system's failed run: the others still run
-            print(json.dumps({"system": system, "config": config, "model": ttt.SIZES[args.size],
-                              "links": ttt.links_label(links), "failed": str(e)[-500:]}), flush=True)
-            continue
-        print(json.dumps(line), flush=True)
-        if args.record:
-            with args.record.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+    with CpuMeter() as meter:
+        for system, config in [] if args.summarize else runs:
+            try:
+                line = with_target(run_system(system, config, args, links, steps, meter), steps_to_target)
+            except (RuntimeError, subprocess.SubprocessError) as e:  # one system's failed run: the others still run
+                print(json.dumps({"system": system, "config": config, "model": ttt.SIZES[args.size],
+                                  "links": ttt.links_label(links), "failed": str(e)[-500:]}), flush=True)
+                continue
+            print(json.dumps(line), flush=True)
+            if args.record:
+                with args.record.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
     if args.record:
         cell = (ttt.SIZES[args.size], ttt.links_label(links))
         records = [json.loads(x) for x in args.record.read_text().splitlines() if x.strip()]

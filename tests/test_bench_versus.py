@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 
 import pytest
 
@@ -95,7 +96,7 @@ def test_step_seconds_run_from_commit_to_commit():
         {"kind": "step", "step": 5, "time": 22.0, "val_loss": None},  # after a failure
         {"kind": "step", "step": 6, "time": 22.5, "val_loss": None},
     ]]
-    assert ttt.commit_intervals(lines) == [1.0, 0.5, 0.5]
+    assert ttt.commit_spans(lines) == [(10.0, 11.0), (13.5, 14.0), (22.0, 22.5)]
 
 
 def test_the_late_target_is_nones_pass_at_ninety_percent():
@@ -126,17 +127,40 @@ def test_figures_come_from_the_summary():
 
 def test_geotrain_line_is_its_paced_run_under_the_default_plan(monkeypatch):
     summary = {"steps": 20, "stages": 3, "nodes": 3, "stage_nodes": [["r0n0"], ["r1n0"], ["r2n0"]], "wire_bytes": 10,
-               "stream_bytes": 0, "averaging_bytes": 40, "step_s": [0.5, 1.5]}
+               "stream_bytes": 0, "averaging_bytes": 40, "step_s": [0.5, 1.5], "step_window": [100.0, 102.0]}
     runs = []
     monkeypatch.setattr(ttt, "train", lambda config, steps, links, size, eval_every: runs.append(
         (config, steps, links, size, eval_every)) or summary)
-    line = versus.with_target(versus.geotrain_line("geotrain_best", "int8", 20, "loopback", "small"), {"int8": 30})
+    meter = versus.CpuMeter()
+    meter.cores, meter._samples = 2, [(99.0, 0, 0), (100.0, 10, 100), (101.0, 100, 200), (102.0, 160, 300)]
+    line = versus.with_target(versus.geotrain_line("geotrain_best", "int8", 20, "loopback", "small", meter),
+                              {"int8": 30})
     assert runs == [(ttt.CONFIGS["int8"], 20, "loopback", "small", 0)]
     assert line == {"system": "geotrain_best", "config": "int8", "model": ttt.SIZES["small"],
                     "links": ttt.links_label("loopback"), "step_s": 1.0, "steps_measured": 2,
                     "tokens_per_s": 3072.0, "tensor_transport": "gRPC calls", "stages": 3, "nodes": 3,
-                    "stage_nodes": [["r0n0"], ["r1n0"], ["r2n0"]], "averaging_bytes_per_step": 2, "steps_to_target": 30, "seconds_to_target": 30.0,
+                    "stage_nodes": [["r0n0"], ["r1n0"], ["r2n0"]], "averaging_bytes_per_step": 2,
+                    "cpu_busy": 0.75, "cpu_s_per_step": 1.5, "steps_to_target": 30, "seconds_to_target": 30.0,
                     "seconds_to_target_from": "int8's steps_to_target x this run's mean step seconds"}
+
+
+def test_cpu_meter_reads_the_machines_busy_share(tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\ncpu1 50 0 25 400 25 0 0 0 0 0\n")
+    meter = versus.CpuMeter(stat)
+    meter.sample()
+    stat.write_text("cpu  400 0 150 1000 50 0 0 0 0 0\ncpu0 200 0 75 500 25 0 0 0 0 0\ncpu1 200 0 75 500 25 0 0 0 0 0\n")
+    meter.sample()
+    assert meter.cores == 2
+    first, last = meter._samples[0][0], meter._samples[1][0]
+    assert meter.busy(first, last) == 400 / 600  # idle and iowait are not busy
+    assert meter.busy(last, last + 1) is None  # one sample: no span
+    with versus.CpuMeter(tmp_path / "absent") as absent:  # no /proc/stat: nothing measured, nothing fails
+        assert absent.busy(0, time.time()) is None
+    live = versus.CpuMeter()
+    live.sample()
+    assert live.cores >= 1
 
 
 def test_the_others_take_nones_steps_and_the_cell_compares_medians():
@@ -156,6 +180,9 @@ def test_the_others_take_nones_steps_and_the_cell_compares_medians():
     assert [(x["system"], x["runs"], x["seconds_to_target_median"], x["seconds_to_target_spread"]) for x in lines] == [
         ("geotrain", 3, 10.0, [9.0, 12.0]), ("geotrain_best", 3, 4.0, [4.0, 4.4]), ("hivemind", 3, 15.0, [10.0, 20.0]),
         ("torch_gpipe", 3, 30.0, [30.0, 30.0])]
+    assert lines[0]["cpu_busy_median"] is None  # runs recorded before the bench measured the CPU
+    measured = [{**r, "cpu_busy": 0.9, "cpu_s_per_step": 1.8 * r["step_s"]} for r in records]
+    assert versus.cell_lines(measured, {})[0]["cpu_s_per_step_median"] == 1.8
     assert verdict == {"verdict": {"model": "m", "links": "l"}, "compared_by": "seconds_to_target_median",
                        "best_other": "hivemind", "geotrain_default_vs_best_other": 1.5, "geotrain_best": "rank8",
                        "geotrain_best_vs_best_other": 3.75}
@@ -196,6 +223,8 @@ def test_tiny_torch_pipeline_trains_what_train_local_trains(schedule):
     settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=2", "run.eval_every=0"]
     result = versus.run_torch("loopback", settings, timeout_s=100, schedule=schedule)
     assert len(result["seconds"]) == 2 and result["links"].startswith("loopback")
+    start, end = result["window"]  # the second step's span, wall clock: what the CPU meter reads over
+    assert time.time() - 100 < start <= end <= time.time()
     _, summary = train_local(load_config(None, settings))
     # Either schedule over the same layers, data and optimizer: geotrain's exact training (float summation order aside).
     assert result["losses"] == pytest.approx([summary["loss_first"], summary["loss_last"]], abs=1e-4)
@@ -207,3 +236,5 @@ def test_tiny_hivemind_run_takes_global_steps():
     settings = [*TINY_MODEL, *TINY_TRAIN, "run.steps=3"]
     result = versus.run_hivemind("loopback", settings, timeout_s=100)
     assert result["epochs"] >= 1 and result["seconds"] > 0 and result["links"].startswith("loopback")
+    start, end = result["window"]
+    assert time.time() - 100 < start <= end <= time.time()
