@@ -72,6 +72,20 @@ def train_local_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in runtime.named_state()}
 
 
+def message_chunks(
+    header: pb.TensorHeader, payload: Any, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = framing.CHUNK_BYTES
+) -> list[pb.TensorChunk]:
+    """One encoded tensor's chunks built as protobuf messages (the first carries ref and header): what
+    framing.wire_chunks serializes by hand, and what a gRPC client of the Stage service sends."""
+    view = memoryview(payload).cast("B")
+    starts = range(0, max(len(view), 1), chunk_bytes)
+    chunks = [pb.TensorChunk(data=bytes(view[at : at + chunk_bytes])) for at in starts]
+    chunks[0].header.CopyFrom(header)
+    if ref is not None:
+        chunks[0].ref.CopyFrom(ref)
+    return chunks
+
+
 def tensor_chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_overrides: Any) -> list[pb.TensorChunk]:
     """A Forward or Backward request: `tensor` uncompressed in 64 KiB chunks, its header's fields overridden."""
     payload = get_codec("none").encode(tensor, None)
@@ -82,7 +96,7 @@ def tensor_chunks(tensor: torch.Tensor, ref: pb.MicrobatchRef, **header_override
             header.shape.extend(value)
         else:
             setattr(header, key, value)
-    return list(framing.chunk_tensor(header, payload, ref, chunk_bytes=64 << 10))
+    return message_chunks(header, payload, ref, chunk_bytes=64 << 10)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -19,7 +19,7 @@ from geotrain.protocol.auth import auth_metadata
 from geotrain.protocol.identity import NodeKey
 from geotrain.protocol.transport import make_channel
 from geotrain.scheduler.service import fetch_model_state
-from tests.conftest import expect_status, local_cluster, tensor_chunks
+from tests.conftest import expect_status, local_cluster, message_chunks, tensor_chunks
 
 FORWARD = "/geotrain.v1.Stage/Forward"
 
@@ -86,7 +86,7 @@ def test_bad_requests_are_rejected_and_change_nothing(small_config, tmp_path):
         noise = bytes(torch.randint(0, 256, (activation.numel() * 4 - 3,), dtype=torch.uint8))
         header = framing.make_header("", torch.float32, shape, pb.CODEC_NONE, noise)
         expect_status(grpc.StatusCode.INVALID_ARGUMENT, "cannot decode",
-                      lambda: forward(framing.chunk_tensor(header, noise, ref)))
+                      lambda: forward(message_chunks(header, noise, ref)))
         expect_status(grpc.StatusCode.INVALID_ARGUMENT, "NaN",
                       lambda: forward(tensor_chunks(torch.full(shape, float("nan")), ref)))
         garbage = grpc.insecure_channel(address).stream_unary(FORWARD, request_serializer=lambda b: b)

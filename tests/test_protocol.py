@@ -13,12 +13,13 @@ from geotrain.protocol import framing
 from geotrain.protocol import geotrain_pb2 as pb
 from geotrain.protocol.auth import ServerAuth, auth_metadata
 from geotrain.protocol.framing import FrameError
+from tests.conftest import message_chunks
 
 
 def _frames(tensor: torch.Tensor, chunk_bytes: int = 1000) -> list[pb.TensorChunk]:
     payload = framing.raw_payload(tensor)
     header = framing.make_header("w", tensor.dtype, tuple(tensor.shape), pb.CODEC_NONE, payload)
-    return list(framing.chunk_tensor(header, payload, pb.MicrobatchRef(step=3, microbatch=1), chunk_bytes))
+    return message_chunks(header, payload, pb.MicrobatchRef(step=3, microbatch=1), chunk_bytes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
@@ -42,7 +43,7 @@ def _tensor_w() -> tuple[torch.Tensor, bytes, pb.TensorHeader, pb.MicrobatchRef]
 def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_place():
     tensor, payload, header, ref = _tensor_w()
     wire = list(framing.wire_chunks(header, payload, ref, 1000))
-    assert [pb.TensorChunk.FromString(w) for w in wire] == list(framing.chunk_tensor(header, payload, ref, 1000))
+    assert [pb.TensorChunk.FromString(w) for w in wire] == message_chunks(header, payload, ref, 1000)
     parsed = [framing.parse_chunk(w) for w in wire]
     assert isinstance(parsed[0].data, memoryview) and parsed[0].data.obj is wire[0]  # a view, not a copy
     assert parsed[0].HasField("header") and not parsed[1].HasField("header") and parsed[0].ref == ref
@@ -52,7 +53,7 @@ def test_wire_chunks_are_the_protobuf_chunks_and_parse_back_with_their_data_in_p
 
 def test_a_chunk_nested_by_its_parts_is_the_message_that_carries_it():
     _, payload, header, ref = _tensor_w()
-    chunks = list(framing.chunk_tensor(header, payload, ref, 1000))
+    chunks = message_chunks(header, payload, ref, 1000)
     for (head, data), chunk in zip(framing.wire_chunk_parts(header, payload, ref, 1000), chunks, strict=True):
         fields = pb.ReverseDown(seq=9, direction=pb.DIRECTION_BACKWARD, last=True, origin="node-2", signature=b"s")
         nested = framing.nested_chunk(fields.SerializeToString(), 4, head, data)

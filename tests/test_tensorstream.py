@@ -39,6 +39,7 @@ from geotrain.protocol.tensorstream import (
 )
 from geotrain.protocol.tls import TlsFiles, init_run_tls
 from geotrain.protocol.transport import StatusError, make_channel, make_server
+from tests.conftest import message_chunks
 
 SHAPE = (2, 8, 16)
 REF = pb.MicrobatchRef(plan_epoch=1, step=0, microbatch=3, path=["sender"])
@@ -255,11 +256,11 @@ def test_a_stream_s_header_carries_no_crc32_and_none_is_checked_but_calls_keep_t
         channel = make_channel(node.address, node.token, lambda: "sender", key=node.key)
         try:
             call = rpc.StageStub(channel).Forward
-            call(framing.chunk_tensor(encoded.checked_header, encoded.payload, REF), timeout=10)
+            call(iter(message_chunks(encoded.checked_header, encoded.payload, REF)), timeout=10)
             flipped = bytearray(framing.raw_payload(tensor))
             flipped[7] ^= 1
             with pytest.raises(grpc.RpcError) as err:
-                call(framing.chunk_tensor(encoded.checked_header, bytes(flipped), REF), timeout=10)
+                call(iter(message_chunks(encoded.checked_header, bytes(flipped), REF)), timeout=10)
         finally:
             channel.close()
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()

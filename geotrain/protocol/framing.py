@@ -106,15 +106,6 @@ def _split(
         yield pb.TensorChunk(), view[offset : offset + chunk_bytes]
 
 
-def chunk_tensor(
-    header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[pb.TensorChunk]:
-    """Split one encoded tensor into chunks; the first carries ref and header."""
-    for chunk, data in _split(header, payload, ref, chunk_bytes):
-        chunk.data = bytes(data)
-        yield chunk
-
-
 _DATA_TAG = (3 << 3) | 2  # TensorChunk.data: field 3, length-delimited
 _LENGTH_DELIMITED = 2
 
@@ -146,8 +137,8 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 def wire_chunks(
     header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
-    """chunk_tensor's chunks as the serialized TensorChunk messages, each data copied once (a request_serializer of
-    None sends them as they are)."""
+    """One encoded tensor's chunks (the first carries ref and header) as serialized TensorChunk messages, each data
+    copied once (a request_serializer of None sends them as they are)."""
     for head, data in wire_chunk_parts(header, payload, ref, chunk_bytes):
         yield b"".join((head, data))
 
@@ -155,8 +146,8 @@ def wire_chunks(
 def wire_chunk_parts(
     header: pb.TensorHeader, payload: Buffer, ref: pb.MicrobatchRef | None = None, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[tuple[bytes, memoryview]]:
-    """chunk_tensor's chunks, each as its serialized TensorChunk up to its data, and its data's view: the two joined
-    are the chunk's wire form (wire_chunks); nested_chunk puts them in an enclosing message."""
+    """wire_chunks' chunks, each as its serialized TensorChunk up to its data, and its data's view: the two joined are
+    the chunk's wire form (wire_chunks); nested_chunk puts them in an enclosing message."""
     for chunk, data in _split(header, payload, ref, chunk_bytes):
         yield b"".join((chunk.SerializeToString(), bytes([_DATA_TAG]), _varint(len(data)))), data
 
