@@ -55,9 +55,10 @@ def _coordinator(port: int, token: str, state_dir: Path, settings: list[str], *e
         sys.executable, "-m", "geotrain", "coordinator", "--listen", f"127.0.0.1:{port}", "--token", token,
         "--state-dir", str(state_dir), *extra, *[a for s in settings for a in ("--set", s)],
     ]
-    # Its own session: a SIGKILL of the group takes its DHT fork too, as a host's crash would.
+    # Its own process group: a SIGKILL of the group takes its DHT fork too, as a host's crash would. Not a session of
+    # its own: Linux gives each session an equal share of the CPU, which would weigh the coordinator against the nodes.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO,
-                            start_new_session=True)
+                            process_group=0)
 
 
 def _until(proc: subprocess.Popen, pattern: str) -> tuple[re.Match, float]:

@@ -281,7 +281,7 @@ print("finished without reaching the phase", flush=True)
 def _start_coordinator(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(),
-        cwd=REPO, start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
+        cwd=REPO, process_group=0,  # its hivemind DHT fork dies with it when the test kills the group
     )
 
 

@@ -98,7 +98,7 @@ process.coordinator.run()
 def test_sigkilled_coordinator_leaves_no_processes(reaper):
     coordinator = subprocess.Popen(
         [sys.executable, "-c", _COORDINATOR_WITH_DHT, new_token()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=geotrain_env(), cwd=REPO, start_new_session=True,
+        text=True, env=geotrain_env(), cwd=REPO, process_group=0,
     )
     reaper.lead(coordinator.pid)
     for line in coordinator.stdout:

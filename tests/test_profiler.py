@@ -141,7 +141,7 @@ def turn_held_elsewhere(tmp_path) -> Iterator[tuple[Path, Callable[[], None]]]:
     lock = tmp_path / "profile.lock"  # not the host's: nodes of other runs may be timing their layers now
     holder = subprocess.Popen(
         [sys.executable, "-c", _TURN_HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=REPO, start_new_session=True,
+        cwd=REPO, process_group=0,
     )
 
     def let_go() -> None:

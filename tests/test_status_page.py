@@ -71,7 +71,7 @@ def demo() -> Iterator[Demo]:
             "--http", "127.0.0.1:0", "--http-linger", "60", "--set", "scheduler.heartbeat_timeout_s=10",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
-        start_new_session=True,
+        process_group=0,
     )
     running = Demo(proc)
     reader = threading.Thread(target=lambda: [running.lines.put(line) for line in proc.stdout], daemon=True)
@@ -109,7 +109,7 @@ def _chromium(url: str, profile: Path, *args: str) -> str:
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
         f"--user-data-dir={profile}", "--virtual-time-budget=3000", *args, url,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0)
     try:
         out, _ = proc.communicate(timeout=45)
     finally:

@@ -213,7 +213,7 @@ def test_coordinator_and_nodes_train_over_tls(tmp_path):
             "--json", *as_set_flags(settings),
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=geotrain_env(), cwd=REPO,
-        start_new_session=True,  # its hivemind DHT fork dies with it when the test kills the group
+        process_group=0,  # its hivemind DHT fork dies with it when the test kills the group
     )
     nodes = None
     try:
