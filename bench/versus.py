@@ -37,58 +37,78 @@ by step seconds: between systems that train the same math the ratio of times to 
 whatever the steps. A run of every system took ~1.5 minutes for the small model on loopback, ~3.4 on namespaces,
 3 to 5.5 for the large model on loopback at 12 steps (hivemind's steps vary most) and ~2.5 on namespaces (without
 hivemind).
+Each line also says what its measured steps cost the machine: cpu_busy, the share of both cores' time busy over
+their wall-clock window (/proc/stat, sampled every 0.25 s: nodes, ranks, peers, coordinator and kernel alike, the
+machine being quiet under the lock), and cpu_s_per_step, the core-seconds a step took (cpu_busy x cores x step_s),
+no step being shorter than those over the cores.
 --record FILE appends each run's line; the bench then prints the cell's lines over every run recorded (median and
 spread), and a verdict: geotrain's default and its best against the best of the others (above 1: geotrain sooner).
 Run: sudo python bench/versus.py [--size small|large] [--links loopback|namespaces] [--best rank8,int8]
 [--pace-steps N] [--record FILE] [--summarize]
 
 Measured on a 2-core machine, each run of a cell under the CPU lock, three runs a cell, the cells' runs interleaved
-(round by round), geotrain at fe8020e (a stage adds each parameter's gradient into its float64 sum as backward
-produces it and frees it at once; the large loopback cell with --pace-steps 12). Step seconds, median [runs]; seconds
-to the early target (2.8986: none's and every none-math system's 100 steps, rank8's 40), median [spread]:
-- small, loopback: geotrain none 0.367 [0.3658, 0.367, 0.3736] (3 stages), 36.7 s [36.6, 37.4]; rank8 0.2707
-  [0.2882, 0.2647, 0.2707], 10.8 s [10.6, 11.5]; torch_gpipe 0.3848 [0.3848, 0.3847, 0.3918], 38.5 s; torch_1f1b
-  0.3809 [0.3713, 0.3809, 0.3823], 38.1 s [37.1, 38.2]; hivemind 1.8445 [1.7364, 1.8445, 1.8876], 184.4 s.
+(round by round), geotrain at b108859 (the nodes' code that of fe8020e, where a stage adds each parameter's gradient
+into its float64 sum as backward produces it; this version adds the CPU figures), the large loopback cell with
+--pace-steps 12. Step seconds, median [runs]; seconds to the early target (2.8986: none's and every none-math
+system's 100 steps, rank8's 40), median [spread]; cpu: cpu_busy and cpu_s_per_step, medians:
+- small, loopback: geotrain none 0.3675 [0.3696, 0.3675, 0.3636] (3 stages), 36.8 s [36.4, 37.0], cpu 0.919 and
+  0.676; rank8 0.2612 [0.275, 0.2607, 0.2612], 10.4 s [10.4, 11.0]; torch_gpipe 0.3846 [0.3889, 0.3846, 0.3799],
+  38.5 s, cpu 0.82 and 0.631; torch_1f1b 0.368 [0.3727, 0.368, 0.3645], 36.8 s [36.4, 37.3], cpu 0.841 and 0.621;
+  hivemind 1.8151 [1.9406, 1.6929, 1.8151], 181.5 s.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "seconds_to_target_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 1.04, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 3.53}
-- small, namespaces: geotrain none 0.5988 [0.5994, 0.5986, 0.5988] (the whole model on r0n0, the coordinator's
-  region, every run; nothing sent), 59.9 s [59.9, 59.9]; rank8 0.4301 [0.5406, 0.4252, 0.4301] (3 stages once, 2
-  twice), 17.2 s [17.0, 21.6]; torch_gpipe 2.6994, 269.9 s; torch_1f1b 3.1186, 311.9 s; hivemind 0.9845 [0.9845,
-  0.8113, 0.9859], 98.5 s [81.1, 98.6].
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 1.0, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 3.54}
+- small, namespaces: geotrain none 0.5986 [0.5986, 0.6009, 0.5867] (the whole model on r0n0, the coordinator's
+  region, every run; nothing sent), 59.9 s [58.7, 60.1], cpu 0.526 and 0.63; rank8 0.4314 [0.4353, 0.427, 0.4314],
+  17.3 s [17.1, 17.4]; torch_gpipe 2.7101, 271.0 s; torch_1f1b 3.1109, 311.1 s; hivemind 0.9105 [0.8919, 0.9105,
+  0.9106], 91.0 s [89.2, 91.1], cpu 0.61 and 1.11.
   {"verdict": {"model": "byte GPT 2.7M (6 blocks of width 192)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "seconds_to_target_median",
-    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.64, "geotrain_best": "rank8",
-    "geotrain_best_vs_best_other": 5.73}
+    "best_other": "hivemind", "geotrain_default_vs_best_other": 1.52, "geotrain_best": "rank8",
+    "geotrain_best_vs_best_other": 5.26}
 - large, loopback (compared by step seconds: no validation run of the large model fitted, and these systems train
-  the same math): geotrain none 1.6059 [1.6476, 1.6042, 1.6059] (3 stages); torch_gpipe 1.6411 [1.6411, 1.6376,
-  1.6426]; torch_1f1b 1.5918 [1.5918, 1.607, 1.4873]; hivemind 12.6766 [6.5788, 12.6766, 22.112].
+  the same math): geotrain none 1.6295 [1.603, 1.6385, 1.6295] (3 stages), cpu 0.931 and 3.034; torch_gpipe 1.6231
+  [1.6231, 1.6399, 1.5526], cpu 0.891 and 2.89; torch_1f1b 1.5621 [1.5621, 1.5802, 1.5467], cpu 0.91 and 2.844;
+  hivemind 7.0243 [5.8876, 7.6327, 7.0243].
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "loopback: every process on 127.0.0.1, unshaped"}, "compared_by": "step_s_median",
-    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.99, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 0.99}
-- large, namespaces: geotrain none 1.9961 [1.9961, 1.9553, 2.0053] (2 stages twice, 3 once); torch_gpipe 3.4909
-  [3.4605, 3.5181, 3.4909]; torch_1f1b 3.6633 [3.6413, 3.6633, 3.6869]. hivemind's namespace figures are a lower
-  bound on data parallelism (an earlier campaign's one run: 5.06 s a step, which cannot carry the large model's
-  203 MB of gradients over 50 Mbit/s; most of its global steps assembled no all-reduce group), so it is left out.
+    "best_other": "torch_1f1b", "geotrain_default_vs_best_other": 0.96, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 0.96}
+- large, namespaces: geotrain none 1.9411 [1.9411, 1.8595, 2.0584] (2 stages, r0n0 and r2n0, twice; 3 once: the
+  2.0584), cpu 0.806 and 3.114; torch_gpipe 3.4597 [3.4197, 3.4597, 3.462], cpu 0.425 and 2.94; torch_1f1b 3.636
+  [3.6567, 3.636, 3.6291]. hivemind's namespace figures are a lower bound on data parallelism (an earlier campaign's
+  one run: 5.06 s a step, which cannot carry the large model's 203 MB of gradients over 50 Mbit/s; most of its
+  global steps assembled no all-reduce group), so it is left out.
   {"verdict": {"model": "byte GPT 50.7M (16 blocks of width 512)",
     "links": "namespaces: tbf 50 Mbit/s, router delay 50 ms one way"}, "compared_by": "step_s_median",
-    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.75, "geotrain_best": "none",
-    "geotrain_best_vs_best_other": 1.75}
-Where the loopback cells' time goes (perf -a over 12 s of steady state, 499 Hz). Before this version, on the large
-model, the nodes' kernel time was 3x torch 1F1B's: backward handed a stage all of a microbatch's gradients at once
-(torch.autograd.grad), each was added to its sum and freed, and the allocator gave the next microbatch's fresh
-pages, which the kernel faulted in and zeroed (clear_page 3.0% of all samples against torch's 0.75%). Adding each
-gradient as backward produces it (a hook after its accumulation, as torch's own accumulation frees each) took
-clear_page to 0.05% and the page-fault handler from 0.74% to 0.34%; the matrix multiplies' share of all samples (the
-same work a step in both) rose from 71.1% to 76.7%, against torch 1F1B's 73.9%. What geotrain still does beyond
-torch: its float64 sums (2.8% against torch's float32 accumulation's 1.3%: what keeps pipelines, replicas and
-train-local bit-identical), the parameters' checksum after every apply (blake3, 0.8%), the interpreter across
-three nodes and the coordinator. CPU idle: geotrain 6.3%, torch 1F1B 10.0%. On the small model the interpreter
-weighs more (libpython 5.2% against 2.0%) and idle is 8.4% against 16.6%.
-Previous campaigns, three runs a cell: at 0a898e9 small loopback 0.97x, small namespaces 1.34x (1.42x at 08a7003, the
-planner scoring every node alone), large loopback 0.97x, large namespaces 1.60x; before that 0.99x, 1.21x, 0.88x,
+    "best_other": "torch_gpipe", "geotrain_default_vs_best_other": 1.78, "geotrain_best": "none",
+    "geotrain_best_vs_best_other": 1.78}
+What the CPU figures bound. On loopback every system trains the same FLOPs on the same two cores, so a step can be no
+shorter than its core-seconds over two: geotrain's large step no shorter than 1.517 s, at best 1.03x torch 1F1B's
+1.562 even with no core ever idle (its three nodes and the coordinator keep them 93% busy, 1F1B's ranks 91%); its
+small step no shorter than 0.338 s, at best 1.09x. No schedule of the same math comes near 2x there: that takes half
+the core-seconds. geotrain's step costs 7% (large) and 9% (small) more core-seconds than 1F1B's: the float64
+gradient sums that keep pipelines, replicas and train-local bit-identical (3.1% of all samples under perf against
+torch's float32 accumulation's 1.3%), the parameters' checksum that every commit records (blake3, 0.8%), the
+interpreter in three nodes and a coordinator (libpython 2.5% against 1.1%). Its busier cores make up for most of it:
+level on the small model, 4% behind on the large (0.99x the campaign before). On the large namespaces cell 2x torch
+GPipe would take 1.73 s a step: a 2-stage plan's own compute is already about that (each node 8 of the 16 blocks on
+a core of its own, half of the 3.03 core-seconds, and the pipeline's fill and drain leave each core one of the 7
+microbatch slots idle: 1.77 s), and a 3-stage plan's three processes need 1.52 s of both cores before its two
+boundaries are crossed at the step's start and end (each crossing 50 ms plus 42 ms to serialize a microbatch's
+262 KB at 50 Mbit/s: 0.37 s). On the small namespaces cell 2x hivemind at the late target would take 0.455 s a step
+of exact training: one node computes it in 0.60 s, and splitting the model over two regions sends 2.4 MB of
+activations each way a step (0.38 s at 50 Mbit/s) plus the crossings; rank8 steps in 0.43 s but never reaches the
+late target (time_to_target.py), and int8 neither.
+Where the loopback cells' time goes (perf -a over 12 s of steady state, 499 Hz, geotrain at fe8020e, 7fc3f06 before):
+backward had handed a stage all of a microbatch's gradients at once (torch.autograd.grad), each added to its sum and
+freed, and the allocator gave the next microbatch fresh pages, which the kernel faulted in and zeroed (clear_page
+3.0% of all samples against torch's 0.75%); adding each gradient as backward produces it took clear_page to 0.05%
+and the matrix multiplies' share of all samples from 71.1% to 76.7%, against torch 1F1B's 73.9%. CPU idle:
+geotrain 6.3%, torch 1F1B 10.0%.
+Previous campaigns, three runs a cell: at fe8020e small loopback 1.04x, small namespaces 1.64x, large loopback 0.99x,
+large namespaces 1.75x; at 0a898e9 0.97x, 1.34x (1.42x at 08a7003), 0.97x, 1.60x; before that 0.99x, 1.21x, 0.88x,
 1.56x.
 """
 
