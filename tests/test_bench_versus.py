@@ -150,7 +150,9 @@ def test_cpu_meter_reads_the_machines_busy_share(tmp_path):
     stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\ncpu1 50 0 25 400 25 0 0 0 0 0\n")
     meter = versus.CpuMeter(stat)
     meter.sample()
-    stat.write_text("cpu  400 0 150 1000 50 0 0 0 0 0\ncpu0 200 0 75 500 25 0 0 0 0 0\ncpu1 200 0 75 500 25 0 0 0 0 0\n")
+    stat.write_text(
+        "cpu  400 0 150 1000 50 0 0 0 0 0\ncpu0 200 0 75 500 25 0 0 0 0 0\ncpu1 200 0 75 500 25 0 0 0 0 0\n"
+    )
     meter.sample()
     assert meter.cores == 2
     first, last = meter._samples[0][0], meter._samples[1][0]
