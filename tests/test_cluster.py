@@ -43,6 +43,45 @@ def test_parse_expands_counts_and_units():
     assert cm.links.class_bw[g_class, g_class] == 10e9 and cm.links.class_lat[g_class, g_class] == pytest.approx(0.001)
 
 
+def test_coordinator_region_gives_each_node_its_round_trip():
+    cluster = parse_cluster({**BASE, "coordinator_region": "b"}, MODEL)
+    assert [n.coordinator_rtt_s for n in cluster.nodes] == pytest.approx([0.08, 0.08, 0.002])
+    assert all(n.coordinator_rtt_s == 0 for n in parse_cluster(BASE, MODEL).nodes)  # not given: not priced
+    # A coordinator in a region of no node, reached over the default link between regions.
+    elsewhere = {**BASE, "coordinator_region": "c", "inter_region_default": {"bandwidth_mbps": 100, "latency_ms": 70}}
+    assert [n.coordinator_rtt_s for n in parse_cluster(elsewhere, MODEL).nodes] == pytest.approx([0.14] * 3)
+    with pytest.raises(ValueError, match=r"coordinator_region: no link between regions 'a' and 'c'"):
+        parse_cluster({**BASE, "coordinator_region": "c"}, MODEL)
+    with pytest.raises(ValueError, match=r"coordinator_region must be a region name"):
+        parse_cluster({**BASE, "coordinator_region": 3}, MODEL)
+
+
+def test_run_plan_prices_the_round_trip_to_the_coordinator(tmp_path):
+    cluster = {
+        "intra_region": {"bandwidth_gbps": 100, "latency_ms": 0.1},
+        "inter_region": [{"regions": ["a", "b"], "bandwidth_gbps": 1, "latency_ms": 40}],
+        "nodes": [{"name": r, "region": r, "device": "T4", "count": 2} for r in "ab"],
+    }
+
+    def planned(**extra):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({**cluster, **extra}))
+        out = io.StringIO()
+        assert run_plan(str(path), SMALL, microbatches=8, microbatch_size=1, as_json=True, out=out, stages=1) == 0
+        plan = json.loads(out.getvalue())
+        return plan["step_seconds"], plan["stages"][0]["node_ids"]
+
+    unpriced, _ = planned()
+    # Far from every node (100 ms one way): one stage's data heads each wait a round trip a step, 0.2 s.
+    far = {"bandwidth_mbps": 100, "latency_ms": 100}
+    assert planned(coordinator_region="c", inter_region_default=far)[0] - unpriced == pytest.approx(0.2, rel=1e-6)
+    # In a region of the cluster: the lone stage is served from that region, 0.2 ms from it.
+    for region in "ab":
+        seconds, nodes = planned(coordinator_region=region)
+        assert seconds - unpriced == pytest.approx(0.0002, rel=1e-6)
+        assert nodes and all(n.startswith(f"{region}-") for n in nodes)
+
+
 def with_change(path, value):
     data = yaml.safe_load(yaml.safe_dump(BASE))
     target = data

@@ -3,6 +3,8 @@
 Format (bandwidth in Mbit/s with *_mbps keys or Gbit/s with *_gbps keys, latency in ms, memory in GB = 1e9 bytes):
 
     efficiency: 0.4                 # optional: sustained fraction of a device's peak TFLOP/s (default 0.4)
+    coordinator_region: us-east     # optional: where the coordinator runs; each step waits once for a data head's
+                                    # round trip to it (twice its link's latency), unpriced without this key
     intra_region: {bandwidth_gbps: 10, latency_ms: 0.5}
     inter_region_default: {bandwidth_mbps: 300, latency_ms: 150}     # optional
     inter_region:
@@ -15,6 +17,7 @@ Format (bandwidth in Mbit/s with *_mbps keys or Gbit/s with *_gbps keys, latency
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -46,7 +49,7 @@ DEVICES: dict[str, tuple[float, float]] = {
 
 DEFAULT_EFFICIENCY = 0.4
 _GB = 1e9
-_TOP_KEYS = {"efficiency", "intra_region", "inter_region", "inter_region_default", "nodes"}
+_TOP_KEYS = {"coordinator_region", "efficiency", "intra_region", "inter_region", "inter_region_default", "nodes"}
 _LINK_KEYS = {"bandwidth_mbps", "bandwidth_gbps", "latency_ms"}
 _NODE_KEYS = {"name", "region", "device", "tflops", "layer_seconds", "memory_gb", "count", "uplink_mbps", "uplink_gbps"}
 
@@ -200,5 +203,21 @@ def parse_cluster(data: object, model: ModelProfile) -> Cluster:
                     network.region_link(a, b)
                 except ValueError as exc:
                     raise ValueError(f"inter_region: {exc} (add it or set inter_region_default)") from None
+    if "coordinator_region" in data:
+        nodes = _with_coordinator(nodes, network, data["coordinator_region"])
     logger.debug("cluster: %d nodes in %d regions", len(nodes), len(regions))
     return Cluster(nodes=nodes, network=network)
+
+
+def _with_coordinator(nodes: list[NodeProfile], network: Network, region: object) -> list[NodeProfile]:
+    """The nodes with their round trip to a coordinator in `region` (which may hold no node): what a live node's probe
+    of the coordinator measures, here twice the one-way latency of the link between their regions."""
+    if not isinstance(region, str) or not region:
+        raise ValueError(f"cluster.coordinator_region must be a region name, got {region!r}")
+    try:
+        return [
+            dataclasses.replace(n, coordinator_rtt_s=2 * network.region_link(n.region, region).latency_s)
+            for n in nodes
+        ]
+    except ValueError as exc:
+        raise ValueError(f"coordinator_region: {exc} (add it or set inter_region_default)") from None
