@@ -2,14 +2,15 @@
 (scheduler/costmodel.py) and a node checks its own room against (node/profiler.py), so both say the same.
 
 A replica of a stage with P parameters (node/stage.py, node/holder.py) peaks in one of two phases:
-    training   P x (4 fp32 weights + 4 the gradient of the microbatch in backward, later the mean it commits
+    training   P x (4 fp32 weights + 4 the mean gradient it commits, in buffers kept from step to step
                     + 8 float64 gradient sums + 8 AdamW moments [+ 8 DiLoCo's fp32 anchor and outer velocity])
                + the activations of the microbatches in flight, as the node measured them in its precision:
                  autocast's 16-bit weight copies are among each microbatch's saved tensors, so they count there, once
                + the largest parameter tensor twice more: its float32 gradient widened to float64 as it is added
                  into its sum
-    serving    after the commit (the sums freed) a copy of its state for a checkpoint or a new replica:
-               P x (4 + 4 + 8 [+ 8]) + P x (4 + 8 [+ 8]) the snapshot + the largest tensor (its bytes being framed)
+    serving    after the commit (the sums freed, the mean's buffers kept) a copy of its state for a checkpoint or a
+               new replica: P x (4 + 4 + 8 [+ 8]) + P x (4 + 8 [+ 8]) the snapshot + the largest tensor (its bytes
+               being framed)
 and the process's own baseline (interpreter, torch, gRPC, the data, and what timing the layers left allocated: measured
 by the node once it has profiled, before it builds its stage) comes on top of the larger phase.
 """

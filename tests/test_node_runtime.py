@@ -820,3 +820,32 @@ def test_a_backward_failing_partway_leaves_its_step_unusable():
     stage.forward((0, 0), batch[0])
     stage.loss_backward((0, 0), batch[1])
     assert stage.mean_gradients(0) == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mean_at", [0, 2], ids=["at_mean_gradients", "with_the_last_microbatch"])
+def test_each_step_writes_its_mean_gradients_where_the_last_step_did(mean_at):
+    # A fresh mean each step was faulted in and zeroed by the kernel; the same tensors take every step's, and the
+    # values stay those of a stage that allocated them anew (a second stage, reset before every step).
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    corpus = local_tokens(cfg)
+    reused, fresh = StageRuntime(cfg, 0, cfg.model.total_layers), StageRuntime(cfg, 0, cfg.model.total_layers)
+    reused.mean_at = fresh.mean_at = mean_at
+    previous = None
+    for step in range(3):
+        fresh.reset_step()
+        for stage in (reused, fresh):
+            for microbatch in range(2):
+                x, y = corpus.batch(seed=1, step=step, microbatch=microbatch, size=2, seq_len=cfg.model.seq_len)
+                stage.forward((step, microbatch), x)
+                stage.loss_backward((step, microbatch), y)
+            stage.mean_gradients(step)
+        means = reused.gradients()
+        assert previous is None or all(a is b for a, b in zip(means, previous, strict=True))
+        previous = means  # held: a stage allocating anew could not take the same memory
+        assert all(torch.equal(a, b) for a, b in zip(reused.gradients(), fresh.gradients()))
+        assert reused.grad_sq_norm_parts() == fresh.grad_sq_norm_parts()
+        for stage in (reused, fresh):
+            stage.apply(step, 0.5, 1e-3)
+    reused.reset_step()  # a runtime kept for a stage's new holder keeps no mean buffers
+    assert reused._means == []
