@@ -21,7 +21,8 @@ steps_s and checkpoint_steps_s (every such step's seconds: the spread the median
 (each checkpoint's start to manifest),
 rejoin_s (the restarted node's process start to serving, its state load included) and rejoin_profile_s (start to its
 profile on the coordinator: what the cached profile saves), run_exit (the coordinator's exit code: 0 when the run
-finished), max_abs_diff (last checkpoint vs train-local), oom_killed, wall_s.
+finished), max_abs_diff (last checkpoint vs train-local), local_s (train-local's process, start to exit: the same
+steps in one process, alone on the machine), oom_killed, wall_s.
 
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
@@ -385,9 +386,11 @@ def bench(args: argparse.Namespace, work: Path) -> None:
                           "peak_in_step": step_at(rows, run["peak"].at), "cap_bytes": cap, **figures}), flush=True)
         run["cgroup"].remove()
     local_path = work / "local.safetensors"
+    local_started = time.monotonic()
     local = start([*python, "train-local", *sets, "--save-final", str(local_path)], work / "local.log")
     if local.wait(3600):
         raise RuntimeError(f"train-local failed: see {work / 'local.log'}")
+    local_s = time.monotonic() - local_started
     diff, checkpoint_bytes = checkpoint_diff(work / "coordinator", local_path)
     windows = checkpoint_windows(work / "coordinator.log")
     plain, after = step_intervals(rows, windows, rejoined_at)
@@ -409,7 +412,8 @@ def bench(args: argparse.Namespace, work: Path) -> None:
         "checkpoint_write_s": [round(end - start, 1) for start, end in windows],
         "rejoin_s": round(rejoin_s, 2) if rejoin_s else None,
         "rejoin_profile_s": round(rejoin_profile_s, 2) if rejoin_profile_s else None,
-        "run_exit": coordinator.returncode, "max_abs_diff": diff, "oom_killed": oom, "wall_s": round(time.monotonic() - started, 1), "work": str(work),
+        "run_exit": coordinator.returncode, "max_abs_diff": diff, "local_s": round(local_s, 1), "oom_killed": oom,
+        "wall_s": round(time.monotonic() - started, 1), "work": str(work),
     }), flush=True)
 
 
