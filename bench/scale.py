@@ -26,26 +26,39 @@ steps in one process, alone on the machine), oom_killed, wall_s.
 
 Run (as root, under the CPU lock): flock /work/cpu.lock .venv/bin/python bench/scale.py [--small] [--keep]
 
-This version (a stage adds each gradient as backward produces it and frees it at once, fe8020e), the defaults (374M
-parameters, three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, one node SIGKILLed after step 10, the run
-rolled back to step 6's checkpoint), the lock held, warm-up steps left out; the second of two runs:
-    {"node": "node-1", "peak_rss_bytes": 4014518272, "planned_bytes": 4375867392, "error": -0.083, "peak_in_step": 6}
-    {"node": "node-2", "peak_rss_bytes": 3783081984, "planned_bytes": 4126879744, "error": -0.083, "peak_in_step": 5}
-    {"node": "node-3", "peak_rss_bytes": 4305895424, "planned_bytes": 4457517056, "error": -0.034, ...}
-    {"node": "node-2 rejoined", "peak_rss_bytes": 4012777472, "planned_bytes": 4486598656, "error": -0.106, ...}
+This version (each step's mean gradients written into the same buffers, b9f3127), the defaults (374M parameters,
+three nodes capped at 5 GiB, 30 steps, a checkpoint every 6, one node SIGKILLed after step 10, the run rolled back to
+step 6's checkpoint), the lock held, warm-up steps left out; the version before it (be098a1) run just before, the same
+hour:
+    {"node": "node-1", "peak_rss_bytes": 3643240448, "planned_bytes": 4098801664, "error": -0.111, "peak_in_step": 24}
+    {"node": "node-2", "peak_rss_bytes": 4051808256, "planned_bytes": 4419608576, "error": -0.083, "peak_in_step": 18}
+    {"node": "node-3", "peak_rss_bytes": 3373805568, "planned_bytes": 3788382208, "error": -0.109, "peak_in_step": 3}
+    {"node": "node-3 rejoined", "peak_rss_bytes": 3418214400, "planned_bytes": 3788382208, "error": -0.098, ...}
     {"run": "scale", "params": 373867520, "state_bytes": 8972820480, "cap_bytes": 5368709120,
-     "coordinator_peak_rss_bytes": 378478592, "checkpoint_bytes": 4489557471, "step_s": 2.64,
-     "checkpoint_step_s": 3.06, "checkpoint_cost": 0.157,
-     "steps_s": [2.91, 2.64, 4.07, 3.21, 2.43, 2.71, 2.95, 2.29, 2.59, 2.47, 2.3, 2.46, 3.12, 2.47, 2.81, 2.52, 2.71],
-     "checkpoint_steps_s": [2.77, 4.02, 3.06, 2.96, 3.65, 2.37, 3.5, 3.49, 2.9],
-     "checkpoint_write_s": [6.3, 8.4, 5.4, 9.5, 3.6], "rejoin_s": 10.11, "rejoin_profile_s": 1.3, "run_exit": 0,
-     "max_abs_diff": 0.0, "oom_killed": 0, ...}
-Nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's parameters exactly, each
-node 3-11% under its plan. Steps take 2.64 s (2.72 in the first run) against 4.89 the session before and 6.5 in the
-version the paragraph below describes: a node no longer faults in a stage's gradients afresh every microbatch (500
-MB on a stage of 125M parameters). A checkpoint costs the steps it spans +15.7% (+20.4% in the first run): about the
-seconds it cost before (+0.42 and +0.55 s against +0.21 s the session before and +0.44 s below), now a larger share
-of steps 45% shorter, over the 10% #28 asked for. The version before this one, at 6.5 s a step: a checkpoint cost
+     "coordinator_peak_rss_bytes": 374423552, "checkpoint_bytes": 4489557471, "step_s": 2.33,
+     "checkpoint_step_s": 2.74, "checkpoint_cost": 0.172,
+     "steps_s": [2.79, 2.19, 2.69, 2.3, 2.32, 2.82, 2.21, 2.35, 2.3, 2.1, 2.66, 2.44],
+     "checkpoint_steps_s": [2.08, 3.35, 2.39, 2.62, 2.26, 3.35, 2.55, 2.18, 2.49, 2.9, 3.43, 2.94, 2.91, 2.85],
+     "checkpoint_write_s": [10.5, 8.6, 8.5, 10.8, 3.4], "rejoin_s": 9.82, "rejoin_profile_s": 1.29, "run_exit": 0,
+     "max_abs_diff": 0.0, "local_s": 122.3, "oom_killed": 0, "wall_s": 269.3, ...}
+    be098a1: {"run": "scale", ..., "step_s": 2.59, "checkpoint_step_s": 3.31, "checkpoint_cost": 0.28, ...,
+     "max_abs_diff": 0.0, "local_s": 162.2, ..., "wall_s": 317.6}, its nodes 7.0-10.2% under plan
+Each step's mean gradient had been a fresh tensor, whose pages the kernel faulted in and zeroed as the mean first
+wrote them: perf -g over 45 s of steady state put two thirds of the nodes' page zeroing (clear_page, 4.8% of all
+samples) under the mean's kernel. Written into buffers kept from step to step (one block per dtype: kept tensor by
+tensor, they left a node 25% above its plan), steps took 2.33 s against 2.59 (two earlier runs of this version:
+2.11 and 2.54, against 2.61 for the version before), train-local, which runs alone after the run, 122 s against 162
+(the same parameters: max |diff| 0.0 in every run), and every node stayed 8-11% under its plan. The checkpoint's
+cost stays over #28's 10% and moves most from run to run: +17.2% here against +28% (the earlier runs of this version
++36.8% and +10.4%; the version before +24.7% and, with perf recording, +20.4%).
+The version before it (fe8020e, a stage adds each gradient as backward produces it and frees it at once), in the
+session that made it: nothing OOM-killed, the coordinator under 0.4 GB for 9 GB of training state, train-local's
+parameters exactly, each node 3-11% under its plan. Steps took 2.64 s (2.72 in the first run) against 4.89 the
+session before and 6.5 in the version the paragraph below describes: a node no longer faulted in a stage's
+gradients afresh every microbatch (500 MB on a stage of 125M parameters). A checkpoint cost the steps it spanned
++15.7% (+20.4% in the first run): about the seconds it cost before (+0.42 and +0.55 s against +0.21 s the session
+before and +0.44 s below), now a larger share of steps 45% shorter, over the 10% #28 asked for. The version before
+that one, at 6.5 s a step: a checkpoint cost
 the steps it spanned +6.8%, +6.2% in a second run of that head (0.062; nodes within 10% of plan, rejoin 14.2 s) and
 +3.3% for the version before it (its file read through the page cache). The step times of plain steps spread by up
 to 50% within one run (5.3-9.7 s), so one run's medians move by several points: the head before this change printed
