@@ -95,9 +95,10 @@ interpreter in three nodes and a coordinator (libpython 2.5% against 1.1%). Its 
 level on the small model, 4% behind on the large (0.99x the campaign before). On the large namespaces cell 2x torch
 GPipe would take 1.73 s a step: a 2-stage plan's own compute is already about that (each node 8 of the 16 blocks on
 a core of its own, half of the 3.03 core-seconds, and the pipeline's fill and drain leave each core one of the 7
-microbatch slots idle: 1.77 s), and a 3-stage plan's three processes need 1.52 s of both cores before its two
-boundaries are crossed at the step's start and end (each crossing 50 ms plus 42 ms to serialize a microbatch's
-262 KB at 50 Mbit/s: 0.37 s). On the small namespaces cell 2x hivemind at the late target would take 0.455 s a step
+microbatch slots idle: 1.77 s; measured 1.86 and 1.94), and a 3-stage plan shares both cores among three
+processes (1.52 s at full use) while its first activations and last gradients each cross two boundaries, part of the
+machine waiting on them (a crossing: 50 ms plus 42 ms to serialize a microbatch's 262 KB at 50 Mbit/s; measured
+2.06 s). On the small namespaces cell 2x hivemind at the late target would take 0.455 s a step
 of exact training: one node computes it in 0.60 s, and splitting the model over two regions sends 2.4 MB of
 activations each way a step (0.38 s at 50 Mbit/s) plus the crossings; rank8 steps in 0.43 s but never reaches the
 late target (time_to_target.py), and int8 neither.
