@@ -113,7 +113,7 @@ def _accumulated_mean(
 ) -> torch.Tensor:
     """_accumulate(total, grad, first), then _rounded_mean(total, count, out): in one pass where _gradsums' kernels
     take the tensors."""
-    if grad is not None and out.dtype == torch.float32 and _fits_kernels(total, grad) and out.is_contiguous():
+    if grad is not None and _fits_kernels(total, grad) and _fits_kernels(total, out):
         _gradsums.accumulate_mean_squares(total.numpy(), grad.detach().numpy(), out.numpy(), first, count)
         return out
     _accumulate(total, grad, first)
